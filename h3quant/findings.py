@@ -1,0 +1,130 @@
+"""Findings: one named, coded rule violation (or note) about a checkpoint.
+
+Codes are stable: tools and tests match on them. The registry below is the single list of every
+code h3quant emits, with its default severity and a one-line rule; `h3quant validate --codes`
+prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class Severity(str, Enum):
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: Severity
+    rule: str
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def _r(code: str, name: str, severity: Severity, rule: str) -> None:
+    _RULES[code] = Rule(code, name, severity, rule)
+
+
+E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO
+# Container (safetensors) rules: FORMATS.md 1.
+_r("C101", "header-length", E, "the u64 header length is bounded (100 MB) and 8 + n fits in the file")
+_r("C102", "header-utf8", E, "the header is valid UTF-8")
+_r("C103", "header-json", E, "the header is a JSON object")
+_r("C104", "tensor-entry", E, "each entry has dtype, shape (non-negative ints) and data_offsets")
+_r("C105", "dtype-unknown", E, "each dtype is a safetensors dtype name")
+_r("C106", "offsets-range", E, "each offset pair is 0 <= begin <= end <= buffer size")
+_r("C107", "byte-length", E, "end - begin == numel * itemsize")
+_r("C108", "offsets-overlap", E, "no two tensors share bytes")
+_r("C109", "truncated", E, "the data buffer holds every tensor (a short file is a broken download)")
+_r("C110", "metadata-type", E, "__metadata__ maps strings to strings")
+_r("C111", "buffer-coverage", E, "tensors cover the data buffer with no gap and no trailing bytes")
+_r("C112", "file-unreadable", E, "the file exists and can be read")
+_r("C113", "header-padding", W, "the header is padded to a multiple of 8 bytes")
+# Sharded checkpoints.
+_r("S101", "index-json", E, "the shard index is JSON with a weight_map of tensor -> file")
+_r("S102", "shard-missing", E, "every shard named by the index exists")
+_r("S103", "index-tensor-missing", E, "every tensor named by the index is in its shard")
+_r("S104", "tensor-duplicate", E, "no tensor is stored in two shards")
+_r("S105", "index-unlisted", W, "every stored tensor is listed in the index")
+# Marker rules: FORMATS.md 2.
+_r("M101", "marker-empty", E, "a .comfy_quant marker is not zero-length")
+_r("M102", "marker-nul", E, "a marker holds no NUL bytes (all-NUL markers misdetect their encoding)")
+_r("M103", "marker-json", E, "a marker is UTF-8 JSON")
+_r("M104", "marker-not-object", E, "a marker's JSON is an object")
+_r("M105", "format-missing", E, "a marker names its format")
+_r("M106", "format-unknown", E, "the format is one ComfyUI knows")
+_r("M107", "marker-dtype", E, "a marker is a 1-D U8 tensor")
+_r("M108", "marker-orphan", E, "a marker belongs to a layer that has a weight")
+_r("M109", "marker-missing", E, "a weight of a quantized dtype (I8/U8/F8) has a marker")
+_r("M110", "marker-disagree", E, "header _quantization_metadata and the per-layer marker agree")
+_r("M111", "header-metadata-json", E, "_quantization_metadata is JSON with a layers object")
+_r("M112", "header-only-layer", E, "a layer in _quantization_metadata exists in the file")
+_r("M113", "header-metadata-missing", W, "quantized layers are also described in the header metadata")
+_r("M114", "marker-field", E, "marker fields have the right types and legal values")
+_r("M115", "marker-noncanonical", I, "the marker bytes differ from the canonical ones h3quant writes")
+# Scheme rules: FORMATS.md 3 and 4.
+_r("Q101", "tensor-missing", E, "a layer has every tensor its format needs")
+_r("Q102", "tensor-dtype", E, "each tensor of a quantized layer has the format's dtype")
+_r("Q103", "tensor-shape", E, "each tensor of a quantized layer has the format's shape")
+_r("Q104", "group-size", E, "ConvRot group sizes are powers of 4 that divide K")
+_r("Q105", "unsupported-format", W, "the format is known but h3quant cannot convert or run it")
+_r("Q106", "tensor-unexpected", W, "a quantized layer holds no tensors its format does not define")
+_r("Q107", "correction-tensor", W, "weight_correction is not loaded by ComfyUI")
+# Data rules (--deep).
+_r("D101", "scale-nonfinite", E, "scales are finite")
+_r("D102", "scale-nonpositive", E, "scales are positive")
+_r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but never produced)")
+_r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
+_r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
+_r("D106", "weight-nonfinite", E, "float weights are finite")
+# Topology rules: FORMATS.md 5.
+_r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
+_r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")
+_r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuration")
+_r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
+_r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
+del E, W, I
+
+
+def rule(code: str) -> Rule:
+    return _RULES[code]
+
+
+def all_rules() -> list[Rule]:
+    return [_RULES[c] for c in sorted(_RULES)]
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    severity: Severity | None = None
+
+    def __post_init__(self) -> None:
+        if self.code not in _RULES:
+            raise KeyError(f"unregistered finding code {self.code}")
+        if self.severity is None:
+            object.__setattr__(self, "severity", _RULES[self.code].severity)
+
+    @property
+    def name(self) -> str:
+        return _RULES[self.code].name
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["severity"] = self.severity.value
+        d["name"] = self.name
+        return d
+
+    def __str__(self) -> str:
+        where = f" {self.tensor}:" if self.tensor else ""
+        return f"{self.severity.value.upper():7s} {self.code} {self.name}{where} {self.message}"

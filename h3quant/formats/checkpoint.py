@@ -1,0 +1,163 @@
+"""A checkpoint: one .safetensors file, a sharded set with its index, or a directory of either."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from h3quant.errors import ContainerError
+from h3quant.findings import Finding
+from h3quant.formats.container import SafetensorsFile, TensorInfo, raise_first_error
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _resolve(path: Path) -> tuple[list[Path], Path | None]:
+    """(shard files, index file or None) for a file, an index or a directory."""
+    if path.is_dir():
+        indexes = sorted(path.glob("*" + INDEX_SUFFIX))
+        if len(indexes) == 1:
+            return [], indexes[0]
+        if len(indexes) > 1:
+            raise ContainerError(f"several shard indexes: {', '.join(p.name for p in indexes)}; "
+                                 "name one", path=path, code="S101")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ContainerError("directory holds no .safetensors file", path=path, code="C112")
+        return files, None
+    if path.name.endswith(".index.json"):
+        return [], path
+    if not path.exists():
+        raise ContainerError("no such file", path=path, code="C112")
+    return [path], None
+
+
+class Checkpoint:
+    """Every tensor of a (possibly sharded) checkpoint, read lazily one at a time."""
+
+    def __init__(self, path: str | os.PathLike, *, mmap: bool = True, strict: bool = True):
+        self.path = Path(path)
+        self.findings: list[Finding] = []
+        self.files: list[SafetensorsFile] = []
+        self.tensors: dict[str, TensorInfo] = {}
+        self.index_metadata: dict = {}
+        self._by_path: dict[Path, SafetensorsFile] = {}
+        try:
+            files, index = _resolve(self.path)
+            self.index_path = index
+            weight_map = self._load_index(index) if index else None
+            if weight_map is not None:
+                files = sorted({index.parent / f for f in weight_map.values()})
+            for f in files:
+                self._open_file(f, mmap)
+            self._collect(weight_map)
+            if strict:
+                raise_first_error(self.findings)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ---------------------------------------------------------------------------
+    def _load_index(self, index: Path) -> dict[str, str] | None:
+        try:
+            obj = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self.findings.append(Finding("S101", f"cannot read index: {exc}", file=str(index)))
+            return {}
+        wm = obj.get("weight_map") if isinstance(obj, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            self.findings.append(Finding("S101", "index has no weight_map of tensor -> file name",
+                                         file=str(index)))
+            return {}
+        meta = obj.get("metadata")
+        self.index_metadata = meta if isinstance(meta, dict) else {}
+        return wm
+
+    def _open_file(self, f: Path, mmap: bool) -> None:
+        if not f.exists():
+            self.findings.append(Finding("S102", "shard named by the index does not exist", file=str(f)))
+            return
+        try:
+            sf = SafetensorsFile(f, mmap=mmap, strict=False)
+        except ContainerError as exc:
+            self.findings.append(Finding(exc.code or "C112", exc.reason, file=str(f)))
+            return
+        self.files.append(sf)
+        self._by_path[f] = sf
+        self.findings.extend(sf.findings)
+
+    def _collect(self, weight_map: dict[str, str] | None) -> None:
+        for sf in self.files:
+            for name, info in sf.tensors.items():
+                if name in self.tensors:
+                    self.findings.append(Finding(
+                        "S104", f"stored in both {self.tensors[name].file.name} and {sf.path.name}",
+                        tensor=name, file=str(sf.path)))
+                    continue
+                self.tensors[name] = info
+                if weight_map is not None and name not in weight_map:
+                    self.findings.append(Finding("S105", "stored in a shard but not listed in the index",
+                                                 tensor=name, file=str(sf.path)))
+        if weight_map:
+            opened = {sf.path.name for sf in self.files}
+            for name, fname in weight_map.items():
+                if fname in opened and name not in self.tensors:
+                    self.findings.append(Finding("S103", f"index places it in {fname}, which lacks it",
+                                                 tensor=name, file=fname))
+        self.tensors = dict(sorted(self.tensors.items()))
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def is_sharded(self) -> bool:
+        return self.index_path is not None or len(self.files) > 1
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """``__metadata__`` merged over shards (the first shard holding a key wins)."""
+        merged: dict[str, str] = {}
+        for sf in self.files:
+            for k, v in sf.metadata.items():
+                merged.setdefault(k, v)
+        return merged
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sf.file_size for sf in self.files)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ContainerError("no such tensor in the checkpoint", path=self.path, tensor=name) from None
+
+    def file_of(self, name: str) -> SafetensorsFile:
+        return self._by_path[self.info(name).file]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.file_of(name).read(self.info(name))
+
+    def read_bytes(self, name: str):
+        return self.file_of(name).read_bytes(self.info(name))
+
+    def iter_bytes(self, name: str, chunk: int | None = None) -> Iterator:
+        sf = self.file_of(name)
+        info = self.info(name)
+        return sf.iter_bytes(info) if chunk is None else sf.iter_bytes(info, chunk)
+
+    def close(self) -> None:
+        for sf in self.files:
+            sf.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_checkpoint(path: str | os.PathLike, *, mmap: bool = True, strict: bool = True) -> Checkpoint:
+    return Checkpoint(path, mmap=mmap, strict=strict)

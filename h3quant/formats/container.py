@@ -1,0 +1,257 @@
+"""Validating safetensors reader with lazy per-tensor reads (mmap or plain buffered reads).
+
+The header is never trusted (FORMATS.md 1): its length is bounded, it must be UTF-8 JSON, every
+entry is checked and every offset pair must lie inside the buffer with exactly the right byte
+length and no overlaps. Problems become `Finding`s; in strict mode the first error raises
+`ContainerError`. Tensor data is read only when asked for, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from h3quant.errors import ContainerError
+from h3quant.findings import Finding, Severity
+from h3quant.formats.dtypes import DTYPES, itemsize, to_torch
+
+MAX_HEADER_BYTES = 100_000_000
+COPY_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header entry; ``begin``/``end`` are absolute offsets in ``file``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _is_shape(shape: object) -> bool:
+    return isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    )
+
+
+def _is_offsets(offs: object) -> bool:
+    return (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+    )
+
+
+@dataclass
+class ParsedHeader:
+    header_len: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+    findings: list[Finding] = field(default_factory=list)
+
+
+def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> ParsedHeader:
+    """Check and parse a header. ``read_header(n)`` returns the ``n`` header bytes."""
+    name = str(path)
+    found: list[Finding] = []
+
+    def fail(code: str, msg: str, tensor: str | None = None) -> ParsedHeader:
+        found.append(Finding(code, msg, tensor=tensor, file=name))
+        return ParsedHeader(0, {}, {}, found)
+
+    if len(raw_len) < 8:
+        return fail("C101", f"file is {file_size} bytes, too short to hold the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > MAX_HEADER_BYTES:
+        return fail("C101", f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte bound")
+    if 8 + n > file_size:
+        return fail("C101", f"header length {n} runs past the end of the {file_size}-byte file")
+    raw = read_header(n)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return fail("C102", f"header is not UTF-8 ({exc.reason} at byte {exc.start})")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return fail("C103", f"header is not valid JSON ({exc.msg} at char {exc.pos})")
+    if not isinstance(obj, dict):
+        return fail("C103", f"header JSON is a {type(obj).__name__}, expected an object")
+    if n % 8:
+        found.append(Finding("C113", f"header length {n} is not a multiple of 8", file=name))
+
+    metadata: dict[str, str] = {}
+    meta = obj.pop("__metadata__", None)
+    if meta is not None:
+        if isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()):
+            metadata = meta
+        else:
+            found.append(Finding("C110", "__metadata__ must map strings to strings", file=name))
+
+    buffer_len = file_size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    max_end = 0
+    for tname, entry in obj.items():
+        def bad(code: str, msg: str) -> None:
+            found.append(Finding(code, msg, tensor=tname, file=name))
+
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            bad("C104", "entry must be an object with dtype, shape and data_offsets")
+            continue
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            bad("C105", f"unknown dtype {dtype!r}")
+            continue
+        if not _is_shape(shape):
+            bad("C104", f"shape {shape!r} is not a list of non-negative integers")
+            continue
+        if not _is_offsets(offs) or not 0 <= offs[0] <= offs[1]:
+            bad("C106", f"data_offsets {offs!r} is not a pair 0 <= begin <= end")
+            continue
+        begin, end = offs
+        expected = math.prod(shape) * itemsize(dtype)
+        if end - begin != expected:
+            bad("C107", f"holds {end - begin} bytes, but {dtype} {shape} needs {expected}")
+            continue
+        max_end = max(max_end, end)
+        if end > buffer_len:
+            # Reported in bulk below as truncation; keep the entry out of the readable set.
+            spans.append((begin, end, tname))
+            continue
+        spans.append((begin, end, tname))
+        tensors[tname] = TensorInfo(tname, dtype, tuple(shape), 8 + n + begin, 8 + n + end, path)
+
+    if max_end > buffer_len:
+        short = [t for b, e, t in spans if e > buffer_len]
+        found.append(Finding(
+            "C109",
+            f"data buffer is {buffer_len} bytes but tensors need {max_end}: file truncated "
+            f"({len(short)} tensor(s) unreadable, first: {short[0]})",
+            file=name,
+        ))
+        for t in short:
+            tensors.pop(t, None)
+    spans.sort()
+    covered = 0
+    for begin, end, tname in spans:
+        if begin < covered and end > begin:
+            found.append(Finding("C108", f"bytes [{begin}, {end}) overlap an earlier tensor",
+                                 tensor=tname, file=name))
+            tensors.pop(tname, None)
+        elif begin > covered:
+            found.append(Finding("C111", f"{begin - covered} unused bytes before this tensor",
+                                 tensor=tname, file=name))
+        covered = max(covered, end)
+    if covered < buffer_len and not any(f.code == "C109" for f in found):
+        found.append(Finding("C111", f"{buffer_len - covered} trailing bytes after the last tensor",
+                             file=name))
+    return ParsedHeader(n, metadata, tensors, found)
+
+
+def raise_first_error(findings: list[Finding]) -> None:
+    for f in findings:
+        if f.severity is Severity.ERROR:
+            raise ContainerError(f.message, path=f.file, tensor=f.tensor, code=f.code)
+
+
+class SafetensorsFile:
+    """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls)."""
+
+    def __init__(self, path: str | os.PathLike, *, mmap: bool = True, strict: bool = True):
+        self.path = Path(path)
+        self.use_mmap = mmap
+        self._mm: mmap.mmap | None = None
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as exc:
+            raise ContainerError(f"cannot open: {exc.strerror}", path=self.path, code="C112") from None
+        try:
+            self.file_size = os.fstat(self._fh.fileno()).st_size
+            raw_len = self._fh.read(8)
+            parsed = parse_header(raw_len, self._fh.read, self.file_size, self.path)
+        except OSError as exc:
+            self._fh.close()
+            raise ContainerError(f"cannot read: {exc.strerror}", path=self.path, code="C112") from None
+        self.header_len = parsed.header_len
+        self.metadata = parsed.metadata
+        self.tensors = parsed.tensors
+        self.findings = parsed.findings
+        if strict:
+            try:
+                raise_first_error(self.findings)
+            except ContainerError:
+                self.close()
+                raise
+
+    # -- data access -------------------------------------------------------------------------
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            # ACCESS_COPY: a private writable mapping, so torch.frombuffer needs no copy and no
+            # write can ever reach the file.
+            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._mm
+
+    def read_bytes(self, info: TensorInfo, start: int = 0, length: int | None = None):
+        """Bytes of one tensor (or a slice of them): a memoryview (mmap) or a bytearray."""
+        length = info.nbytes - start if length is None else length
+        offset = info.begin + start
+        if self.use_mmap and length:
+            return memoryview(self._map())[offset : offset + length]
+        buf = bytearray(length)
+        self._fh.seek(offset)
+        got = self._fh.readinto(buf)
+        if got != length:
+            raise ContainerError(f"short read: {got} of {length} bytes", path=self.path,
+                                 tensor=info.name, code="C109")
+        return buf
+
+    def iter_bytes(self, info: TensorInfo, chunk: int = COPY_CHUNK) -> Iterator:
+        """The tensor's bytes in chunks of at most ``chunk`` bytes (bounded memory)."""
+        for start in range(0, info.nbytes, chunk):
+            yield self.read_bytes(info, start, min(chunk, info.nbytes - start))
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor (CPU). In mmap mode it may share memory with a private mapping."""
+        dtype = to_torch(info.dtype)
+        if info.numel == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        data = self.read_bytes(info)
+        if isinstance(data, memoryview) and info.begin % itemsize(info.dtype):
+            data = bytearray(data)  # keep element access aligned
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        return flat.reshape(info.shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # tensors still view the mapping; it closes when they are gone
+            self._mm = None
+        self._fh.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
