@@ -128,3 +128,15 @@ def test_wrong_tensor_shape_rejected(tmp_path):
     with pytest.raises(ContainerError, match="planned F32"):
         with StreamingWriter(tmp_path / "w.safetensors", layout) as w:
             w.write_tensor("a", torch.ones(3))
+
+
+def test_output_mode_follows_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "p.safetensors"
+        save_tensors(out, {"a": torch.ones(1)})
+        assert out.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)

@@ -84,6 +84,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class StreamingWriter:
     """Write ``layout``'s tensors in order to ``path`` through a temporary file.
 
@@ -150,6 +156,7 @@ class StreamingWriter:
                     raise ContainerError(f"output incomplete: {self.current.name} and later tensors "
                                          "were never written", path=self.path)
                 os.fsync(self._fh.fileno())
+                os.fchmod(self._fh.fileno(), 0o666 & ~_umask())
             self._fh.close()
             if exc_type is None:
                 os.replace(self._tmp, self.path)
