@@ -77,6 +77,8 @@ _r("Q104", "group-size", E, "ConvRot group sizes are powers of 4 that divide K")
 _r("Q105", "unsupported-format", W, "the format is known but h3quant cannot convert or run it")
 _r("Q106", "tensor-unexpected", W, "a quantized layer holds no tensors its format does not define")
 _r("Q107", "correction-tensor", W, "weight_correction is not loaded by ComfyUI")
+_r("Q108", "k-divisibility", E, "W4A8: group_size is >= 4 and divides 16 or is a multiple of 16; "
+   "K is divisible by 16 and by group_size")
 # Data rules (--deep).
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")
@@ -90,6 +92,9 @@ _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected con
 _r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuration")
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
 _r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
+# A check that could not run.
+_r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
+   "the input is malformed in a way h3quant does not anticipate)")
 del E, W, I
 
 

@@ -1,0 +1,133 @@
+"""``h3quant inspect``: sizes, dtypes, formats, bits per weight and topology, from headers only."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from h3quant.cli.common import emit_json, handle_errors, mmap_option
+from h3quant.errors import H3QuantError
+
+_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units with 2 decimals: 20970000000 -> '20.97 GB'."""
+    if n < 1000:
+        return f"{n} B"
+    value = float(n)
+    for unit in _UNITS[1:]:
+        value /= 1000
+        if value < 1000 or unit == _UNITS[-1]:
+            return f"{value:.2f} {unit}"
+    return f"{n} B"  # unreachable
+
+
+def fmt_bpw(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def format_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
+    """A plain text table; columns in ``right`` are right-aligned."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    rule = line(["-" * w for w in widths])
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def guard(what: str, fn, *args, **kwargs):
+    """Run a pipeline; an unexpected exception becomes one clear error line (exit 2)."""
+    try:
+        return fn(*args, **kwargs)
+    except (H3QuantError, OSError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if os.environ.get("H3QUANT_DEBUG"):
+            raise
+        raise H3QuantError(f"unexpected {type(exc).__name__} while {what}: {exc} "
+                           "(set H3QUANT_DEBUG=1 for a traceback)") from None
+
+
+def render(res) -> str:
+    out = [f"checkpoint   {res.path}"]
+    if res.index:
+        out.append(f"index        {res.index}")
+    nfiles = len(res.files)
+    plural = "s" * (nfiles != 1)
+    out.append(f"size         {human_bytes(res.total_bytes)} in {nfiles} file{plural}, "
+               f"{res.tensor_count} tensors, {res.parameters:,} weights")
+    lc = res.layer_counts
+    out.append(f"layers       {lc['layers']} ({lc['quantized']} quantized), "
+               f"{lc['other_tensors']} other tensors")
+    bpw = res.bits_per_weight
+    out.append(f"bits/weight  {fmt_bpw(bpw['all'])} overall, {fmt_bpw(bpw['quantized'])} in "
+               "quantized layers")
+    topo = res.topology
+    out.append("topology     " + (_topology_line(topo) if topo else "not a recognised H3 DiT"))
+    out.append("metadata     " + (", ".join(res.metadata_keys) or "(none)"))
+    c = res.findings
+    out.append(f"findings     {c['error']} errors, {c['warning']} warnings, {c['info']} notes"
+               + (" (run `h3quant validate` for details)" if c["error"] or c["warning"] else ""))
+    out.append(f"data read    {res.bytes_read} bytes (marker tensors only)")
+    if nfiles > 1:
+        out += ["", format_table(["file", "size"], [[f["path"], human_bytes(f["size"])]
+                                                    for f in res.files], {1})]
+    out += ["", format_table(["dtype", "tensors", "size"],
+                             [[k, v["tensors"], human_bytes(v["bytes"])]
+                              for k, v in res.dtypes.items()],
+                             {1, 2})]
+    if res.formats:
+        out += ["", format_table(["format", "layers", "size"],
+                                 [[k, v["layers"], human_bytes(v["bytes"])]
+                                  for k, v in res.formats.items()], {1, 2})]
+    if res.layers is not None:
+        rows = [[r["name"], r["format"], r["N"], r["K"], human_bytes(r["bytes"]),
+                 fmt_bpw(r["bits_per_weight"]), r["source"] or "-",
+                 " ".join(f"{s}:{d}" for s, d in r["dtypes"].items())] for r in res.layers]
+        out += ["", format_table(["layer", "format", "N", "K", "size", "bpw", "marker", "dtypes"],
+                                 rows, {2, 3, 4, 5})]
+    return "\n".join(out)
+
+
+def _topology_line(topo: dict) -> str:
+    keys = ("preset", "preset_name", "form", "blocks", "hidden")
+    parts = [f"{k}={topo[k]}" for k in keys if k in topo and not isinstance(topo[k], (list, dict))]
+    return "MiniMax H3 DiT" + (" (" + ", ".join(parts) + ")" if parts else "")
+
+
+@click.command("inspect", epilog="""\b
+Examples:
+  h3quant inspect model.safetensors
+  h3quant inspect model.safetensors --layers          # one row per layer
+  h3quant inspect model.safetensors.index.json --json # sharded, machine-readable
+  h3quant inspect shards_dir/ --no-mmap""")
+@click.argument("ckpt", type=click.Path(path_type=str))
+@click.option("--layers", is_flag=True,
+              help="Add a table with one row per layer: format, N, K, size, bits per weight, "
+                   "marker source, tensor dtypes.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (fixed top-level keys) instead of text tables.")
+@mmap_option
+@handle_errors
+def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
+    """Summarise a checkpoint from its safetensors headers, without reading tensor data.
+
+    CKPT is a .safetensors file, a *.safetensors.index.json shard index, or a directory.
+    Reports file sizes, tensor and dtype counts, quantization formats, bits per weight
+    (8 x bytes of weights and scales / logical weight count) and the detected MiniMax H3
+    topology. Only the tiny .comfy_quant marker tensors are read, and only for layers the
+    header's _quantization_metadata does not describe. Use `h3quant validate` to check rules.
+    """
+    from h3quant.pipelines.inspect import inspect_checkpoint
+
+    res = guard("inspecting", inspect_checkpoint, ckpt, mmap=not no_mmap, layers=layers)
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        click.echo(render(res))

@@ -1,0 +1,205 @@
+"""Data checks (``validate --deep``): read tensors layer by layer and check their values.
+
+Memory stays bounded: scales and codebooks are small and read whole; weights are streamed in
+CHUNK_BYTES pieces through plain reads into one reused buffer (never memory-mapped).
+Codes: D101 non-finite scale, D102 non-positive scale, D103 int8 code -128, D104 bad codebook,
+D106 non-finite float weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from h3quant.errors import ContainerError, H3QuantError
+from h3quant.findings import Finding
+from h3quant.formats.dtypes import FLOAT_DTYPES, itemsize, to_torch
+from h3quant.formats.markers import QuantFormat
+
+CHUNK_BYTES = 16 << 20
+
+# Scale tensors whose values must be finite and positive in the supported formats.
+_SCALES = {
+    QuantFormat.INT8_TENSORWISE: ("weight_scale", "input_scale"),
+    QuantFormat.ASYM_W4A8_INT8: ("weight_s_rel", "weight_s_channel"),
+}
+
+
+class Stream:
+    """Plain buffered reads into one reused chunk buffer per tensor.
+
+    The data checks read each byte once, sequentially; memory-mapping would leave every touched
+    page resident (RSS grows to the file size), so they never map, whatever the reader's mode.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict = {}
+
+    def iter(self, info, chunk: int) -> Iterator[memoryview]:
+        """The tensor's bytes, ``chunk`` at a time, as views of a buffer reused between chunks."""
+        fh = self._files.get(info.file)
+        if fh is None:
+            fh = self._files[info.file] = open(info.file, "rb", buffering=0)
+        buf = memoryview(bytearray(min(chunk, info.nbytes)))
+        pos = info.begin
+        while pos < info.end:
+            n = min(chunk, info.end - pos)
+            fh.seek(pos)
+            got = fh.readinto(buf[:n])
+            if got != n:
+                raise ContainerError(f"short read: {got} of {n} bytes at offset {pos}",
+                                     path=info.file, tensor=info.name, code="C109")
+            yield buf[:n]
+            pos += n
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+
+
+def _chunks(src: Stream, info, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """1-D tensors of ``dtype`` covering the tensor's bytes, CHUNK_BYTES at a time.
+
+    Each chunk views a reused buffer: consume it before asking for the next.
+    """
+    size = itemsize(info.dtype)
+    chunk = max(CHUNK_BYTES - CHUNK_BYTES % size, size)
+    for raw in src.iter(info, chunk):
+        yield torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+
+
+def _read(src, info, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor read whole as 1-D ``dtype`` (default: its own), as a copy."""
+    dtype = dtype or to_torch(info.dtype)
+    parts = [c.clone() for c in _chunks(src, info, dtype)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _check_scale(values: torch.Tensor, info, out: list[Finding]) -> None:
+    v = values.float()
+    bad = ~torch.isfinite(v)
+    if bad.any():
+        out.append(Finding("D101", f"{int(bad.sum())} of {v.numel()} scale values are NaN or "
+                           f"infinite (first at flat index {_first(bad)}); expected finite scales",
+                           tensor=info.name, file=str(info.file)))
+    nonpos = torch.isfinite(v) & (v <= 0)
+    if nonpos.any():
+        i = _first(nonpos)
+        out.append(Finding("D102", f"{int(nonpos.sum())} of {v.numel()} scale values are <= 0 "
+                           f"(first: {v[i].item()!r} at flat index {i}); expected positive scales",
+                           tensor=info.name, file=str(info.file)))
+
+
+def _check_int8_codes(src, info, out: list[Finding]) -> None:
+    count = 0
+    for part in _chunks(src, info, torch.int8):
+        if part.numel() and int(part.amin()) > -128:
+            continue
+        count += int((part == -128).sum())
+    if count:
+        out.append(Finding("D103", f"{count} of {info.numel} int8 codes are -128; encoders clamp "
+                           "symmetric codes to [-127, 127] (legal, but this file was not written "
+                           "by the reference quantizer)", tensor=info.name, file=str(info.file)))
+
+
+def _check_codebook(src, info, out: list[Finding]) -> None:
+    levels = _read(src, info).float()
+    problems = []
+    if levels.numel() != 16:
+        problems.append(f"{levels.numel()} levels (expected 16)")
+    if not torch.isfinite(levels).all():
+        problems.append("non-finite levels")
+    elif levels.numel() and (levels.abs() > 1).any():
+        problems.append(f"levels outside [-1, 1] (max |level| {levels.abs().max().item():.6g})")
+    if levels.numel() > 1 and torch.isfinite(levels).all() and (levels[1:] < levels[:-1]).any():
+        problems.append("levels not sorted ascending")
+    if problems:
+        out.append(Finding("D104", "codebook has " + ", ".join(problems) +
+                           "; expected 16 sorted finite levels in [-1, 1]",
+                           tensor=info.name, file=str(info.file)))
+
+
+def _check_float(src, info, out: list[Finding]) -> None:
+    dtype = to_torch(info.dtype)
+    bad = 0
+    first = None
+    seen = 0
+    for part in _chunks(src, info, dtype):
+        if part.numel() and torch.isfinite(part.abs().amax()):  # fast path: max propagates NaN
+            seen += part.numel()
+            continue
+        mask = ~torch.isfinite(part)
+        n = int(mask.sum())
+        if n and first is None:
+            first = seen + _first(mask)
+        bad += n
+        seen += part.numel()
+    if bad:
+        out.append(Finding("D106", f"{bad} of {info.numel} values are NaN or infinite (first at "
+                           f"flat index {first}); expected finite weights",
+                           tensor=info.name, file=str(info.file)))
+
+
+def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
+    fmt = layer.format
+    t = layer.tensors
+    if fmt in _SCALES:
+        for suffix in _SCALES[fmt]:
+            info = t.get(suffix)
+            if info is None or info.dtype not in FLOAT_DTYPES | {"F8_E4M3", "U8"}:
+                continue
+            # A U8 s_rel holds e4m3 bit patterns.
+            dtype = torch.float8_e4m3fn if info.dtype in ("F8_E4M3", "U8") else None
+            _check_scale(_read(src, info, dtype), info, out)
+            checked.add(info.name)
+        w = t.get("weight")
+        if fmt is QuantFormat.INT8_TENSORWISE and w is not None and w.dtype == "I8":
+            _check_int8_codes(src, w, out)
+        cb = t.get("weight_codebook")
+        if fmt is QuantFormat.ASYM_W4A8_INT8 and cb is not None and cb.dtype in FLOAT_DTYPES:
+            _check_codebook(src, cb, out)
+            checked.add(cb.name)
+    elif fmt is not None:
+        # Unsupported formats: float scales must at least be finite (block scales may be 0).
+        for suffix, info in t.items():
+            if "scale" in suffix and info.dtype in FLOAT_DTYPES:
+                v = _read(src, info).float()
+                if not torch.isfinite(v).all():
+                    _check_scale(v, info, out)
+                checked.add(info.name)
+
+
+def deep_check(ckpt, scan) -> list[Finding]:
+    """Value checks over every layer (one at a time), then every remaining float tensor."""
+    out: list[Finding] = []
+    checked: set[str] = set()
+    src = Stream()
+    try:
+        for layer in scan.layers.values():
+            _guarded(out, layer.name, _check_layer, src, layer, checked, out)
+        for name, info in ckpt.tensors.items():
+            if name in checked or info.dtype not in FLOAT_DTYPES or info.numel == 0:
+                continue
+            _guarded(out, name, _check_float, src, info, out)
+    finally:
+        src.close()
+    return out
+
+
+def _guarded(out: list[Finding], where: str, fn, *args) -> None:
+    """One layer's failure (a short read, an unreadable chunk) must not stop the others."""
+    try:
+        fn(*args)
+    except OSError as exc:
+        out.append(Finding("C112", f"data check stopped, read failed: {exc.strerror or exc}",
+                           tensor=where, file=exc.filename))
+    except (H3QuantError, RuntimeError, ValueError) as exc:
+        code = getattr(exc, "code", None)
+        code = code if code in ("C109", "C112") else "X101"
+        out.append(Finding(code, f"data check stopped: {exc}", tensor=where))

@@ -1,0 +1,170 @@
+"""``inspect``: what a checkpoint holds, from its headers alone.
+
+No tensor data is read, except the tiny ``.comfy_quant`` marker tensors of layers the header
+``_quantization_metadata`` does not describe (their byte count is reported as ``bytes_read``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from h3quant.errors import ContainerError, MarkerError
+from h3quant.findings import Severity
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.layers import scan_layers
+from h3quant.formats.markers import (
+    MARKER_SUFFIX,
+    layer_of_marker,
+    marker_bytes,
+    parse_header_metadata,
+)
+from h3quant.formats.schemes import layer_report
+
+MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
+
+
+class MarkerReader:
+    """``read_bytes(name)`` for ``scan_layers`` that counts what it reads.
+
+    With ``prefer_header`` a layer described by the header metadata gets the header's fields
+    (ComfyUI's view, no I/O); otherwise the marker tensor is read (at most MAX_MARKER_BYTES).
+    """
+
+    def __init__(self, ckpt: Checkpoint, *, prefer_header: bool):
+        self.ckpt = ckpt
+        self.bytes_read = 0
+        self.header = None
+        if prefer_header:
+            try:
+                self.header = parse_header_metadata(ckpt.metadata)
+            except MarkerError:
+                self.header = None
+
+    def __call__(self, name: str) -> bytes:
+        layer = layer_of_marker(name)
+        if self.header is not None and layer in self.header:
+            return marker_bytes(self.header[layer])
+        info = self.ckpt.info(name)
+        length = min(info.nbytes, MAX_MARKER_BYTES)
+        data = bytes(self.ckpt.file_of(name).read_bytes(info, 0, length)) if length else b""
+        self.bytes_read += len(data)
+        return data
+
+
+def scan(ckpt: Checkpoint, *, prefer_header: bool):
+    """(LayerScan, MarkerReader) for an open checkpoint."""
+    reader = MarkerReader(ckpt, prefer_header=prefer_header)
+    return scan_layers(ckpt.tensors, ckpt.metadata, reader, file=str(ckpt.path)), reader
+
+
+def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
+    """The detected H3 topology summary, or None when the checkpoint is not an H3 DiT."""
+    try:
+        from h3quant.formats import topology
+    except ModuleNotFoundError as exc:
+        if exc.name == "h3quant.formats.topology":
+            return None
+        raise
+    detection = topology.detect(tensors)
+    return None if detection is None else topology.summary(detection, quantized)
+
+
+@dataclass
+class InspectResult:
+    path: str
+    index: str | None
+    sharded: bool
+    files: list[dict]  # {path, size}
+    total_bytes: int
+    tensor_count: int
+    parameters: int  # logical weight elements (a quantized layer counts N*K)
+    dtypes: dict[str, dict]  # dtype -> {tensors, bytes}
+    formats: dict[str, dict]  # format or float dtype -> {layers, bytes}
+    layer_counts: dict[str, int]  # {layers, quantized, other_tensors}
+    bits_per_weight: dict[str, float | None]  # {all, quantized}
+    topology: dict | None
+    metadata_keys: list[str]
+    findings: dict[str, int]  # container + marker findings by severity (validate details them)
+    bytes_read: int  # tensor-data bytes read (marker tensors only)
+    layers: list[dict] | None  # one row per layer with layers=True
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+INSPECT_KEYS = tuple(f.name for f in fields(InspectResult))
+LAYER_KEYS = ("name", "format", "N", "K", "dtypes", "bits_per_weight", "source", "bytes")
+
+
+def _bpw(nbytes: int, params: int) -> float | None:
+    return round(8 * nbytes / params, 4) if params else None
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bool = False,
+                       read_data: bool = False) -> InspectResult:
+    """Summarise a checkpoint from its headers.
+
+    ``read_data=True`` reads every marker tensor even when the header metadata describes the
+    layer (the same marker view ``validate`` takes); tensor data proper is never read.
+    Container errors raise ``ContainerError`` (``validate`` lists them all).
+    """
+    with Checkpoint(path, mmap=mmap, strict=False) as ckpt:
+        errors = [f for f in ckpt.findings if f.severity is Severity.ERROR]
+        if errors or not ckpt.files:
+            first = errors[0] if errors else None
+            more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ContainerError(
+                (first.message if first else "no readable file") + more
+                + "; run `h3quant validate` for every finding",
+                path=first.file if first else path, tensor=first.tensor if first else None,
+                code=first.code if first else "C112")
+        layer_scan, reader = scan(ckpt, prefer_header=not read_data)
+        reports = [layer_report(lay) for lay in layer_scan.layers.values()]
+
+        dtypes: dict[str, dict] = {}
+        for info in ckpt.tensors.values():
+            d = dtypes.setdefault(info.dtype, {"tensors": 0, "bytes": 0})
+            d["tensors"] += 1
+            d["bytes"] += info.nbytes
+        formats: dict[str, dict] = {}
+        for rep in reports:
+            if rep.format == "?":
+                continue
+            d = formats.setdefault(rep.format, {"layers": 0, "bytes": 0})
+            d["layers"] += 1
+            d["bytes"] += rep.nbytes
+
+        data_bytes = sum(i.nbytes for n, i in ckpt.tensors.items() if not n.endswith(MARKER_SUFFIX))
+        params = sum(r.params for r in reports)
+        for lay in layer_scan.layers.values():
+            params += lay.tensors["bias"].numel if "bias" in lay.tensors else 0
+        params += sum(ckpt.tensors[n].numel for n in layer_scan.others)
+        quant = [r for r in reports if r.quantized]
+        quantized = {r.name: r.format for r in quant}
+        counts = {s.value: 0 for s in Severity}
+        for f in ckpt.findings + layer_scan.findings:
+            counts[f.severity.value] += 1
+
+        return InspectResult(
+            path=str(ckpt.path),
+            index=str(ckpt.index_path) if ckpt.index_path else None,
+            sharded=ckpt.is_sharded,
+            files=[{"path": str(sf.path), "size": sf.file_size} for sf in ckpt.files],
+            total_bytes=ckpt.total_bytes,
+            tensor_count=len(ckpt.tensors),
+            parameters=params,
+            dtypes=dict(sorted(dtypes.items())),
+            formats=dict(sorted(formats.items())),
+            layer_counts={"layers": len(reports), "quantized": len(quant),
+                          "other_tensors": len(layer_scan.others)},
+            bits_per_weight={
+                "all": _bpw(data_bytes, params),
+                "quantized": _bpw(sum(r.weight_bytes for r in quant), sum(r.params for r in quant)),
+            },
+            topology=topology_summary(ckpt.tensors, quantized),
+            metadata_keys=sorted(ckpt.metadata),
+            findings=counts,
+            bytes_read=reader.bytes_read,
+            layers=[r.to_dict() for r in reports] if layers else None,
+        )

@@ -1,0 +1,142 @@
+"""``validate``: every rule of FORMATS.md 1-5 over a checkpoint, as coded findings.
+
+Stages: container (and shards), layer markers, per-layer schemes, H3 topology, and with
+``deep=True`` the data checks. A file whose header cannot be parsed stops after the container
+stage. An unexpected exception inside a stage becomes an X101 finding, never a traceback;
+only a missing or unreadable input raises (``ContainerError``, exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3quant.errors import ContainerError, H3QuantError
+from h3quant.findings import Finding, Severity, all_rules
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.schemes import check_layer
+from h3quant.pipelines.inspect import scan
+
+# Container codes after which nothing in that file can be read.
+FATAL_CODES = frozenset({"C101", "C102", "C103", "C112", "S101"})
+_KNOWN = {r.code for r in all_rules()}
+
+
+@dataclass
+class ValidateResult:
+    path: str
+    deep: bool
+    findings: list[Finding]
+    counts: dict[str, int]
+    ok: bool
+    checked: dict = field(default_factory=dict)  # what was looked at: tensors, layers, stages
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "deep": self.deep,
+            "counts": self.counts,
+            "checked": self.checked,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+VALIDATE_KEYS = ("path", "ok", "deep", "counts", "checked", "findings")
+
+
+def _guard(stage: str, where: str, out: list[Finding], fn, *args, tensor: str | None = None):
+    """Run one check; an exception becomes a finding instead of escaping."""
+    try:
+        return fn(*args)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except H3QuantError as exc:
+        code = exc.code if exc.code in _KNOWN else "X101"
+        out.append(Finding(code, f"{stage}: {exc.reason}", tensor=exc.tensor or tensor,
+                           file=exc.path or where))
+    except OSError as exc:
+        out.append(Finding("C112", f"{stage}: read failed: {exc.strerror or exc}", tensor=tensor,
+                           file=where))
+    except Exception as exc:  # noqa: BLE001 - a broken input must never produce a traceback
+        out.append(Finding("X101", f"{stage} check stopped by {type(exc).__name__}: {exc}",
+                           tensor=tensor, file=where))
+    return None
+
+
+def _counts(findings: list[Finding]) -> dict[str, int]:
+    counts = {s.value: 0 for s in Severity}
+    for f in findings:
+        counts[f.severity.value] += 1
+    return counts
+
+
+def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
+                        mmap: bool = True) -> ValidateResult:
+    """Check a checkpoint; ``ok`` is True when no ERROR finding was produced."""
+    p = Path(path)
+    if not p.exists():
+        raise ContainerError("no such file or directory", path=p, code="C112")
+    with Checkpoint(p, mmap=mmap, strict=False) as ckpt:
+        findings = list(ckpt.findings)
+        io = [f for f in findings if f.code == "C112"]
+        if io:
+            raise ContainerError(io[0].message, path=io[0].file or p, code="C112")
+        checked: dict = {"files": len(ckpt.files), "tensors": len(ckpt.tensors), "layers": 0,
+                         "quantized_layers": 0, "topology": None, "stages": ["container"]}
+        if any(f.code in FATAL_CODES for f in findings) or not ckpt.files:
+            return _result(p, deep, findings, checked)
+        _checks(ckpt, deep, findings, checked)
+        return _result(p, deep, findings, checked)
+
+
+def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict) -> None:
+    where = str(ckpt.path)
+    got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
+    if got is None:
+        return
+    layer_scan = got[0]
+    findings.extend(layer_scan.findings)
+    checked["stages"].append("markers")
+    checked["layers"] = len(layer_scan.layers)
+    checked["quantized_layers"] = len(layer_scan.quantized)
+
+    for layer in layer_scan.layers.values():
+        if layer.fields is None or layer.weight is None:
+            continue  # plain float layer, or a marker without weight (M108 says so)
+        res = _guard("scheme", where, findings, check_layer, layer, tensor=layer.name)
+        findings.extend(res or [])
+    checked["stages"].append("schemes")
+
+    res = _guard("topology", where, findings, _topology, ckpt, layer_scan, checked)
+    findings.extend(res or [])
+    checked["stages"].append("topology")
+
+    if deep:
+        from h3quant.formats.deep import deep_check
+
+        res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
+        findings.extend(res or [])
+        checked["stages"].append("deep")
+
+
+def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
+    try:
+        from h3quant.formats import topology
+    except ModuleNotFoundError as exc:
+        if exc.name == "h3quant.formats.topology":
+            return []
+        raise
+    detection = topology.detect(ckpt.tensors)
+    if detection is None:
+        return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
+                        "topology checks skipped", file=str(ckpt.path))]
+    quantized = {n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+    checked["topology"] = topology.summary(detection, quantized)
+    return list(topology.check(ckpt.tensors, detection, quantized))
+
+
+def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:
+    counts = _counts(findings)
+    return ValidateResult(str(p), deep, findings, counts, counts["error"] == 0, checked)
