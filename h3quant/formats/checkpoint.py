@@ -6,12 +6,14 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding
 from h3quant.formats.container import SafetensorsFile, TensorInfo, raise_first_error
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
 

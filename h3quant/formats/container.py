@@ -16,12 +16,14 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
 from h3quant.formats.dtypes import DTYPES, itemsize, to_torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_HEADER_BYTES = 100_000_000
 COPY_CHUNK = 64 << 20
@@ -182,13 +184,14 @@ class SafetensorsFile:
         self.use_mmap = mmap
         self._mm: mmap.mmap | None = None
         try:
-            self._fh = open(self.path, "rb")
+            # Unbuffered: a header-only command reads exactly the header bytes, no read-ahead.
+            self._fh = open(self.path, "rb", buffering=0)
         except OSError as exc:
             raise ContainerError(f"cannot open: {exc.strerror}", path=self.path, code="C112") from None
         try:
             self.file_size = os.fstat(self._fh.fileno()).st_size
             raw_len = self._fh.read(8)
-            parsed = parse_header(raw_len, self._fh.read, self.file_size, self.path)
+            parsed = parse_header(raw_len, self._read_exact, self.file_size, self.path)
         except OSError as exc:
             self._fh.close()
             raise ContainerError(f"cannot read: {exc.strerror}", path=self.path, code="C112") from None
@@ -202,6 +205,16 @@ class SafetensorsFile:
             except ContainerError:
                 self.close()
                 raise
+
+    def _read_exact(self, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            part = self._fh.read(n - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
 
     # -- data access -------------------------------------------------------------------------
     def _map(self) -> mmap.mmap:
@@ -218,11 +231,15 @@ class SafetensorsFile:
         if self.use_mmap and length:
             return memoryview(self._map())[offset : offset + length]
         buf = bytearray(length)
+        view = memoryview(buf)
         self._fh.seek(offset)
-        got = self._fh.readinto(buf)
-        if got != length:
-            raise ContainerError(f"short read: {got} of {length} bytes", path=self.path,
-                                 tensor=info.name, code="C109")
+        got = 0
+        while got < length:  # a raw read returns at most ~2 GB, or less near EOF
+            n = self._fh.readinto(view[got:])
+            if not n:
+                raise ContainerError(f"short read: {got} of {length} bytes", path=self.path,
+                                     tensor=info.name, code="C109")
+            got += n
         return buf
 
     def iter_bytes(self, info: TensorInfo, chunk: int = COPY_CHUNK) -> Iterator:
@@ -232,6 +249,8 @@ class SafetensorsFile:
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         """The tensor (CPU). In mmap mode it may share memory with a private mapping."""
+        import torch
+
         dtype = to_torch(info.dtype)
         if info.numel == 0:
             return torch.empty(info.shape, dtype=dtype)

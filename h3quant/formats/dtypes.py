@@ -1,36 +1,41 @@
-"""safetensors dtype names, their sizes, torch equivalents and the library's storage order."""
+"""safetensors dtype names, their sizes, torch equivalents and the library's storage order.
+
+torch is imported only when a torch dtype is asked for, so header-only commands start fast.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-# name -> (itemsize in bytes, torch dtype)
-DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "BOOL": (1, torch.bool),
-    "U8": (1, torch.uint8),
-    "I8": (1, torch.int8),
-    "F8_E5M2": (1, torch.float8_e5m2),
-    "F8_E4M3": (1, torch.float8_e4m3fn),
-    "I16": (2, torch.int16),
-    "U16": (2, torch.uint16),
-    "F16": (2, torch.float16),
-    "BF16": (2, torch.bfloat16),
-    "I32": (4, torch.int32),
-    "U32": (4, torch.uint32),
-    "F32": (4, torch.float32),
-    "F64": (8, torch.float64),
-    "I64": (8, torch.int64),
-    "U64": (8, torch.uint64),
+if TYPE_CHECKING:
+    import torch
+
+# name -> (itemsize in bytes, name of the torch dtype)
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
 }
-
-_BY_TORCH = {tdt: name for name, (_, tdt) in DTYPES.items()}
 
 # The safetensors library stores tensors sorted by dtype (this order, widest first, which keeps
 # every tensor aligned to its item size), then by name. We write the same order so that files we
 # write are byte-identical to what `safetensors.torch.save` makes from the same tensors.
 STORAGE_ORDER: tuple[str, ...] = (
     "U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
-    "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL",
+    "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL",
 )
 _RANK = {name: i for i, name in enumerate(STORAGE_ORDER)}
 
@@ -43,14 +48,17 @@ def itemsize(name: str) -> int:
 
 
 def to_torch(name: str) -> torch.dtype:
-    return DTYPES[name][1]
+    import torch
+
+    return getattr(torch, DTYPES[name][1])
 
 
 def from_torch(dtype: torch.dtype) -> str:
-    try:
-        return _BY_TORCH[dtype]
-    except KeyError:
-        raise ValueError(f"torch dtype {dtype} has no safetensors name") from None
+    attr = str(dtype).removeprefix("torch.")
+    for name, (_, tname) in DTYPES.items():
+        if tname == attr:
+            return name
+    raise ValueError(f"torch dtype {dtype} has no safetensors name")
 
 
 def storage_key(name: str, dtype: str) -> tuple[int, str]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.errors import MarkerError
+
+if TYPE_CHECKING:
+    import torch
 
 MARKER_SUFFIX = ".comfy_quant"
 HEADER_KEY = "_quantization_metadata"
@@ -98,6 +100,8 @@ def marker_bytes(fields: dict) -> bytes:
 
 
 def marker_tensor(fields: dict) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(marker_bytes(fields)), dtype=torch.uint8).clone()
 
 
