@@ -1,0 +1,101 @@
+"""``npu``: Ascend, through ``torch_npu.npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
+
+``aten::_int_mm`` must never be used on an NPU (it silently runs on the CPU). The weight operand is
+the ``[K, N]`` transpose view of the stored ``[N, K]`` int8 weight. ``npu_quant_matmul`` applies the
+weight scale, the per-token scale and the bias itself, so its output is final: no rescale here
+(seed failure 4 scaled twice). Admission failures dequantize ON the NPU and run ``F.linear`` there;
+nothing moves to the CPU.
+
+``torch_npu`` is whatever module the probe imports (the real one, or the simulation in
+``h3quant.runtime.sim_npu``, which installs itself as ``sys.modules["torch_npu"]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h3quant.runtime.backends.base import (
+    Backend,
+    DequantizedLinear,
+    Int8Weights,
+    LinearOptions,
+    Runner,
+)
+from h3quant.runtime.capabilities import Capability, Probe, npu_quant_capability
+from h3quant.runtime.devices import Device
+from h3quant.runtime.int8_math import rotate_activation
+
+NPU_ACT_DTYPES = (torch.float16, torch.bfloat16)
+NPU_K_MULTIPLE = 16
+
+
+def npu_layer_reasons(w: Int8Weights) -> list[str]:
+    """Static admission checks for ``npu_quant_matmul`` (FORMATS.md section 6)."""
+    n, k = w.out_features, w.in_features
+    out = []
+    if k % NPU_K_MULTIPLE:
+        out.append(f"K={k} is not a multiple of {NPU_K_MULTIPLE}")
+    if w.scale_vec.numel() not in (1, n):
+        out.append(f"weight scale holds {w.scale_vec.numel()} values, need 1 or N={n}")
+    if w.bias is not None and w.bias.numel() != n:
+        out.append(f"bias holds {w.bias.numel()} values, need N={n}")
+    if w.convrot and k % w.group_size:
+        out.append(f"ConvRot group {w.group_size} does not divide K={k}")
+    return out
+
+
+def npu_call_reasons(x: torch.Tensor) -> list[str]:
+    """Per-call admission: the activation must be fp16/bf16 and on the NPU."""
+    out = []
+    if x.dtype not in NPU_ACT_DTYPES:
+        out.append(f"activation dtype {x.dtype} is not float16/bfloat16")
+    if x.device.type != "npu":
+        out.append(f"activation is on {x.device}, not npu")
+    return out
+
+
+class _NpuRunner(Runner):
+    name = "npu"
+
+    def __init__(self, w: Int8Weights, device: Device, torch_npu, options: LinearOptions) -> None:
+        super().__init__(w, device)
+        self.torch_npu = torch_npu
+        self.w_t = w.q.t()  # [K, N] view; ND format
+        self.scale = w.scale_vec.to(torch.float32).contiguous()
+        # Fallback for inputs the kernel refuses: dequantized on the NPU, per call.
+        self.fallback = DequantizedLinear(w, options, resident=False)
+        self.fallback_calls = 0
+        self.last_fallback_reason: str | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        reasons = npu_call_reasons(x)
+        if reasons:
+            self.fallback_calls += 1
+            self.last_fallback_reason = "; ".join(reasons)
+            return self.fallback(x)
+        w = self.w
+        lead = x.shape[:-1]
+        xr = rotate_activation(x, w.convrot, w.group_size).to(x.dtype) if w.convrot else x
+        x2d = xr.reshape(-1, w.in_features).contiguous()
+        q_x, s_x = self.torch_npu.npu_dynamic_quant(x2d)
+        s_x = s_x.reshape(-1).clamp_min(1e-30)  # all-zero rows come back with scale 0
+        bias = None if w.bias is None else w.bias.to(dtype=x.dtype).reshape(-1).contiguous()
+        y = self.torch_npu.npu_quant_matmul(
+            q_x, self.w_t, self.scale, pertoken_scale=s_x, bias=bias, output_dtype=x.dtype
+        )
+        # Final: the op applied s, s_x and the bias. Do NOT rescale.
+        return y.reshape(*lead, w.out_features)
+
+
+class NpuBackend(Backend):
+    name = "npu"
+    summary = "torch_npu.npu_dynamic_quant + npu_quant_matmul (Ascend)"
+
+    def status(self, device: Device, probe: Probe) -> Capability:
+        return npu_quant_capability(device, probe)
+
+    def admit(self, w: Int8Weights, device: Device, probe: Probe) -> list[str]:
+        return [f"npu_quant_matmul: {r}" for r in npu_layer_reasons(w)]
+
+    def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
+        return _NpuRunner(w, device, probe.npu_module(), options)

@@ -1,0 +1,164 @@
+"""SIMULATION of ``torch_npu`` (Ascend) on a CPU-only machine, for tests.
+
+``SimulatedTorchNpu`` is a module object named ``torch_npu`` with the documented signatures of
+``npu_dynamic_quant`` and ``npu_quant_matmul`` (int8 path), their dtypes, shape rules and
+semantics, computed exactly on the CPU data of simulated-NPU tensors (``simdevice.SimTensor``).
+It refuses tensors that are not on the simulated NPU. ``simulated_npu()`` installs it as
+``sys.modules["torch_npu"]`` (with ``torch.npu`` reporting one NPU) and sets ``torch.version.cuda`` (as NPU builds do)
+while CUDA stays unavailable; everything is restored on exit. The runtime's ``npu`` backend then
+imports and calls it exactly as it would the real module.
+
+Simulated, documented behaviour: ``npu_dynamic_quant(x)``: x fp16/bf16 with >= 2 dims;
+``scale = rowmax|x| / 127`` (fp32, shape ``x.shape[:-1]``, 0 for an all-zero row);
+``y = clamp(round_half_even(x / scale), -128, 127)`` int8. ``npu_quant_matmul(x1, x2, scale, *,
+offset, pertoken_scale, bias, output_dtype)``: int8 ``x1 [M, K]``, ``x2 [K, N]``; ``scale`` fp32/bf16
+of 1 or N values; ``pertoken_scale`` fp32 ``[M]`` (then output fp16/bf16); ``out = acc * scale *
+pertoken_scale (+ float bias)``, or ``(acc + int32 bias) * ...``, cast to ``output_dtype``.
+Not simulated (raise NotImplementedError): batched (> 2-D) operands, int4/int32 packing, int64
+scales from ``npu_trans_quant_param``, ``group_index``, FRACTAL_NZ formats; hardware rounding
+details of the real kernels (e.g. reciprocal multiply) and the per-chip limits.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
+from h3quant.runtime.simdevice import SimulatedDevice, SimTensor, Simulation, live_torch_version
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class SimulatedTorchNpu(types.ModuleType):
+    """SIMULATED ``torch_npu``: only the int8 quantization ops h3quant uses. ``calls`` logs them."""
+
+    __simulation__ = True
+
+    def __init__(self, sim: SimulatedDevice) -> None:
+        super().__init__("torch_npu")
+        self._sim = sim
+        self.npu = torch.npu  # the simulation's device module (see simdevice.ensure_npu_device_type)
+        self.calls: list[str] = []
+
+    def _on_npu(self, op: str, **tensors) -> None:
+        for arg, t in tensors.items():
+            if t is None:
+                continue
+            if not isinstance(t, SimTensor) or t.device.type != "npu":
+                where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+                raise RuntimeError(f"{op}: {arg} must be a tensor on npu, got one on {where}")
+
+    def npu_dynamic_quant(self, x, *, smooth_scales=None, group_index=None, dst_type=None):
+        """Per-token symmetric int8 quantization: ``(y int8 like x, scale fp32 x.shape[:-1])``."""
+        op = "npu_dynamic_quant"
+        self._on_npu(op, x=x, smooth_scales=smooth_scales)
+        if group_index is not None:
+            raise NotImplementedError(f"{op}: group_index (MoE) is not simulated")
+        if dst_type not in (None, torch.int8):
+            raise NotImplementedError(f"{op}: dst_type {dst_type} is not simulated (int8 only)")
+        if x.dtype not in _HALF:
+            raise RuntimeError(f"{op}: x must be float16 or bfloat16, got {x.dtype}")
+        if x.dim() < 2:
+            raise RuntimeError(f"{op}: x must have more than 1 dim, got {x.dim()}")
+        if smooth_scales is not None and (smooth_scales.dtype != x.dtype
+                                          or tuple(smooth_scales.shape) != (x.shape[-1],)):
+            raise RuntimeError(f"{op}: smooth_scales must be [{x.shape[-1]}] {x.dtype}")
+        self.calls.append(op)
+        with self._sim.kernel(f"torch_npu.{op}"):
+            xf = x.inner.to(torch.float32)
+            if smooth_scales is not None:
+                xf = xf * smooth_scales.inner.to(torch.float32)
+            scale = xf.abs().amax(dim=-1) / 127.0
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            y = torch.round(xf / safe.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
+        return SimTensor(y, x.device), SimTensor(scale, x.device)
+
+    def npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                         output_dtype=None):
+        """Quantized matmul ``x1 @ x2`` with the dequantization scales applied inside the op."""
+        op = "npu_quant_matmul"
+        self._on_npu(op, x1=x1, x2=x2, scale=scale, offset=offset,
+                     pertoken_scale=pertoken_scale, bias=bias)
+        if x1.dtype != torch.int8 or x2.dtype != torch.int8:
+            raise NotImplementedError(f"{op}: only int8 x int8 is simulated, got {x1.dtype}, {x2.dtype}")
+        if x1.dim() != 2 or x2.dim() != 2:
+            raise NotImplementedError(f"{op}: only 2-D operands are simulated")
+        if x1.numel() == 0 or x2.numel() == 0:
+            raise RuntimeError(f"{op}: empty tensors are not supported")
+        (m, k), (k2, n) = x1.shape, x2.shape
+        if k != k2:
+            raise RuntimeError(f"{op}: x1 [{m}, {k}] and x2 [{k2}, {n}] disagree on K")
+        out_dtype = torch.int8 if output_dtype is None else output_dtype
+        if out_dtype not in (torch.int8, torch.float16, torch.bfloat16):
+            raise RuntimeError(f"{op}: output_dtype must be int8, float16 or bfloat16, got {out_dtype}")
+        if scale.dtype == torch.int64:
+            raise NotImplementedError(f"{op}: int64 scales (npu_trans_quant_param) are not simulated")
+        if scale.dtype not in (torch.float32, torch.bfloat16) or scale.dim() != 1 \
+                or scale.numel() not in (1, n):
+            raise RuntimeError(f"{op}: scale must be 1-D float32/bfloat16 of 1 or {n} values")
+        if pertoken_scale is not None:
+            if pertoken_scale.dtype != torch.float32 or tuple(pertoken_scale.shape) != (m,):
+                raise RuntimeError(f"{op}: pertoken_scale must be float32 [{m}]")
+            if out_dtype not in _HALF:
+                raise RuntimeError(f"{op}: pertoken_scale needs output_dtype float16 or bfloat16")
+        if offset is not None and (out_dtype != torch.int8 or offset.dtype != torch.float32
+                                   or offset.dim() != 1 or offset.numel() not in (1, n)):
+            raise RuntimeError(f"{op}: offset must be float32 [1 or {n}] with int8 output")
+        if bias is not None:
+            allowed = {torch.int32}
+            if out_dtype == torch.bfloat16:
+                allowed |= {torch.bfloat16, torch.float32}
+            elif out_dtype == torch.float16 and pertoken_scale is not None:
+                allowed |= {torch.float16, torch.float32}
+            if bias.dtype not in allowed or tuple(bias.shape) != (n,):
+                raise RuntimeError(f"{op}: bias must be [{n}] of {sorted(map(str, allowed))}, "
+                                   f"got {bias.dtype} {list(bias.shape)}")
+        self.calls.append(op)
+        with self._sim.kernel(f"torch_npu.{op}"):
+            acc = x1.inner.to(torch.float64) @ x2.inner.to(torch.float64)  # exact int32 sums
+            if bias is not None and bias.dtype == torch.int32:
+                acc = acc + bias.inner.to(torch.float64)
+            y = acc.to(torch.float32) * scale.inner.to(torch.float32).reshape(1, -1)
+            if pertoken_scale is not None:
+                y = y * pertoken_scale.inner.reshape(-1, 1)
+            if bias is not None and bias.dtype != torch.int32:
+                y = y + bias.inner.to(torch.float32)
+            if out_dtype == torch.int8:
+                if offset is not None:
+                    y = y + offset.inner.reshape(1, -1)
+                y = torch.round(y).clamp_(-128, 127)
+            y = y.to(out_dtype)
+        return SimTensor(y, x1.device)
+
+
+def npu_probe(module: SimulatedTorchNpu, cuda_version: str | None = "12.1") -> StaticProbe:
+    """SIMULATED Ascend machine: torch_npu present and available, CUDA version set, no CUDA."""
+    return StaticProbe(name="simulated-npu", torch_version=live_torch_version(),
+                       cuda_version=cuda_version, cuda=False, npu=module, npu_device=True)
+
+
+@contextmanager
+def simulated_npu(cuda_version: str | None = "12.1") -> Iterator[Simulation]:
+    """SIMULATION of an Ascend NPU machine (see module docstring). ``extras["module"]`` is the
+    simulated torch_npu; ``aten::_int_mm`` on NPU tensors runs but is logged ``cpu_fallback``."""
+    dev = SimulatedDevice("npu", cpu_fallback_ops=(INT_MM_OP,))
+    module = SimulatedTorchNpu(dev)
+    missing = object()
+    saved = (sys.modules.get("torch_npu", missing), torch.version.cuda)
+    sys.modules["torch_npu"] = module
+    torch.version.cuda = cuda_version
+    try:
+        with dev:
+            yield Simulation(dev, npu_probe(module, cuda_version), {"module": module})
+    finally:
+        old_mod, old_cuda = saved
+        if old_mod is missing:
+            sys.modules.pop("torch_npu", None)
+        else:
+            sys.modules["torch_npu"] = old_mod
+        torch.version.cuda = old_cuda
