@@ -1,0 +1,63 @@
+"""``h3quant backends``: which int8 linear backends can run on a device, and why not."""
+
+from __future__ import annotations
+
+import click
+
+from h3quant.cli.common import emit_json, handle_errors
+from h3quant.cli.inspect_cmd import format_table
+
+_HELP = """List the runtime's int8 linear backends with their availability on a device and, for
+each unavailable one, every reason (missing device, missing op in this torch, missing package).
+
+\b
+Backends: reference (fp32 dequantized weight, the specification; only on request), torch-int8
+(aten::_int_mm), npu (torch_npu.npu_dynamic_quant + npu_quant_matmul), dequant (dequantize on
+the device, plain matmul), kitchen (comfy-kitchen's CUDA kernels). The first available one in
+the device's preference order runs each layer (see `h3quant verify`, which shows it per layer).
+
+\b
+Exit status: 0 listed, 2 bad device string.
+
+\b
+Examples:
+  h3quant backends                  # the device `auto` resolves to
+  h3quant backends --device mps
+  h3quant backends --device npu --json
+"""
+
+
+def backend_rows(device: str, probe=None) -> tuple[str, list[dict]]:
+    """(resolved device, [{name, available, reason, reasons, summary, preferred}])."""
+    from h3quant.runtime.backends import PREFERENCE, list_backends
+    from h3quant.runtime.devices import parse_device
+
+    dev = parse_device(device, probe=probe)
+    order = PREFERENCE.get(dev.kind, ())
+    rows = []
+    for st in list_backends(dev, probe):
+        rows.append({"name": st.name, "available": st.available, "reason": st.reason,
+                     "reasons": list(st.reasons), "summary": st.summary,
+                     "preference": order.index(st.name) + 1 if st.name in order else None})
+    return str(dev), rows
+
+
+@click.command("backends", help=_HELP, context_settings={"max_content_width": 100})
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON on stdout.")
+@handle_errors
+def command(device, as_json):
+    dev, rows = backend_rows(device)
+    if as_json:
+        emit_json({"device": dev, "backends": rows})
+        return
+    click.echo(f"device {dev}")
+    table = [[r["name"], "yes" if r["available"] else "no",
+              "-" if r["preference"] is None else r["preference"], r["reason"]] for r in rows]
+    click.echo(format_table(["backend", "available", "order", "reason"], table))
+    ranked = sorted((r for r in rows if r["available"] and r["preference"]),
+                    key=lambda r: r["preference"])
+    click.echo("\nlayers run on: " + (f"{ranked[0]['name']} (first available in order; a layer "
+                                        "its kernel refuses runs dequant)" if ranked
+                                        else "nothing: no backend is available on this device"))

@@ -1,0 +1,113 @@
+"""``h3quant verify``: run the quantized blocks on a device and compare them with a float reference."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, log, mmap_option
+from h3quant.cli.inspect_cmd import format_table, guard
+
+_HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
+against a float reference, plus reference-free checks of the stored codes.
+
+\b
+The reference is --reference (the BF16 checkpoint the file was made from) or, without it, the
+file's own weights dequantized to fp32 (then the layer/block checks test the runtime, and the
+data checks test the stored codes).
+
+\b
+Checks (default thresholds):
+  layer       relative L2 error <= 0.05 (int8_tensorwise), <= 0.12 (asym_w4a8_int8),
+              fc2 also through the fused SwiGLU entry point
+  block       SQNR of the residual update >= 20 dB (int8), >= 8 dB (with W4A8 layers)
+  scales      every scale finite and > 0
+  row-range   int8: max|q| == 127 in every non-zero row; W4A8: row peak in [96, 127]
+              (at most 1 % of rows may miss)
+  saturation  at most 1 % of codes at |q| >= 127 beyond each row's peak
+  magnitude   dequantized row-norm RMS within 3x of the float linears of the same role
+              (e.g. token_refiner) in the file; catches scales off by a constant
+              (a heuristic: --magnitude-factor 0 turns it off)
+A wrong Hadamard or permuted rows are only caught with --reference.
+
+\b
+Exit status: 0 all checks pass, 1 a check failed, 2 usage or I/O error.
+
+\b
+Examples:
+  h3quant verify h3_int8.safetensors
+  h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --blocks 4
+  h3quant verify model.safetensors.index.json --device npu --no-mmap --json
+"""
+
+
+def _f(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}g}" if x == x else "nan"
+
+
+def render(res) -> str:
+    out = [f"checkpoint  {res.path}", f"reference   {res.reference}",
+           f"device      {res.device}   blocks {res.blocks}   tokens {res.tokens}   "
+           f"seed {res.seed}", ""]
+    rows = [[c.name + ("" if c.path == "plain" else " [swiglu]"), c.format, c.backend,
+             _f(c.rel_err), f"{c.sqnr_db:.2f}", f"{c.cosine:.6f}", f"<= {c.limit:g}",
+             "ok" if c.passed else "FAIL"] for c in res.layers]
+    out.append(format_table(["layer", "format", "backend", "rel err", "SQNR dB", "cosine",
+                             "limit", ""], rows, {3, 4, 5}))
+    out.append("")
+    rows = [[b.index, ",".join(b.formats), f"{b.sqnr_db:.2f}", _f(b.rel_err), f"{b.cosine:.6f}",
+             f">= {b.limit_db:g} dB", "ok" if b.passed else "FAIL"] for b in res.block_checks]
+    out.append(format_table(["block", "formats", "SQNR dB", "rel err", "cosine", "limit", ""],
+                            rows, {2, 3, 4}))
+    out.append("")
+    failed = [d for d in res.data if not d.passed]
+    by_check: dict[str, list] = {}
+    for d in res.data:
+        by_check.setdefault(d.check, []).append(d)
+    for check, items in by_check.items():
+        bad = sum(not d.passed for d in items)
+        vals = [d.value for d in items if d.value is not None]
+        span = f"  values {_f(min(vals))}..{_f(max(vals))}" if vals else ""
+        note = next((d.detail for d in items if d.detail and d.passed), "")
+        out.append(f"data {check:<11s} {len(items) - bad}/{len(items)} layers ok  "
+                   f"({items[0].limit}){span}" + (f"  {note}" if note and not bad else ""))
+    for d in failed:
+        out.append(f"  FAIL {d.check} {d.name}: {d.detail}")
+    for note in res.notes:
+        out.append(f"note: {note}")
+    out.append("")
+    out.append("PASS" if res.passed else f"FAIL ({len(res.failures)} checks failed)")
+    return "\n".join(out)
+
+
+@click.command("verify", help=_HELP, context_settings={"max_content_width": 100})
+@click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
+              help="Float (BF16) checkpoint the file was quantized from.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
+@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Verify the first N blocks.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Activation rows per layer and tokens per block input.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random activations.")
+@click.option("--magnitude-factor", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
+                   "magnitude check).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@mmap_option
+@handle_errors
+def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_json, no_mmap):
+    from h3quant.pipelines.verify import Thresholds, verify_checkpoint
+
+    log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
+    th = Thresholds(magnitude_factor=magnitude_factor)
+    res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
+                blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap, thresholds=th)
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        click.echo(render(res))
+    sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)

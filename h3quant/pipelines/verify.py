@@ -1,0 +1,409 @@
+"""Verify a quantized H3 checkpoint numerically: layers, blocks, and reference-free data checks.
+
+The quantized model (each linear on the runtime backend the device selects) is compared with a
+float reference: the BF16 checkpoint given as ``reference``, else the checkpoint's own weights
+dequantized to fp32. Inputs are seeded N(0, 1) activations, identical on every device.
+
+Checks and default thresholds (``Thresholds``; a check fails -> ``VerifyResult.passed`` False):
+
+layer  every quantized linear of the chosen blocks on ``tokens`` seeded rows (fc2 also through
+       the fused ``input_act="swiglu"`` entry point): relative L2 error ||y - y_ref|| / ||y_ref||
+       <= 0.05 for int8_tensorwise, <= 0.12 for asym_w4a8_int8 (SQNR and cosine are reported).
+       With a reference: catches wrong scales (x4 gives error 3.0), a wrong Hadamard (Sylvester
+       instead of the ConvRot H4 Kronecker power mixes every rotation block: error ~1.4), wrong
+       code bytes or nibble order, reordered [q; k; v] / [gate; up] rows. Without one (reference =
+       dequantized weights) it catches runtime defects only: an activation rotation or quantizer
+       that differs from the weight's, a scale applied twice, a fused SwiGLU path that differs
+       from the plain one, a backend that disagrees with the CPU reference.
+block  the residual update of the block (output - input) against the float reference block's:
+       SQNR >= 20 dB when all its quantized linears are int8, >= 8 dB with W4A8 (the residual
+       input itself is left out: it would hide any error). Catches what errors do when chained.
+       Measured on the synthetic tiny preset against its BF16 source: int8 layers 0.009-0.012
+       rel err, blocks 31-34 dB; W4A8 layers 0.062-0.072, blocks 12-17 dB; scales x4: layers
+       3.0, block -36 dB; Sylvester Hadamard: layers ~1.4, block -3 dB.
+data   reference-free checks of the stored codes, so that a corrupted file fails even when it is
+       compared with its own dequantized weights:
+       - scales: every scale finite and > 0.
+       - row-range: the encoder sets s = max|row| / 127, so every non-zero row of an int8 layer
+         holds a code of magnitude exactly 127 and none of -128; a W4A8 row's decoded int8 grid
+         peaks in [96, 127] (e4m3 rounding of the group scales; measured 110..127). At most 1 %
+         of rows may miss.
+         Catches codes written against other scales than the stored ones (max |q| = 127 / c),
+         clipped rows, shifted or truncated bytes.
+       - saturation: at most 1 % of codes (beyond the one peak per row) at |q| >= 127: catches
+         scales too small for the codes (clamped weights).
+       - magnitude: the row-norm RMS of the dequantized weight, sqrt(mean_n s_n^2 |q_n|^2),
+         within a factor 3 of the float linears of the same role (e.g. token_refiner's
+         attn.qkv_proj, kept in BF16) in the same file. Catches scales multiplied by a constant
+         (x4 fails), which no per-row statistic can see. A heuristic: it assumes a file's block
+         linears and its float linears of the same role have comparable magnitudes (true of the
+         synthetic presets; not measured on released H3 weights). Skipped (noted) when the file
+         has no float sibling; ``magnitude_factor=0`` disables it.
+       Not detectable without a reference (use ``reference``): a wrong Hadamard (it is an
+       orthogonal mixing of each block's columns: norms and code statistics are unchanged), a
+       wrong ``convrot`` flag, permuted rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from h3quant.errors import VerifyError
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats.markers import QuantFormat
+from h3quant.runtime.block import (
+    FloatLinear,
+    build_block,
+    quantized_linear,
+    seeded_inputs,
+    swiglu,
+)
+from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, LoadedLayer, block_indices, load_blocks
+
+DEFAULT_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    rel_err_int8: float = 0.05
+    rel_err_w4a8: float = 0.12
+    block_sqnr_db_int8: float = 20.0
+    block_sqnr_db_w4a8: float = 8.0
+    bad_row_fraction: float = 0.01
+    w4a8_row_peak_min: int = 96
+    saturation_fraction: float = 0.01
+    magnitude_factor: float = 3.0
+
+    def rel_err(self, fmt: QuantFormat | None) -> float:
+        return self.rel_err_w4a8 if fmt is QuantFormat.ASYM_W4A8_INT8 else self.rel_err_int8
+
+
+@dataclass
+class LayerCheck:
+    name: str
+    format: str
+    path: str  # "plain" or "swiglu" (fused input activation)
+    backend: str
+    rel_err: float
+    sqnr_db: float
+    cosine: float
+    limit: float
+    passed: bool
+
+
+@dataclass
+class BlockCheck:
+    index: int
+    formats: list[str]
+    sqnr_db: float
+    rel_err: float
+    cosine: float
+    limit_db: float
+    passed: bool
+
+
+@dataclass
+class DataCheck:
+    name: str
+    check: str  # scales, row-range, saturation, magnitude
+    value: float | None
+    limit: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class VerifyResult:
+    path: str
+    reference: str  # the reference checkpoint, or "dequantized"
+    device: str
+    blocks: list[int]
+    tokens: int
+    seed: int
+    thresholds: Thresholds
+    layers: list[LayerCheck] = field(default_factory=list)
+    block_checks: list[BlockCheck] = field(default_factory=list)
+    data: list[DataCheck] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[str]:
+        out = [f"layer {c.name} [{c.path}]: rel err {c.rel_err:.4g} > {c.limit}"
+               for c in self.layers if not c.passed]
+        out += [f"block {b.index}: SQNR {b.sqnr_db:.2f} dB < {b.limit_db} dB"
+                for b in self.block_checks if not b.passed]
+        out += [f"{d.check} {d.name}: {d.detail}" for d in self.data if not d.passed]
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        """JSON-ready; non-finite numbers (a NaN error, an infinite SQNR) become strings."""
+        return _json_safe({
+            "path": self.path, "reference": self.reference, "device": self.device,
+            "blocks": self.blocks, "tokens": self.tokens, "seed": self.seed,
+            "passed": self.passed, "failures": self.failures,
+            "thresholds": asdict(self.thresholds),
+            "layers": [asdict(c) for c in self.layers],
+            "block_checks": [asdict(b) for b in self.block_checks],
+            "data": [asdict(d) for d in self.data],
+            "notes": self.notes,
+        })
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def compare(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(relative L2 error, SQNR dB, cosine) of ``y`` against ``ref``, in float64."""
+    y, ref = y.double().flatten(), ref.double().flatten()
+    num, den = (y - ref).norm().item(), ref.norm().item()
+    if not math.isfinite(num):
+        return math.inf, -math.inf, float("nan")
+    rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    sqnr = math.inf if rel == 0 else -20.0 * math.log10(rel)
+    cos = F.cosine_similarity(y, ref, dim=0).item() if den > 0 and y.norm() > 0 else 0.0
+    return rel, sqnr, cos
+
+
+# ------------------------------------------------------------------------------ data checks
+
+
+def _role(name: str) -> str | None:
+    return next((r for r in BLOCK_LINEARS if name.endswith("." + r)), None)
+
+
+def _float_row_rms(ckpt: Checkpoint, name: str, rows: int = 4096) -> float:
+    w = ckpt.read(name)
+    total = 0.0
+    for r0 in range(0, w.shape[0], rows):
+        total += w[r0:r0 + rows].double().pow(2).sum().item()
+    return math.sqrt(total / max(w.shape[0], 1))
+
+
+def _quant_row_rms(layer: LoadedLayer, rows: int = 4096) -> float:
+    """sqrt(mean_n s_n^2 |q_n|^2): the dequantized weight's row-norm RMS (H_g is orthogonal)."""
+    q, s = layer.int8_grid()
+    total = 0.0
+    for r0 in range(0, q.shape[0], rows):
+        sq = q[r0:r0 + rows].float().pow(2).sum(1).double()
+        total += (sq * s[r0:r0 + rows].double().pow(2)).sum().item()
+    return math.sqrt(total / max(q.shape[0], 1))
+
+
+def float_siblings(ckpt: Checkpoint, scan, limit: int = 4) -> dict[str, float]:
+    """Role -> median row-norm RMS of up to ``limit`` float 2-D linears of that role."""
+    found: dict[str, list[float]] = {}
+    for lname, layer in scan.layers.items():
+        role = _role(lname)
+        w = layer.weight
+        if role is None or layer.fields is not None or w is None or len(w.shape) != 2 \
+                or w.dtype not in ("BF16", "F16", "F32", "F64") or len(found.get(role, [])) >= limit:
+            continue
+        found.setdefault(role, []).append(_float_row_rms(ckpt, w.name))
+    return {r: sorted(v)[len(v) // 2] for r, v in found.items()}
+
+
+def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) -> list[DataCheck]:
+    """The reference-free checks of one quantized layer (see the module docstring)."""
+    name, out = layer.name, []
+    q, s = layer.int8_grid()
+    finite = bool(torch.isfinite(s).all()) and bool((s > 0).all())
+    out.append(DataCheck(name, "scales", None, "finite, > 0", finite,
+                         "" if finite else "a scale is zero, negative, NaN or inf"))
+    qa = q.to(torch.int16).abs()  # int8 abs(-128) would wrap
+    peak = qa.amax(1).to(torch.int32) if q.numel() else torch.zeros(0, dtype=torch.int32)
+    if layer.format is QuantFormat.INT8_TENSORWISE and layer.tensors["weight_scale"].numel() == 1:
+        top = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
+        bad, lim = (top != 127) | (q == -128).any().reshape(1), "max|q| = 127 per tensor"
+        peak = top
+    elif layer.format is QuantFormat.INT8_TENSORWISE:
+        bad = (peak != 127) | (q == -128).any(1)
+        lim = "max|q| = 127 per row"
+    else:
+        bad = (peak < th.w4a8_row_peak_min) | (peak > 127)
+        lim = f"row peak in [{th.w4a8_row_peak_min}, 127]"
+    bad &= peak > 0  # an all-zero row (a zero weight row) is legal
+    rows = max(bad.numel(), 1)
+    frac = bad.sum().item() / rows
+    ok = frac <= th.bad_row_fraction
+    out.append(DataCheck(name, "row-range", frac, f"{lim} (<= {th.bad_row_fraction:.0%} rows "
+                         "miss)", ok, "" if ok else f"{bad.sum().item()} of {rows} rows miss "
+                         f"(peaks {peak.min().item()}..{peak.max().item()}): codes do not match "
+                         "their scales"))
+    sat = ((qa >= 127).sum().item() - (peak >= 127).sum().item()) / max(q.numel(), 1)
+    ok = sat <= th.saturation_fraction
+    out.append(DataCheck(name, "saturation", sat, f"<= {th.saturation_fraction:.0%} codes at "
+                         "|q| >= 127 beyond the row peak", ok,
+                         "" if ok else f"{sat:.2%} of codes saturated: weights were clamped"))
+    ref = siblings.get(_role(name) or "")
+    if not th.magnitude_factor:
+        out.append(DataCheck(name, "magnitude", None, "disabled", True, "skipped: disabled"))
+    elif ref is None:
+        out.append(DataCheck(name, "magnitude", None, "no float sibling", True,
+                             "skipped: no float linear of the same role in the file"))
+    else:
+        ratio = _quant_row_rms(layer) / ref if ref > 0 else math.inf
+        f = th.magnitude_factor
+        ok = math.isfinite(ratio) and 1 / f <= ratio <= f
+        out.append(DataCheck(name, "magnitude", ratio, f"ratio to float siblings in [1/{f:g}, "
+                             f"{f:g}]", ok, "" if ok else f"dequantized weights are {ratio:.3g}x "
+                             "the float layers of the same role: scales look wrong"))
+    return out
+
+
+# ---------------------------------------------------------------------------------- pipeline
+
+
+def _layer_inputs(layer: LoadedLayer, tokens: int, seed: int, salt: int):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + salt)
+    k = layer.in_features
+    plain = torch.randn(tokens, k, generator=g)
+    fused = torch.randn(tokens, 2 * k, generator=g) if layer.name.endswith("mlp.fc2") else None
+    return plain, fused
+
+
+def _check_layer(layer, ref_w, ref_b, run_mod, tdev, dtype, tokens, seed, salt, th):
+    plain, fused = _layer_inputs(layer, tokens, seed, salt)
+    limit = th.rel_err(layer.format)
+    checks = []
+    for path, x in (("plain", plain), ("swiglu", fused)):
+        if x is None:
+            continue
+        act = "swiglu" if path == "swiglu" else None
+        x = x.to(dtype)  # the reference sees the same (rounded) activations as the device
+        with torch.no_grad():
+            y = (run_mod(x.to(tdev), input_act=act) if act else run_mod(x.to(tdev))).float().cpu()
+            ref = F.linear(swiglu(x.float()) if act else x.float(), ref_w, ref_b)
+        rel, sqnr, cos = compare(y, ref)
+        checks.append(LayerCheck(layer.name, layer.format.value, path,
+                                 str(getattr(run_mod, "backend_name", "?")), rel, sqnr, cos, limit,
+                                 rel <= limit))
+    return checks
+
+
+def _reference_weights(qblock: LoadedBlock, rblock: LoadedBlock | None, name: str):
+    """fp32 (weight, bias) of the reference for one linear; shapes checked against the file."""
+    layer = qblock.linear(name)
+    if rblock is None:
+        return layer.dequantize(torch.float32), None if layer.bias is None else layer.bias.float()
+    ref = rblock.linear(name)
+    if ref.is_quantized:
+        raise VerifyError("the reference checkpoint must be a float checkpoint; this layer is "
+                          f"quantized ({ref.format.value})", tensor=ref.name)
+    if tuple(ref.weight.shape) != (layer.out_features, layer.in_features):
+        raise VerifyError(f"reference weight is {list(ref.weight.shape)}, the checkpoint's layer is "
+                          f"[{layer.out_features}, {layer.in_features}]", tensor=ref.name)
+    return ref.weight.float(), None if ref.bias is None else ref.bias.float()
+
+
+def verify_checkpoint(
+    path: str | os.PathLike,
+    *,
+    reference: str | os.PathLike | None = None,
+    device: str = "auto",
+    blocks: int | list[int] | None = None,
+    tokens: int = 64,
+    seed: int = 0,
+    mmap: bool = True,
+    thresholds: Thresholds | None = None,
+    backend: str | None = None,
+    probe=None,
+) -> VerifyResult:
+    """Run every check on ``blocks`` (an int: the first N blocks; a list: those indices; None: the
+    first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
+    about torch and the machine (see ``h3quant.runtime.capabilities``; simulations use it).
+    Raises VerifyError (or DeviceError) when the run cannot be set up."""
+    from h3quant.runtime.devices import parse_device
+
+    th = thresholds or Thresholds()
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise VerifyError(f"tokens must be a positive integer, got {tokens!r}")
+    if th.magnitude_factor and th.magnitude_factor < 1:
+        raise VerifyError(f"magnitude_factor must be 0 (off) or >= 1, got {th.magnitude_factor}")
+    dev = parse_device(device, probe=probe)
+    tdev = dev.torch_device
+    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    with Checkpoint(path, mmap=mmap) as ckpt:
+        scan = scan_checkpoint(ckpt)
+        have = block_indices(ckpt)
+        if not have:
+            raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
+        idx = _choose_blocks(blocks, have, path)
+        qblocks = load_blocks(ckpt, idx, scan=scan)
+        if not any(lay.is_quantized for b in qblocks for lay in b.layers.values()):
+            raise VerifyError(f"blocks {idx} hold no quantized layer; nothing to verify", path=path)
+        result = VerifyResult(str(path), str(reference) if reference else "dequantized",
+                              str(dev), idx, tokens, seed, th)
+        siblings = float_siblings(ckpt, scan)
+        rblocks = load_blocks(reference, idx, mmap=mmap) if reference else [None] * len(idx)
+        for qb, rb in zip(qblocks, rblocks):
+            _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings)
+        if not siblings:
+            result.notes.append("magnitude check skipped: the file has no float linear of a block "
+                                "linear's role to compare scales with")
+        if reference is None:
+            result.notes.append("reference = the file's own dequantized weights: the layer and "
+                                "block checks test the runtime; the data checks test the stored "
+                                "codes; pass --reference to test weights against the original")
+    return result
+
+
+def _verify_block(qb, rb, result, run, siblings) -> None:
+    dev, tdev, dtype, backend, probe = run
+    th, seed, tokens = result.thresholds, result.seed, result.tokens
+    refs, mods = {}, {}
+    for salt, name in enumerate(BLOCK_LINEARS):
+        layer = qb.linear(name)
+        refs[name] = _reference_weights(qb, rb, name)
+        mods[name] = quantized_linear(layer, device=dev, backend=backend, probe=probe)
+        if layer.is_quantized:
+            result.data.extend(data_checks(layer, th, siblings))
+            result.layers.extend(_check_layer(layer, *refs[name], mods[name], tdev, dtype, tokens,
+                                              seed, qb.index * 16 + salt, th))
+    qblock = build_block(qb, lambda lay: mods[lay.name[len(qb.prefix) + 1:]], device=tdev)
+    src = rb if rb is not None else qb
+    rblock = build_block(src, lambda lay: FloatLinear(*refs[lay.name[len(src.prefix) + 1:]]),
+                         device="cpu")
+    x, temb = seeded_inputs(rblock, tokens, seed + qb.index, dtype=dtype)
+    x = x.float()  # the reference sees the activation-dtype values the device sees
+    with torch.no_grad():
+        y_ref = rblock(x, temb)
+        y = qblock(x.to(dtype).to(tdev), temb.to(tdev)).float().cpu()
+    rel, sqnr, cos = compare(y - x, y_ref - x)
+    fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
+    w4 = QuantFormat.ASYM_W4A8_INT8.value in fmts
+    limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8
+    result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
+
+
+def _choose_blocks(blocks, have: list[int], path) -> list[int]:
+    if blocks is None:
+        return have[:DEFAULT_BLOCKS]
+    if isinstance(blocks, int) and not isinstance(blocks, bool):
+        if blocks < 1:
+            raise VerifyError(f"--blocks must be >= 1, got {blocks}")
+        return have[:blocks]
+    idx = sorted({int(i) for i in blocks})
+    missing = [i for i in idx if i not in have]
+    if missing:
+        raise VerifyError(f"no blocks {missing} in the checkpoint", path=path)
+    return idx

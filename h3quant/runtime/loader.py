@@ -1,0 +1,332 @@
+"""Load the layers of chosen H3 blocks from a checkpoint, keeping quantized data exactly as stored.
+
+FORMATS.md 3, 4, 5 and seed failure 5 (section 8): a quantized layer keeps its int8 bytes and its
+scales bit for bit (no re-quantization, no float round trip), its marker comes from the header
+``_quantization_metadata`` or the ``.comfy_quant`` tensor (the header wins), marker and other
+metadata-only keys never become tensors of the layer, and the stored row order ([q; k; v],
+[gate; up]) is kept. Anything the runtime cannot run as stored is refused with a specific error:
+an unsupported format (fp8, nvfp4, ...), runtime quantization requested on a pre-quantized layer,
+tensors that do not match the marker, a broken or disagreeing marker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from h3quant.convrot import is_valid_group_size
+from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
+from h3quant.findings import Severity
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.dtypes import FLOAT_DTYPES
+from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
+from h3quant.formats.markers import SUPPORTED_FORMATS, QuantFormat
+
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+_BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
+
+# suffixes each supported format may hold (the marker is never loaded as a tensor)
+_ALLOWED = {
+    QuantFormat.INT8_TENSORWISE: {"weight", "weight_scale", "bias"},
+    QuantFormat.ASYM_W4A8_INT8: {"weight", "weight_s_rel", "weight_s_channel", "weight_codebook",
+                                 "bias"},
+}
+_REQUIRED = {
+    QuantFormat.INT8_TENSORWISE: ("weight", "weight_scale"),
+    QuantFormat.ASYM_W4A8_INT8: ("weight", "weight_s_rel", "weight_s_channel"),
+}
+
+
+@dataclass
+class LoadedLayer:
+    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    fields: dict | None = None  # effective marker fields; None for a float layer
+    source: str | None = None  # where the marker came from: header, tensor, header+tensor
+    _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def format(self) -> QuantFormat | None:
+        return QuantFormat(self.fields["format"]) if self.fields else None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.fields is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.tensors["weight"]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.tensors.get("bias")
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        k = int(self.weight.shape[-1])
+        return 2 * k if self.format is QuantFormat.ASYM_W4A8_INT8 else k
+
+    @property
+    def convrot(self) -> bool:
+        return bool(self.fields and self.fields.get("convrot", False))
+
+    @property
+    def convrot_groupsize(self) -> int:
+        return int(self.fields.get("convrot_groupsize", 256)) if self.fields else 256
+
+    @property
+    def full_precision(self) -> bool:
+        return bool(self.fields and self.fields.get("full_precision_matrix_mult", False))
+
+    def int8_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies.
+
+        int8: the stored codes (same storage) and the stored scales (a scalar is broadcast to N
+        rows, exact). W4A8: decoded once to the int8 grid, scale = ``weight_s_channel``.
+        """
+        if not self.is_quantized:
+            raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        if self._grid is None:
+            if self.format is QuantFormat.INT8_TENSORWISE:
+                s = self.tensors["weight_scale"].to(torch.float32).reshape(-1)
+                if s.numel() == 1:
+                    s = s.expand(self.out_features).contiguous()
+                self._grid = (self.weight, s)
+            else:
+                from h3quant.formats.w4a8 import decode_w4a8_int8
+                q = decode_w4a8_int8(self.weight, self.tensors["weight_s_rel"],
+                                     group_size=int(self.fields["group_size"]),
+                                     codebook=self.tensors.get("weight_codebook"))
+                self._grid = (q, self.tensors["weight_s_channel"].to(torch.float32).reshape(-1))
+        return self._grid
+
+    def runtime_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes, fp32 scale) to build the runtime layer from: int8 layers pass the stored
+        scale tensor in its stored shape ([N, 1], [N] or []); W4A8 the decoded grid and
+        ``weight_s_channel``."""
+        q, s = self.int8_grid()
+        if self.format is QuantFormat.INT8_TENSORWISE:
+            stored = self.tensors["weight_scale"]
+            return q, stored if stored.dtype == torch.float32 else stored.to(torch.float32)
+        return q, s
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, or the float
+        weight upcast."""
+        if not self.is_quantized:
+            return self.weight.to(dtype)
+        q, s = self.int8_grid()
+        w = q.to(torch.float32) * s[:, None]
+        if self.convrot:
+            from h3quant.convrot import rotate
+            w = rotate(w, self.convrot_groupsize)  # H_g is its own inverse
+        return w.to(dtype)
+
+
+@dataclass
+class LoadedBlock:
+    index: int
+    prefix: str  # "blocks.{i}"
+    layers: dict[str, LoadedLayer]  # local name ("attn.qkv_proj", "norm1", ...) -> layer
+    ignored: list[str] = field(default_factory=list)  # metadata-only keys under the prefix
+
+    def param(self, local: str) -> torch.Tensor:
+        """A float parameter such as ``norm1.weight`` or ``adaln_proj.linear.bias``."""
+        lname, _, suffix = local.rpartition(".")
+        layer = self.layers.get(lname)
+        if layer is None or suffix not in layer.tensors:
+            raise VerifyError("block tensor missing", tensor=f"{self.prefix}.{local}")
+        return layer.tensors[suffix]
+
+    def linear(self, local: str) -> LoadedLayer:
+        layer = self.layers.get(local)
+        if layer is None or "weight" not in layer.tensors:
+            raise VerifyError("block linear missing", tensor=f"{self.prefix}.{local}.weight")
+        return layer
+
+
+def find_prefix(names) -> str:
+    """The name prefix before ``blocks.{i}.`` (e.g. ``model.diffusion_model.``; usually "")."""
+    found = {m.group(1) for n in names if (m := _BLOCK_RE.match(n))
+             and not m.group(1).endswith("token_refiner.")}
+    return min(found, key=len) if found else ""
+
+
+def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
+    """Indices ``i`` of every ``{prefix}blocks.{i}.*`` tensor, sorted (token_refiner excluded)."""
+    prefix = find_prefix(ckpt.tensors) if prefix is None else prefix
+    return sorted({int(m.group(2)) for name in ckpt.tensors
+                   if (m := _BLOCK_RE.match(name)) and m.group(1) == prefix})
+
+
+def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
+    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file."""
+    for f in scan.findings:
+        if f.severity is not Severity.ERROR:
+            continue
+        owner = f.tensor.rpartition(".")[0] if f.tensor and f.tensor.endswith(".comfy_quant") \
+            else f.tensor
+        if f.tensor is None or owner in names or f.tensor in names:
+            raise MarkerError(f.message, path=path, tensor=f.tensor, code=f.code)
+
+
+def _check_quantized(layer: Layer, fields: dict, path) -> None:
+    """Raise when the layer's tensors do not match what its marker says."""
+    fmt = QuantFormat(fields["format"])
+    name = layer.name
+
+    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
+        raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
+
+    if fmt not in SUPPORTED_FORMATS:
+        bad("Q105", f"format {fmt.value!r} is not supported by the h3quant runtime (supported: "
+            f"{', '.join(sorted(f.value for f in SUPPORTED_FORMATS))})", cls=UnsupportedError)
+    if fields.get("full_precision_matrix_mult") not in (True, False):
+        bad("M114", "full_precision_matrix_mult must be a bool")
+    extra = sorted(set(layer.tensors) - _ALLOWED[fmt] - {"comfy_quant"})
+    if "weight_correction" in extra:
+        bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
+            "a layer that depends on it", "weight_correction", cls=UnsupportedError)
+    if extra:
+        bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
+            extra[0], cls=UnsupportedError)
+    for suffix in _REQUIRED[fmt]:
+        if suffix not in layer.tensors:
+            bad("Q101", f"{fmt.value} layer has no {suffix}", suffix)
+    t = layer.tensors
+    w = t["weight"]
+    if w.dtype != "I8" or len(w.shape) != 2:
+        bad("Q102", f"weight is {w.dtype} {list(w.shape)}, {fmt.value} needs a 2-D I8 weight",
+            "weight")
+    n, kw = w.shape
+    if fmt is QuantFormat.INT8_TENSORWISE:
+        k = kw
+        s = t["weight_scale"]
+        if s.dtype not in FLOAT_DTYPES:
+            bad("Q102", f"weight_scale is {s.dtype}, expected F32", "weight_scale")
+        if list(s.shape) not in ([], [1], [n], [n, 1]):
+            bad("Q103", f"weight_scale shape {list(s.shape)} fits neither [] nor [{n}] nor "
+                f"[{n}, 1]", "weight_scale")
+        if fields.get("convrot") and list(s.shape) in ([], [1]):
+            bad("Q103", "ConvRot int8 layers need per-row scales, got a single scale",
+                "weight_scale")
+    else:
+        k = 2 * kw
+        gs = fields.get("group_size", 16)
+        if not isinstance(gs, int) or gs <= 0 or k % gs:
+            bad("Q104", f"group_size {gs!r} does not divide K={k}")
+        if t["weight_s_rel"].dtype not in ("F8_E4M3", "U8") or \
+                list(t["weight_s_rel"].shape) != [n, k // gs]:
+            r = t["weight_s_rel"]
+            bad("Q103", f"weight_s_rel is {r.dtype} {list(r.shape)}, expected F8_E4M3 "
+                f"[{n}, {k // gs}]", "weight_s_rel")
+        sc = t["weight_s_channel"]
+        if sc.dtype not in FLOAT_DTYPES or list(sc.shape) not in ([n], [n, 1]):
+            bad("Q103", f"weight_s_channel is {sc.dtype} {list(sc.shape)}, expected F32 [{n}]",
+                "weight_s_channel")
+        cb = t.get("weight_codebook")
+        if cb is not None and (cb.dtype not in FLOAT_DTYPES or list(cb.shape) != [16]):
+            bad("Q103", f"weight_codebook is {cb.dtype} {list(cb.shape)}, expected F32 [16]",
+                "weight_codebook")
+        if fields.get("convrot") is False:
+            bad("M114", "asym_w4a8_int8 always uses ConvRot; the marker says convrot=false")
+    if fields.get("convrot") or fmt is QuantFormat.ASYM_W4A8_INT8:
+        g = fields.get("convrot_groupsize", 256)
+        if not is_valid_group_size(g) or k % g:
+            bad("Q104", f"convrot_groupsize {g!r} is not a power of 4 dividing K={k}")
+    b = t.get("bias")
+    if b is not None and (b.dtype not in FLOAT_DTYPES or list(b.shape) != [n]):
+        bad("Q103", f"bias is {b.dtype} {list(b.shape)}, expected a float [{n}]", "bias")
+
+
+def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False) -> LoadedLayer:
+    """One layer's tensors as stored. ``quantize_on_load`` (int8 ConvRot at load) applies to float
+    linears only; on a pre-quantized layer it is refused (UnsupportedError)."""
+    path = ckpt.path
+    if layer.fields is not None:
+        if quantize_on_load:
+            raise UnsupportedError(
+                f"runtime quantization was requested but the layer is already quantized "
+                f"({layer.fields['format']}); re-quantizing would stack two quantizations",
+                path=path, tensor=layer.name, code="Q105")
+        _check_quantized(layer, layer.fields, path)
+        tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
+                   if s != "comfy_quant"}
+        return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
+    for s, info in layer.tensors.items():
+        if info.dtype not in FLOAT_DTYPES:
+            raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
+                              path=path, tensor=info.name, code="M109")
+    tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()}
+    loaded = LoadedLayer(layer.name, tensors)
+    if quantize_on_load:
+        loaded = _quantize_float(loaded, path)
+    return loaded
+
+
+def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
+    """int8 ConvRot (g=256, per row) of a float 2-D weight, the encoding of FORMATS.md 3."""
+    from h3quant.formats.int8 import encode_int8, int8_marker
+    from h3quant.formats.markers import effective_fields
+    w = layer.weight
+    if w.dim() != 2:
+        return layer  # norms and other 1-D parameters stay float
+    if w.shape[1] % 256:
+        raise UnsupportedError(f"cannot quantize on load: K={w.shape[1]} is not a multiple of 256",
+                               path=path, tensor=layer.name, code="Q104")
+    q, s = encode_int8(w, convrot=True, group_size=256, per_row=True)
+    tensors = {"weight": q, "weight_scale": s}
+    if layer.bias is not None:
+        tensors["bias"] = layer.bias
+    return LoadedLayer(layer.name, tensors, effective_fields(int8_marker(True, 256)), "load")
+
+
+def load_blocks(
+    source: str | os.PathLike | Checkpoint,
+    blocks: list[int] | None = None,
+    *,
+    mmap: bool = True,
+    quantize_on_load: bool = False,
+    scan: LayerScan | None = None,
+) -> list[LoadedBlock]:
+    """The layers of ``blocks.{i}`` for each ``i`` in ``blocks`` (default: every block).
+
+    ``source`` is a path (opened with ``mmap``; ``mmap=False`` reads with buffered I/O) or an open
+    Checkpoint. Keys under the prefix that belong to no layer are listed in ``ignored``.
+    """
+    if isinstance(source, Checkpoint):
+        return _load(source, blocks, quantize_on_load, scan)
+    with Checkpoint(source, mmap=mmap) as ckpt:
+        return _load(ckpt, blocks, quantize_on_load, scan)
+
+
+def _load(ckpt: Checkpoint, blocks, quantize_on_load: bool, scan) -> list[LoadedBlock]:
+    scan = scan if scan is not None else scan_checkpoint(ckpt)
+    root = find_prefix(ckpt.tensors)
+    have = block_indices(ckpt, root)
+    wanted = have if blocks is None else list(blocks)
+    missing = [i for i in wanted if i not in have]
+    if missing:
+        raise VerifyError(f"checkpoint has no blocks {missing} (it has {len(have)} blocks)",
+                          path=ckpt.path)
+    out = []
+    for i in wanted:
+        prefix = f"{root}blocks.{i}"
+        lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
+        _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
+        layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
+                                                  quantize_on_load=quantize_on_load and
+                                                  n[len(prefix) + 1:] in BLOCK_LINEARS)
+                  for n in sorted(lnames)}
+        ignored = [n for n in scan.others if n.startswith(prefix + ".")]
+        out.append(LoadedBlock(i, prefix, layers, ignored))
+    return out

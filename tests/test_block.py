@@ -1,0 +1,354 @@
+"""Loader (exact quantized data, marker resolution, refusals: seed failure 5) and the minimal H3 block.
+
+The helpers here (``quantize_file``, ``rewrite``, ``read_all``) are shared with test_verify.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.writer import save_tensors
+from h3quant.runtime.block import (
+    attention,
+    reference_block,
+    rms_norm,
+    runtime_block,
+    seeded_inputs,
+)
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, load_blocks, load_layer
+
+_LINEAR_RE = re.compile(r"^(?:.*\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def read_all(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with Checkpoint(path) as ck:
+        return {n: ck.read(n).clone() for n in ck.tensors}, dict(ck.metadata)
+
+
+def quantize_file(src, dst, *, fmt: str | dict = "int8", header: bool = True,
+                  tensor_markers: bool = True, mutate=None) -> Path:
+    """Quantize the DiT block linears of ``src`` (token_refiner stays BF16) with the codecs.
+
+    ``fmt``: "int8", "w4a8", or {block linear role: format} (others int8). ``mutate(layer,
+    parts, w)`` may return altered tensors (to forge defects)."""
+    from h3quant.formats.int8 import encode_int8, int8_marker
+    from h3quant.formats.w4a8 import encode_w4a8, w4a8_marker
+
+    tensors, meta = read_all(src)
+    out, layers = {}, {}
+    for name, t in tensors.items():
+        layer = name[: -len(".weight")] if name.endswith(".weight") else None
+        if layer is None or not _LINEAR_RE.match(layer) or "token_refiner" in layer:
+            out[name] = t
+            continue
+        role = layer.split(".", 2)[-1]
+        kind = fmt.get(role, "int8") if isinstance(fmt, dict) else fmt
+        if kind == "int8":
+            q, s = encode_int8(t, convrot=True, group_size=256, per_row=True, method="dense")
+            parts, marker = {"weight": q, "weight_scale": s}, int8_marker(convrot=True, group_size=256)
+        else:
+            parts, marker = dict(encode_w4a8(t, codebook="frozen")), w4a8_marker()
+        if mutate is not None:
+            parts = mutate(layer, parts, t)
+        out.update({f"{layer}.{k}": v for k, v in parts.items()})
+        if tensor_markers:
+            out[layer + ".comfy_quant"] = marker_tensor(marker)
+        layers[layer] = marker
+    if header:
+        meta[HEADER_KEY] = header_metadata_value(layers)
+    save_tensors(dst, out, meta)
+    return Path(dst)
+
+
+def rewrite(src, dst, fn) -> Path:
+    """Copy ``src`` to ``dst`` after ``fn(tensors, metadata)`` edits the dicts in place."""
+    tensors, meta = read_all(src)
+    fn(tensors, meta)
+    save_tensors(dst, tensors, meta)
+    return Path(dst)
+
+
+def set_header_layer(meta: dict, layer: str, fields: dict | None) -> None:
+    obj = json.loads(meta[HEADER_KEY])
+    if fields is None:
+        obj["layers"].pop(layer, None)
+    else:
+        obj["layers"][layer] = fields
+    meta[HEADER_KEY] = json.dumps(obj)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_files() -> dict[str, Path]:
+    """The synthetic tiny H3 (1 block, BF16) and its int8 ConvRot version, made once per session
+    for both test modules (a temp dir removed at exit)."""
+    from h3quant.synth import synth_checkpoint
+
+    d = Path(tempfile.mkdtemp(prefix="h3q-verify-"))
+    atexit.register(shutil.rmtree, d, True)
+    bf16 = d / "bf16.safetensors"
+    synth_checkpoint(bf16, preset="tiny", blocks=1)
+    return {"dir": d, "bf16": bf16, "int8": quantize_file(bf16, d / "int8.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def files():
+    return tiny_files()
+
+
+QKV = "blocks.0.attn.qkv_proj"
+
+
+# ------------------------------------------------------------------------- loader: exact data
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_quantized_bytes_and_scales_are_bit_identical_to_the_file(files, mmap):
+    blk = load_blocks(files["int8"], [0], mmap=mmap)[0]
+    with Checkpoint(files["int8"], mmap=False) as ck:
+        for sub in BLOCK_LINEARS:
+            lay = blk.linear(sub)
+            name = f"blocks.0.{sub}"
+            assert lay.is_quantized and lay.format.value == "int8_tensorwise"
+            assert set(lay.tensors) == {"weight", "weight_scale"}  # marker filtered out
+            assert lay.weight.dtype == torch.int8
+            assert lay.weight.numpy().tobytes() == bytes(ck.read_bytes(name + ".weight"))
+            assert lay.tensors["weight_scale"].numpy().tobytes() == \
+                bytes(ck.read_bytes(name + ".weight_scale"))
+            # what the runtime layer is built from is the stored data, unchanged
+            q, s = lay.runtime_tensors()
+            assert q.numpy().tobytes() == bytes(ck.read_bytes(name + ".weight"))
+            assert s.numpy().tobytes() == bytes(ck.read_bytes(name + ".weight_scale"))
+
+
+def test_runtime_layer_keeps_stored_codes_and_scales(files):
+    blk = load_blocks(files["int8"], [0])[0]
+    rt = runtime_block(blk, device="cpu")
+    for sub, mod in rt.linears().items():
+        lay = blk.linear(sub)
+        assert torch.equal(mod.weight, lay.weight)
+        assert torch.equal(mod.weight_scale.reshape(-1).view(torch.int32),
+                           lay.tensors["weight_scale"].reshape(-1).view(torch.int32))
+        assert mod.backend_name == "torch-int8"
+
+
+def _drop_marker_tensors(t, meta):
+    for n in [n for n in t if n.endswith(".comfy_quant")]:
+        del t[n]
+
+
+def test_header_only_markers_still_load_quantized(files, tmp_path):
+    """Seed failure 5: marker tensors missing, header metadata present -> quantized layers."""
+    path = rewrite(files["int8"], tmp_path / "hdr.safetensors", _drop_marker_tensors)
+    with Checkpoint(path) as ck:
+        assert not any(n.endswith(".comfy_quant") for n in ck.tensors)
+    blk = load_blocks(path, [0])[0]
+    ref = load_blocks(files["int8"], [0])[0]
+    for sub in BLOCK_LINEARS:
+        lay = blk.linear(sub)
+        assert lay.is_quantized and lay.source == "header" and lay.convrot
+        assert torch.equal(lay.weight, ref.linear(sub).weight)
+    assert runtime_block(blk, device="cpu").qkv_proj.backend_name == "torch-int8"
+
+
+def test_tensor_markers_without_header_load_quantized(files, tmp_path):
+    path = rewrite(files["int8"], tmp_path / "tm.safetensors", lambda t, m: m.pop(HEADER_KEY))
+    blk = load_blocks(path, [0])[0]
+    assert all(blk.linear(s).source == "tensor" and blk.linear(s).is_quantized
+               for s in BLOCK_LINEARS)
+
+
+def test_metadata_only_keys_are_filtered(files, tmp_path):
+    def add(t, meta):
+        t["blocks.0.attn.scaled_fp8"] = torch.zeros(1, dtype=torch.uint8)
+    path = rewrite(files["int8"], tmp_path / "extra.safetensors", add)
+    blk = load_blocks(path, [0])[0]
+    assert blk.ignored == ["blocks.0.attn.scaled_fp8"]
+    assert all("comfy_quant" not in lay.tensors for lay in blk.layers.values())
+
+
+def test_name_prefix_is_found(files, tmp_path):
+    pre = "model.diffusion_model."
+
+    def prefix(t, meta):
+        for n in list(t):
+            t[pre + n] = t.pop(n)
+        obj = json.loads(meta[HEADER_KEY])
+        obj["layers"] = {pre + k: v for k, v in obj["layers"].items()}
+        meta[HEADER_KEY] = json.dumps(obj)
+    path = rewrite(files["int8"], tmp_path / "pre.safetensors", prefix)
+    with Checkpoint(path) as ck:
+        assert block_indices(ck) == [0]
+    blk = load_blocks(path, [0])[0]
+    assert blk.prefix == pre + "blocks.0" and blk.linear("mlp.fc2").is_quantized
+
+
+# ---------------------------------------------------------------------------- loader: refusals
+
+
+def _fp8_layer(t, meta):
+    w = t.pop(QKV + ".weight")
+    t[QKV + ".weight"] = torch.zeros(w.shape, dtype=torch.float8_e4m3fn)
+    t[QKV + ".weight_scale"] = torch.ones((), dtype=torch.float32)
+    marker = {"format": "float8_e4m3fn"}
+    t[QKV + ".comfy_quant"] = marker_tensor(marker)
+    set_header_layer(meta, QKV, marker)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "nvfp4"])
+def test_unsupported_format_is_refused(files, tmp_path, fmt):
+    def edit(t, meta):
+        _fp8_layer(t, meta)
+        t[QKV + ".comfy_quant"] = marker_tensor({"format": fmt})
+        set_header_layer(meta, QKV, {"format": fmt})
+    path = rewrite(files["int8"], tmp_path / "fp8.safetensors", edit)
+    with pytest.raises(UnsupportedError) as ei:
+        load_blocks(path, [0])
+    assert ei.value.code == "Q105" and fmt in str(ei.value) and ei.value.tensor == QKV
+
+
+def test_quantize_on_load_of_a_prequantized_layer_is_refused(files):
+    with pytest.raises(UnsupportedError, match="already quantized"):
+        load_blocks(files["int8"], [0], quantize_on_load=True)
+
+
+def test_quantize_on_load_of_a_float_layer_uses_the_int8_encoding(tmp_path):
+    from h3quant.formats.int8 import encode_int8
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(32, 512, generator=g) / 20).to(torch.bfloat16)
+    b = torch.randn(32, generator=g).to(torch.bfloat16)
+    path = tmp_path / "f.safetensors"
+    save_tensors(path, {"lin.weight": w, "lin.bias": b, "norm.weight": torch.ones(512)}, {})
+    with Checkpoint(path) as ck:
+        scan = scan_checkpoint(ck)
+        lay = load_layer(ck, scan.layers["lin"], quantize_on_load=True)
+        norm = load_layer(ck, scan.layers["norm"], quantize_on_load=True)
+    q, s = encode_int8(w, convrot=True, group_size=256, per_row=True, method="dense")
+    assert lay.is_quantized and lay.convrot and lay.source == "load"
+    assert torch.equal(lay.weight, q) and torch.equal(lay.tensors["weight_scale"], s)
+    assert torch.equal(lay.bias, b)
+    assert not norm.is_quantized  # 1-D parameters stay float
+
+
+@pytest.mark.parametrize("case, exc, code", [
+    ("bf16-weight", FormatError, "Q102"),
+    ("no-scale", FormatError, "Q101"),
+    ("bad-scale-shape", FormatError, "Q103"),
+    ("correction", UnsupportedError, "Q107"),
+    ("extra-tensor", UnsupportedError, "Q106"),
+    ("header-disagrees", MarkerError, "M110"),
+    ("int8-without-marker", MarkerError, "M109"),
+    ("nul-marker", MarkerError, "M102"),
+])
+def test_layer_not_matching_its_marker_is_refused(files, tmp_path, case, exc, code):
+    def edit(t, meta):
+        if case == "bf16-weight":
+            t[QKV + ".weight"] = t[QKV + ".weight"].to(torch.bfloat16)
+        elif case == "no-scale":
+            del t[QKV + ".weight_scale"]
+        elif case == "bad-scale-shape":
+            t[QKV + ".weight_scale"] = t[QKV + ".weight_scale"][:7]
+        elif case == "correction":
+            t[QKV + ".weight_correction"] = torch.zeros(3)
+        elif case == "extra-tensor":
+            t[QKV + ".input_scale"] = torch.ones(())
+        elif case == "header-disagrees":
+            set_header_layer(meta, QKV, {"format": "int8_tensorwise", "convrot": False})
+        elif case == "int8-without-marker":
+            del t[QKV + ".comfy_quant"]
+            set_header_layer(meta, QKV, None)
+        elif case == "nul-marker":
+            t[QKV + ".comfy_quant"] = torch.zeros(72, dtype=torch.uint8)
+            del meta[HEADER_KEY]
+    path = rewrite(files["int8"], tmp_path / f"{case}.safetensors", edit)
+    with pytest.raises(exc) as ei:
+        load_blocks(path, [0])
+    assert ei.value.code == code, str(ei.value)
+
+
+def test_missing_block_is_a_verify_error(files):
+    with pytest.raises(VerifyError, match="no blocks"):
+        load_blocks(files["int8"], [5])
+
+
+# ------------------------------------------------------------------------------------- block
+
+
+def _independent_block(src: dict, i: int, x, temb):
+    """The block of h3quant.runtime.block written again from FORMATS.md 5 with torch's SDPA."""
+    p = lambda k: src[f"blocks.{i}.{k}"].float()  # noqa: E731
+    hidden, hd = p("norm1.weight").shape[0], p("attn.q_norm.weight").shape[0]
+    mod = F.linear(F.silu(temb), p("adaln_proj.linear.weight"), p("adaln_proj.linear.bias"))
+    sh1, sc1, g1, sh2, sc2, g2 = (c[:, None, :] for c in mod.chunk(18, -1)[:6])
+
+    def norm(z, w):
+        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    b, t, _ = x.shape
+    h = norm(x, p("norm1.weight")) * (1 + sc1) + sh1
+    q, k, v = F.linear(h, p("attn.qkv_proj.weight")).chunk(3, -1)
+    heads = q.shape[-1] // hd
+    q = norm(q.reshape(b, t, heads, hd), p("attn.q_norm.weight")).transpose(1, 2)
+    k = norm(k.reshape(b, t, heads, hd), p("attn.k_norm.weight")).transpose(1, 2)
+    v = v.reshape(b, t, heads, hd).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+    x = x + g1 * F.linear(a, p("attn.out_proj.weight"))
+    h = norm(x, p("norm2.weight")) * (1 + sc2) + sh2
+    gate, up = F.linear(h, p("mlp.fc1.weight")).chunk(2, -1)
+    return x + g2 * F.linear(F.silu(gate) * up, p("mlp.fc2.weight")), hidden
+
+
+def test_float_block_matches_an_independent_implementation(files):
+    src, _ = read_all(files["bf16"])
+    blk = load_blocks(files["bf16"], [0])[0]
+    rb = reference_block(blk)
+    x, temb = seeded_inputs(rb, 8, seed=3, batch=2)
+    with torch.no_grad():
+        y = rb(x, temb)
+        want, hidden = _independent_block(src, 0, x, temb)
+    assert y.shape == (2, 8, hidden)
+    assert torch.allclose(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert (y - x).norm() > 0.1 * x.norm()  # the block does change its input
+
+
+def test_attention_matches_sdpa_and_rms_norm_is_unit_rms():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 16, generator=g) for _ in range(3))
+    assert torch.allclose(attention(q, k, v), F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+    y = rms_norm(torch.randn(4, 64, generator=g) * 7, torch.ones(64))
+    assert torch.allclose(y.pow(2).mean(-1), torch.ones(4), atol=1e-4)
+
+
+def test_runtime_block_tracks_the_dequantized_reference(files):
+    blk = load_blocks(files["int8"], [0])[0]
+    rb, qb = reference_block(blk), runtime_block(blk, device="cpu")
+    x, temb = seeded_inputs(rb, 16, seed=1)
+    with torch.no_grad():
+        d_ref, d_q = rb(x, temb) - x, qb(x, temb) - x
+    rel = ((d_q - d_ref).norm() / d_ref.norm()).item()
+    assert 0 < rel < 0.1  # activation quantization only; measured ~0.02
+
+
+def test_reference_dequantization_matches_the_source_weights(files):
+    src, _ = read_all(files["bf16"])
+    blk = load_blocks(files["int8"], [0])[0]
+    for sub in BLOCK_LINEARS:
+        w = src[f"blocks.0.{sub}.weight"].float()
+        rel = ((blk.linear(sub).dequantize() - w).norm() / w.norm()).item()
+        assert 0 < rel < 0.02, sub  # int8 per-row ConvRot; ~0.009 measured
