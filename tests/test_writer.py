@@ -112,7 +112,7 @@ def test_exception_keeps_existing_target(tmp_path):
     out.write_bytes(b"original")
     layout = plan_layout([Entry("a", "I8", (2,))])
     with pytest.raises(RuntimeError):
-        with StreamingWriter(out, layout) as w:
+        with StreamingWriter(out, layout):
             raise RuntimeError("boom")
     assert out.read_bytes() == b"original"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.safetensors"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from h3quant.cli.common import emit_json, handle_errors
-from h3quant.cli.inspect_cmd import format_table
+from h3quant.cli.common import format_table
 
 _HELP = """List the runtime's int8 linear backends with their availability on a device and, for
 each unavailable one, every reason (missing device, missing op in this torch, missing package).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 
 import click
@@ -35,6 +36,14 @@ def handle_errors(func):
             where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
             click.echo(f"h3quant: error:{where}: {exc.strerror or exc}", err=True)
             sys.exit(EXIT_USAGE)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:  # a bug: say so in one line, no traceback unless asked
+            if os.environ.get("H3QUANT_DEBUG"):
+                raise
+            click.echo(f"h3quant: error: unexpected {type(exc).__name__}: {exc} "
+                       "(set H3QUANT_DEBUG=1 for a traceback)", err=True)
+            sys.exit(EXIT_USAGE)
 
     return wrapper
 
@@ -55,3 +64,29 @@ def mmap_option(func):
         help="Read with plain buffered I/O instead of memory-mapping (for stacks that stall in "
              "mmap page faults on large files).",
     )(func)
+
+
+def format_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
+    """A plain text table; columns in ``right`` are right-aligned."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    rule = line(["-" * w for w in widths])
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def guard(what: str, fn, *args, **kwargs):
+    """Run a pipeline; an unexpected exception becomes one clear error line (exit 2)."""
+    try:
+        return fn(*args, **kwargs)
+    except (H3QuantError, OSError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if os.environ.get("H3QUANT_DEBUG"):
+            raise
+        raise H3QuantError(f"unexpected {type(exc).__name__} while {what}: {exc} "
+                           "(set H3QUANT_DEBUG=1 for a traceback)") from None

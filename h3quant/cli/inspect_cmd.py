@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
-from h3quant.cli.common import emit_json, handle_errors, mmap_option
-from h3quant.errors import H3QuantError
+from h3quant.cli.common import emit_json, format_table, guard, handle_errors, mmap_option
 
 _UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 
@@ -26,32 +23,6 @@ def human_bytes(n: int) -> str:
 
 def fmt_bpw(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
-
-
-def format_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
-    """A plain text table; columns in ``right`` are right-aligned."""
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
-    rule = line(["-" * w for w in widths])
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
-
-
-def guard(what: str, fn, *args, **kwargs):
-    """Run a pipeline; an unexpected exception becomes one clear error line (exit 2)."""
-    try:
-        return fn(*args, **kwargs)
-    except (H3QuantError, OSError, MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        if os.environ.get("H3QUANT_DEBUG"):
-            raise
-        raise H3QuantError(f"unexpected {type(exc).__name__} while {what}: {exc} "
-                           "(set H3QUANT_DEBUG=1 for a traceback)") from None
 
 
 def render(res) -> str:

@@ -7,7 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, mmap_option
-from h3quant.cli.inspect_cmd import format_table, guard
+from h3quant.cli.common import format_table, guard
 
 
 def _codes(as_json: bool) -> None:

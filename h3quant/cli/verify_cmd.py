@@ -7,7 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, log, mmap_option
-from h3quant.cli.inspect_cmd import format_table, guard
+from h3quant.cli.common import format_table, guard
 
 _HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
 against a float reference, plus reference-free checks of the stored codes.
