@@ -20,7 +20,7 @@ import time
 import torch
 
 from h3quant.convrot import rotate, rotate_dense, rotate_exact
-from h3quant.convrot.hadamard import halves_match_dense
+from h3quant.convrot.rotation import halves_match_dense
 from h3quant.formats.int8 import encode_int8
 
 

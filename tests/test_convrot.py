@@ -15,7 +15,7 @@ from h3quant.convrot import (
     rotate_dense,
     rotate_exact,
 )
-from h3quant.convrot.hadamard import CHUNK_ELEMS, DENSE_MIN_ROWS, _rotate_halves, halves_match_dense
+from h3quant.convrot.rotation import CHUNK_ELEMS, DENSE_MIN_ROWS, _rotate_halves, halves_match_dense
 from h3quant.errors import FormatError
 
 SIZES = [4, 16, 64, 256, 1024]

@@ -1,21 +1,21 @@
-"""The ConvRot Hadamard: H_g for powers of 4 and blockwise rotation of the last dim."""
+"""The ConvRot Hadamard: H_g for powers of 4 and blockwise rotation of the last dim.
 
-from h3quant.convrot.hadamard import (
-    GroupSizeError,
-    check_group_size,
-    hadamard,
-    is_valid_group_size,
-    rotate,
-    rotate_dense,
-    rotate_exact,
-)
+The group-size checks come from ``groups`` (no torch); the rotation functions are imported from
+``rotation`` (torch) on first use, so header-only commands never import torch.
+"""
 
-__all__ = [
-    "GroupSizeError",
-    "check_group_size",
-    "hadamard",
-    "is_valid_group_size",
-    "rotate",
-    "rotate_dense",
-    "rotate_exact",
-]
+from h3quant.convrot.groups import GroupSizeError, check_group_size, is_valid_group_size
+
+_LAZY = ("hadamard", "rotate", "rotate_dense", "rotate_exact")
+
+__all__ = ["GroupSizeError", "check_group_size", "is_valid_group_size", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module("h3quant.convrot.rotation"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'h3quant.convrot' has no attribute {name!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.convrot import check_group_size
-from h3quant.convrot.hadamard import rotate_chunk_, rotate_dense, rotate_exact
+from h3quant.convrot.rotation import rotate_chunk_, rotate_dense, rotate_exact
 from h3quant.errors import FormatError, UnsupportedError
 
 FORMAT = "int8_tensorwise"

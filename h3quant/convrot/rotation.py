@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from h3quant.errors import FormatError
+from h3quant.convrot.groups import GroupSizeError, check_group_size, is_valid_group_size  # noqa: F401 (re-exported)
 
 _H4 = ((1.0, 1.0, 1.0, -1.0), (1.0, 1.0, -1.0, 1.0), (1.0, -1.0, 1.0, 1.0), (-1.0, 1.0, 1.0, 1.0))
 
@@ -29,25 +29,6 @@ _H4 = ((1.0, 1.0, 1.0, -1.0), (1.0, 1.0, -1.0, 1.0), (1.0, -1.0, 1.0, 1.0), (-1.
 CHUNK_ELEMS = 1 << 18
 # Block rows below which a BLAS may switch to small-matrix kernels (seen below 12 with MKL).
 DENSE_MIN_ROWS = 64
-
-
-class GroupSizeError(FormatError, ValueError):
-    """Invalid ConvRot group size, or a last dim that is not a multiple of it."""
-
-
-def is_valid_group_size(g: int) -> bool:
-    """True for powers of 4 from 4 upwards (4, 16, 64, 256, 1024, ...)."""
-    if not isinstance(g, int) or isinstance(g, bool) or g < 4:
-        return False
-    while g % 4 == 0:
-        g //= 4
-    return g == 1
-
-
-def check_group_size(g: int) -> None:
-    """Raise ``GroupSizeError`` (a ``FormatError`` and a ``ValueError``) unless ``g`` is a power of 4."""
-    if not is_valid_group_size(g):
-        raise GroupSizeError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, 1024), got {g!r}")
 
 
 def _check_last_dim(x: torch.Tensor, g: int) -> None:
