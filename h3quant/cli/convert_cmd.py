@@ -1,0 +1,103 @@
+"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|bf16``: streaming, atomic conversion."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from h3quant.cli.common import emit_json, guard, handle_errors, log, mmap_option
+from h3quant.errors import ConvertError
+
+_TARGETS = ("int8-convrot", "int8", "w4a8", "bf16")
+
+
+def _group_size(ctx, param, value):
+    from h3quant.convrot import is_valid_group_size
+
+    if value is not None and not is_valid_group_size(value):
+        raise click.BadParameter(f"{value} is not a power of 4 (4, 16, 64, 256, 1024)")
+    return value
+
+
+@click.command("convert")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("dst", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--to", "target", type=click.Choice(_TARGETS), default="int8-convrot",
+              show_default=True, help="Target format of the selected linears.")
+@click.option("--preset", type=click.Choice(("h3", "all-linears")), default=None,
+              help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
+                   "inputs); all-linears = every 2-D float weight (default otherwise).")
+@click.option("--include", multiple=True, metavar="REGEX",
+              help="Only convert layers whose name matches (re.search; repeatable).")
+@click.option("--exclude", multiple=True, metavar="REGEX",
+              help="Never convert layers whose name matches (repeatable).")
+@click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
+              help="ConvRot group size (a power of 4).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary on stderr.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Write the per-layer error report (JSON) to this file.")
+@click.option("--no-report", is_flag=True, help="Skip the per-layer error measurement.")
+@click.option("--workers", type=int, default=None,
+              help="Threads encoding row chunks in parallel (default: one per CPU, at most 8; "
+                   "torch then runs one intra-op thread per worker).")
+@mmap_option
+@handle_errors
+def command(src, dst, target, preset, include, exclude, group_size, overwrite, dry_run, as_json,
+            quiet, report_path, no_report, workers, no_mmap):
+    """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
+
+    Only the selected linears are re-encoded; every other tensor is copied byte for byte.
+    Nothing is left at OUT if anything fails; OUT == IN is refused.
+    """
+    from h3quant.pipelines.convert import (
+        ConvertOptions,
+        convert,
+        plan_convert,
+        render_plan,
+        summary_line,
+        write_report,
+    )
+
+    if no_report and report_path:
+        raise ConvertError("--report and --no-report contradict each other")
+    options = ConvertOptions(target=target, preset=preset, include=tuple(include),
+                             exclude=tuple(exclude), group_size=group_size,
+                             report=not no_report, workers=workers, mmap=not no_mmap,
+                             overwrite=overwrite)
+    if dry_run:
+        plan = guard("planning the conversion", plan_convert, src, dst, options)
+        if as_json:
+            emit_json(plan.to_dict())
+        else:
+            click.echo(render_plan(plan.to_dict()))
+        return
+    say = (lambda msg: None) if quiet else log
+    try:
+        report = guard("converting (nothing was written)", convert, src, dst, options,
+                       progress=not quiet, log=say)
+    except KeyboardInterrupt:
+        # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
+        # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
+        log("h3quant: interrupted (nothing written)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    if report_path:
+        write_report(report_path, report)
+    if as_json:
+        emit_json(report)
+    if not quiet:
+        converted = report["counts"]["convert"]
+        log(f"wrote {dst}: {report['output_bytes']:,} bytes, {converted} layer(s) converted, "
+            f"{report['copied']['tensors']} tensor(s) copied, {report['elapsed_s']:.1f} s "
+            f"({report['input_mb_per_s']} MB/s of input)")
+        for lay in report["layers"]:
+            if lay["action"] == "skip":
+                log(f"skipped {lay['name']}: {lay['reason']}")
+        if options.report and converted:
+            log(summary_line(report["summary"]))

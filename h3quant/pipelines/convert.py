@@ -1,0 +1,120 @@
+"""``convert``: re-encode a checkpoint's linears to int8 (ConvRot), W4A8 or back to BF16.
+
+Public API::
+
+    plan = plan_convert(src, dst, ConvertOptions(target="int8-convrot"))   # header only
+    report = convert(src, dst, ConvertOptions(...), progress=True, log=print)
+    write_report(path, report)          # atomic JSON
+    render_plan(plan.to_dict())         # human text (also for a finished report)
+
+The plan is computed from the input header alone; the run streams every tensor to its planned
+offset (see ``convert_run``), writes atomically (temp file / staging directory renamed into
+place) and leaves nothing at the output on any error or interrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from h3quant.formats.checkpoint import Checkpoint
+from h3quant.pipelines.convert_io import default_mode
+from h3quant.pipelines.convert_options import TARGETS, ConvertOptions
+from h3quant.pipelines.convert_plan import ConvertPlan, build_plan
+from h3quant.pipelines.convert_report import summary_line
+from h3quant.pipelines.convert_run import LayerFailures, run_plan
+
+__all__ = ["TARGETS", "ConvertOptions", "ConvertPlan", "LayerFailures", "convert",
+           "plan_convert", "render_plan", "summary_line", "write_report"]
+
+
+def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
+                 options: ConvertOptions | None = None, *, dry_run: bool = True) -> ConvertPlan:
+    """The conversion plan (what each layer becomes, the output files and sizes). With
+    ``dry_run`` an existing output is a warning in the plan rather than a refusal."""
+    options = options or ConvertOptions()
+    src, dst = Path(src), Path(dst)
+    with Checkpoint(src, mmap=options.mmap) as ckpt:
+        return build_plan(ckpt, src, dst, options, dry_run=dry_run)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOptions | None = None,
+            *, progress: bool = False, log=None) -> dict:
+    """Convert ``src`` to ``dst``; returns the report dict. Raises ``ConvertError`` (refused),
+    ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input."""
+    options = options or ConvertOptions()
+    log = log or (lambda msg: None)
+    src, dst = Path(src), Path(dst)
+    with Checkpoint(src, mmap=options.mmap) as ckpt:
+        plan = build_plan(ckpt, src, dst, options)
+        for line in plan.repairs:
+            log(f"repair: {line}")
+        if plan.identity:
+            log("nothing to convert: every selected layer is already in the target format; "
+                "the output re-emits the input")
+        return run_plan(plan, ckpt, progress=progress)
+
+
+def write_report(path: str | os.PathLike, report: dict) -> None:
+    """Write ``report`` as JSON, atomically (temp file beside it, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, default_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def render_plan(d: dict) -> str:
+    """Human-readable plan (or report): layers by action, copies, repairs, output size."""
+    lines = [f"convert {d['input']} -> {d['output']}",
+             f"target {d['target']} (group size {d['group_size']}), preset {d['preset']}"
+             + (" (H3 detected)" if d["h3"] else "")]
+    by = {}
+    for lay in d["layers"]:
+        by.setdefault(lay["action"], []).append(lay)
+    titles = {"convert": "convert", "keep": "already in the target format (re-emitted)",
+              "skip": "skipped", "untouched": "quantized, not selected (copied)"}
+    for action, title in titles.items():
+        rows = by.get(action, [])
+        if not rows:
+            continue
+        lines.append(f"{title}: {len(rows)} layer(s)")
+        for lay in rows:
+            extra = f"  [{lay['reason']}]" if lay.get("reason") else ""
+            err = f"  FAILED: {lay['error']}" if lay.get("error") else ""
+            m = lay.get("metrics")
+            met = (f"  rel {m['weight_rel_l2']:.4f} sqnr {m['sqnr_db']:.1f} dB "
+                   f"out {m['output_rel_l2']:.4f}") if m else ""
+            lines.append(f"  {lay['name']} {lay['shape']}: {lay['from']} -> {lay['to']}"
+                         f"{extra}{met}{err}")
+            for note in lay.get("notes", ()):
+                lines.append(f"      note: {note}")
+    c = d["copied"]
+    lines.append(f"copied byte for byte: {c['tensors']} tensor(s), {_mb(c['bytes'])}")
+    if d["dropped"]:
+        lines.append(f"not written (replaced or dropped): {len(d['dropped'])} tensor(s)")
+    for r in d["repairs"]:
+        lines.append(f"repair: {r}")
+    for w in d.get("warnings", ()):
+        lines.append(f"warning: {w}")
+    if d.get("identity"):
+        lines.append("nothing to convert: the output re-emits the input unchanged")
+    files = d["files"]
+    where = f" in {len(files)} files" if len(files) > 1 else ""
+    lines.append(f"output size: {d['output_bytes']:,} bytes ({_mb(d['output_bytes'])}){where}; "
+                 f"input {_mb(d['input_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""I/O for ``convert``: positional atomic writer, staged output directory, bounded-memory reads.
+
+Why not ``StreamingWriter``: it requires layout order, and the safetensors layout puts every F32
+tensor (the per-row scales) before every I8 tensor (the codes). Writing in that order would mean
+holding all codes of the model or quantizing every weight twice. ``OffsetWriter`` uses the same
+``Layout`` (so the bytes are identical to the library's) but lets each tensor be written, in
+pieces, at its own offset as soon as it is computed: one layer in flight, each weight quantized
+once.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from h3quant.errors import ContainerError
+from h3quant.formats.container import TensorInfo
+from h3quant.formats.dtypes import itemsize, to_torch
+from h3quant.formats.writer import Layout
+
+_PAGE = mmap.PAGESIZE
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """Permissions a plain ``open``/``mkdir`` would give (mkstemp/mkdtemp make 0600/0700)."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+FLUSH_BYTES = 256 << 20  # start writeback after this many new bytes (overlaps the final fsync)
+
+
+class OffsetWriter:
+    """Write ``layout``'s tensors, in any order and in pieces, to ``path`` through a temp file.
+
+    Context manager: on a clean exit, every byte of every tensor must have been written; the
+    temp file is fsynced and renamed to ``path``. On any exception it is removed and ``path`` is
+    untouched. A background thread ``fdatasync``s every ``FLUSH_BYTES`` written, so the disk
+    works while the conversion computes instead of all at the end.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: Layout):
+        self.path = Path(path)
+        self.layout = layout
+        self._base = len(layout.header)
+        self._sizes = {e.name: e.nbytes for e in layout.order}
+        self._done = dict.fromkeys(self._sizes, 0)
+        self._fd: int | None = None
+        self._tmp: Path | None = None
+        # Byte accounting and the fd's lifetime: writes may come from several threads, and after
+        # an error a straggling thread must never write through a closed (maybe reused) fd.
+        self._lock = threading.Condition()
+        self._active = 0  # pwrite / fdatasync calls in progress
+        self._closed = False
+        self._unflushed = 0
+        self._flush_wanted = threading.Event()
+        self._closing = False
+        self._flusher: threading.Thread | None = None
+
+    def __enter__(self) -> "OffsetWriter":
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
+                                   dir=self.path.parent)
+        self._fd, self._tmp = fd, Path(tmp)
+        try:
+            os.fchmod(fd, default_mode())
+            os.ftruncate(fd, self.layout.file_bytes)
+            os.pwrite(fd, self.layout.header, 0)
+        except BaseException:
+            self._abort()
+            raise
+        self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
+                                         name="h3quant-flush")
+        self._flusher.start()
+        return self
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._closing:
+                return
+            try:
+                fd = self._enter_fd()
+            except ContainerError:
+                return
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                return  # the final fsync reports real errors
+            finally:
+                self._leave_fd()
+
+    def _enter_fd(self) -> int:
+        with self._lock:
+            if self._closed or self._fd is None:
+                raise ContainerError("writer is closed", path=self.path)
+            self._active += 1
+            return self._fd
+
+    def _leave_fd(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if not self._active:
+                self._lock.notify_all()
+
+    def write(self, name: str, start: int, data) -> None:
+        """Write ``data`` (bytes-like) at byte ``start`` of tensor ``name``."""
+        mv = memoryview(data).cast("B")
+        size = self._sizes.get(name)
+        if size is None:
+            raise ContainerError("tensor is not in the planned layout", path=self.path, tensor=name)
+        if start < 0 or start + mv.nbytes > size:
+            raise ContainerError(f"bytes [{start}, {start + mv.nbytes}) fall outside the planned "
+                                 f"{size}", path=self.path, tensor=name)
+        pos = self._base + self.layout.offsets[name][0] + start
+        fd = self._enter_fd()
+        try:
+            while mv.nbytes:
+                n = os.pwrite(fd, mv, pos)
+                mv, pos = mv[n:], pos + n
+                with self._lock:
+                    self._done[name] += n
+                    self._unflushed += n
+                    if self._unflushed >= FLUSH_BYTES:
+                        self._unflushed = 0
+                        self._flush_wanted.set()
+        finally:
+            self._leave_fd()
+
+    def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        t = tensor.detach().contiguous()
+        if t.numel():
+            self.write(name, start, t.view(-1).view(torch.uint8).numpy())
+
+    def missing(self) -> list[str]:
+        return [n for n, size in self._sizes.items() if self._done[n] != size]
+
+    def _stop_flusher(self) -> None:
+        if self._flusher is not None:
+            self._closing = True
+            self._flush_wanted.set()
+            self._flusher.join()
+            self._flusher = None
+
+    def _close_fd(self) -> None:
+        """Refuse new writes, wait for the ones in flight, close the fd."""
+        with self._lock:
+            self._closed = True
+            while self._active:
+                self._lock.wait()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _abort(self) -> None:
+        self._stop_flusher()
+        self._close_fd()
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._abort()
+            return
+        self._stop_flusher()
+        try:
+            with self._lock:
+                self._closed = True
+                while self._active:
+                    self._lock.wait()
+            missing = self.missing()
+            if missing:
+                raise ContainerError(f"output incomplete: {len(missing)} tensor(s) not fully "
+                                     f"written, first {missing[0]}", path=self.path)
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._tmp, self.path)
+            self._tmp = None
+        finally:
+            self._abort()
+
+
+class StagedDir:
+    """A temporary directory beside ``target`` renamed into place on success (sharded output)."""
+
+    def __init__(self, target: str | os.PathLike, *, overwrite: bool = False):
+        self.target = Path(target)
+        self.overwrite = overwrite
+        self.path: Path | None = None
+
+    def __enter__(self) -> Path:
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp",
+                                          dir=self.target.parent))
+        os.chmod(self.path, default_mode(directory=True))
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        try:
+            old = None
+            if self.target.exists() and self.overwrite:
+                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".old",
+                                            dir=self.target.parent))
+                os.replace(self.target, old / "x")
+            os.replace(self.path, self.target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Reader:
+    """Row-range reads of a checkpoint's tensors; in mmap mode, pages are dropped after use.
+
+    Dropping the pages (``MADV_DONTNEED`` on the read-only private mapping) keeps the resident
+    set flat in the size of the checkpoint: without it every page of a memory-mapped input stays
+    mapped, and counted, until the file is closed.
+    """
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+        # buffered reads seek a shared file handle: serialise them across worker threads
+        self._lock = threading.Lock()
+
+    def _read(self, sf, info: TensorInfo, start: int, length: int):
+        if sf.use_mmap:
+            return sf.read_bytes(info, start, length)
+        with self._lock:
+            return sf.read_bytes(info, start, length)
+
+    def rows(self, info: TensorInfo, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of a tensor (dim 0), as a tensor (may view the mapping)."""
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        sf = self.ckpt.file_of(info.name)
+        dtype = to_torch(info.dtype)
+        n = r1 - r0
+        if n <= 0 or row == 0:
+            return torch.empty((max(n, 0), *info.shape[1:]), dtype=dtype)
+        data = self._read(sf, info, r0 * row, n * row)
+        if isinstance(data, memoryview) and (info.begin + r0 * row) % itemsize(info.dtype):
+            data = bytearray(data)  # keep element access aligned
+        typed = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        return typed.reshape(n, *info.shape[1:])
+
+    def whole(self, info: TensorInfo) -> torch.Tensor:
+        if not info.shape:
+            return self.ckpt.read(info.name)
+        return self.rows(info, 0, info.shape[0])
+
+    def chunks(self, info: TensorInfo, chunk: int):
+        sf = self.ckpt.file_of(info.name)
+        for start in range(0, info.nbytes, chunk):
+            length = min(chunk, info.nbytes - start)
+            yield start, self._read(sf, info, start, length)
+            self.release(info, start, length)
+
+    def release(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
+        """Drop the mapped pages of a byte range of ``info`` (no-op without mmap)."""
+        sf = self.ckpt.file_of(info.name)
+        mm = getattr(sf, "_mm", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        length = info.nbytes - start if length is None else length
+        begin = info.begin + start
+        lo = begin - begin % _PAGE
+        hi = begin + length
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(mm)) - lo)
+        except (OSError, ValueError):
+            pass
+
+    def release_rows(self, info: TensorInfo, r0: int, r1: int) -> None:
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        if row:
+            self.release(info, r0 * row, (r1 - r0) * row)
+
+    def prefetch_rows(self, info: TensorInfo, r0: int, r1: int) -> None:
+        """Ask the kernel to start reading rows ``[r0, r1)`` (mmap only)."""
+        sf = self.ckpt.file_of(info.name)
+        mm = getattr(sf, "_mm", None)
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        if mm is None or not row or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        begin = info.begin + r0 * row
+        lo = begin - begin % _PAGE
+        try:
+            mm.madvise(mmap.MADV_WILLNEED, lo, min(begin + (r1 - r0) * row, len(mm)) - lo)
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,236 @@
+"""Per-layer planning for ``convert``: which marker counts, whether the tensors fit it, and what
+each layer becomes (from the input header and the tiny marker tensors alone)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from h3quant.convrot import is_valid_group_size
+from h3quant.errors import FormatError, MarkerError, UnsupportedError
+from h3quant.formats.container import TensorInfo
+from h3quant.formats.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
+from h3quant.formats.layers import Layer
+from h3quant.formats.markers import (
+    SUPPORTED_FORMATS,
+    QuantFormat,
+    _check_object,
+    effective_fields,
+    marker_bytes,
+    parse_marker_bytes,
+)
+from h3quant.formats.writer import Entry
+from h3quant.pipelines.convert_options import W4A8_GROUP, ConvertOptions, describe_fields
+
+INT8 = QuantFormat.INT8_TENSORWISE.value
+W4A8 = QuantFormat.ASYM_W4A8_INT8.value
+NEVER_WRITTEN = frozenset({"weight_correction"})  # ComfyUI does not load it (FORMATS.md 4)
+
+
+@dataclass
+class CopyItem:
+    """An input tensor written byte for byte (``entry`` may retype it: same bytes)."""
+
+    out: str
+    src: TensorInfo
+    entry: Entry
+
+
+@dataclass
+class LayerPlan:
+    name: str
+    action: str  # convert | keep | skip | untouched
+    source: str
+    target: str | None
+    shape: tuple[int, ...]
+    src_fields: dict | None = None  # effective fields of the input marker (None: plain float)
+    out_fields: dict | None = None  # marker object declared for the output (None: plain)
+    inputs: dict[str, TensorInfo] = field(default_factory=dict)
+    produced: dict[str, Entry] = field(default_factory=dict)  # computed by the run
+    marker: bytes | None = None  # bytes of a produced marker tensor
+    copies: list[CopyItem] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)
+
+    @property
+    def weight(self) -> TensorInfo:
+        return self.inputs["weight"]
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1]
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "action": self.action, "from": self.source, "to": self.target,
+             "shape": list(self.shape)}
+        if self.reason:
+            d["reason"] = self.reason
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+
+# ---------------------------------------------------------------------------- marker resolution
+def _fields_or_error(raw) -> tuple[dict | None, dict | None, str | None]:
+    try:
+        obj = _check_object(raw, "marker")
+        return obj, effective_fields(obj), None
+    except MarkerError as exc:
+        return None, None, exc.reason
+
+
+def logical_k(layer: Layer, fields: dict | None) -> int | None:
+    w = layer.weight
+    if w is None or len(w.shape) != 2:
+        return None
+    return 2 * w.shape[1] if fields and fields.get("format") == W4A8 else w.shape[1]
+
+
+def fit_error(layer: Layer, f: dict) -> str | None:
+    """Why the layer's tensors do not match marker fields ``f`` (None when they do)."""
+    w = layer.weight
+    fmt = f["format"]
+    if w is None:
+        return "marker has no weight tensor beside it"
+    if fmt not in (INT8, W4A8):
+        return None  # unsupported formats are rejected only when the layer is converted
+    if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
+        return f"weight is {w.dtype} {list(w.shape)}, {fmt} stores a 2-D I8 weight"
+    n, k = w.shape[0], logical_k(layer, f)
+    cg = f.get("convrot_groupsize", 256)
+    t = layer.tensors
+    if fmt == INT8:
+        s = t.get("weight_scale")
+        if s is None or s.dtype != "F32" or s.numel not in (1, n) or len(s.shape) > 2:
+            return f"weight_scale must be F32 [N, 1], [N] or [] (N={n})"
+        if s.numel != n and s.numel == 1 and len(s.shape) == 2:
+            return f"weight_scale shape {list(s.shape)} is not [N, 1]"
+        if f.get("convrot") and (not is_valid_group_size(cg) or k % cg):
+            return f"ConvRot group size {cg} does not divide K={k} (or is not a power of 4)"
+        return None
+    g = f.get("group_size", 16)
+    if not isinstance(g, int) or g <= 0 or k % 16 or k % g or not is_valid_group_size(cg) or k % cg:
+        return f"K={k} does not fit group_size {g} / convrot_groupsize {cg}"
+    sr, sc, cb = t.get("weight_s_rel"), t.get("weight_s_channel"), t.get("weight_codebook")
+    if sr is None or sr.dtype not in ("F8_E4M3", "U8") or tuple(sr.shape) != (n, k // g):
+        return f"weight_s_rel must be F8_E4M3 [{n}, {k // g}]"
+    if sc is None or sc.dtype != "F32" or tuple(sc.shape) not in ((n,), (n, 1)):
+        return f"weight_s_channel must be F32 [{n}]"
+    if cb is not None and (cb.dtype != "F32" or tuple(cb.shape) != (16,)):
+        return "weight_codebook must be F32 [16]"
+    return None
+
+
+@dataclass
+class Resolved:
+    raw: dict | None  # the marker object that counts (None: plain layer)
+    fields: dict | None  # its effective fields
+    from_tensor: bool = False
+    tensor_raw: dict | None = None  # parsed marker tensor (when valid)
+    repairs: list[str] = field(default_factory=list)
+
+
+def resolve_marker(layer: Layer, header: dict | None, read_bytes) -> Resolved:
+    """The marker that describes ``layer``'s tensors.
+
+    The per-layer tensor is preferred when it is valid and fits the tensors (the header then gets
+    repaired); otherwise a valid, fitting header entry is used (and a marker tensor rewritten).
+    """
+    name = layer.name
+    marker = layer.tensors.get("comfy_quant")
+    t_raw = t_eff = h_raw = h_eff = None
+    t_err = h_err = None
+    if marker is not None:
+        if marker.dtype != "U8" or len(marker.shape) != 1:
+            t_err = f"marker tensor is {marker.dtype} {list(marker.shape)}, expected 1-D U8"
+        else:
+            try:
+                t_raw = parse_marker_bytes(bytes(read_bytes(f"{name}.comfy_quant")))
+            except MarkerError as exc:
+                t_err = exc.reason
+            else:
+                t_raw, t_eff, t_err = _fields_or_error(t_raw)
+    in_header = header is not None and name in header
+    if in_header:
+        h_raw, h_eff, h_err = _fields_or_error(header[name])
+    if t_raw is None and h_raw is None:
+        if marker is not None or in_header:
+            why = "; ".join(e for e in (t_err and f"marker tensor: {t_err}",
+                                        h_err and f"header metadata: {h_err}") if e)
+            raise FormatError(f"no usable quantization marker ({why})", tensor=name)
+        w = layer.weight
+        if w is not None and w.dtype in QUANTIZED_WEIGHT_DTYPES:
+            raise FormatError(f"weight is {w.dtype} but the layer has no quantization marker",
+                              tensor=f"{name}.weight")
+        return Resolved(None, None)
+    tried = []
+    for src, raw, eff in (("marker tensor", t_raw, t_eff), ("header metadata", h_raw, h_eff)):
+        if raw is None:
+            continue
+        why = fit_error(layer, eff)
+        if why is None:
+            res = Resolved(raw, eff, src == "marker tensor", t_raw)
+            _note_repairs(res, name, marker is not None, t_err, header, in_header, h_raw)
+            return res
+        tried.append(f"{src} says {describe_fields(eff)} but {why}")
+    raise FormatError("; ".join(tried), tensor=name)
+
+
+def _note_repairs(res: Resolved, name, has_tensor, t_err, header, in_header, h_raw) -> None:
+    if not res.from_tensor:
+        res.repairs.append(f"{name}: marker tensor "
+                           + (f"rewritten from header metadata ({t_err})" if has_tensor
+                              else "written from header metadata (the file had none)"))
+        return
+    if header is None:
+        return  # a missing header is reported once for the whole file
+    if not in_header:
+        res.repairs.append(f"{name}: added to _quantization_metadata (was missing)")
+    elif h_raw != res.raw:
+        res.repairs.append(f"{name}: _quantization_metadata entry {_json(h_raw or header[name])} "
+                           f"replaced by the marker tensor's {_json(res.raw)}")
+
+
+def _json(obj) -> str:
+    return marker_bytes(obj).decode() if isinstance(obj, dict) else repr(obj)
+
+
+# ---------------------------------------------------------------------------- target matching
+def same_target(layer: Layer, f: dict, opts: ConvertOptions) -> bool:
+    """The layer already stores exactly what the target would write (re-emit it)."""
+    n = layer.weight.shape[0]
+    if opts.kind == "int8":
+        return (f["format"] == INT8 and bool(f.get("convrot")) == opts.convrot
+                and (not opts.convrot or f.get("convrot_groupsize") == opts.group_size)
+                and layer.tensors["weight_scale"].numel == n)
+    if opts.kind == "w4a8":
+        return (f["format"] == W4A8 and f.get("group_size") == W4A8_GROUP
+                and f.get("convrot_groupsize") == opts.group_size)
+    return False
+
+
+def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str | None:
+    w = layer.weight
+    if len(w.shape) != 2:
+        return f"weight is not 2-D (shape {list(w.shape)})"
+    if fields is None and w.dtype not in FLOAT_DTYPES:
+        return f"weight dtype {w.dtype} is not a float type"
+    k = logical_k(layer, fields)
+    g = opts.group_size
+    if opts.kind == "int8" and opts.convrot and k % g:
+        return f"K={k} is not divisible by the group size {g}"
+    if opts.kind == "w4a8" and (k % W4A8_GROUP or k % g):
+        return f"K={k} is not divisible by {W4A8_GROUP} and the group size {g}"
+    return None
+
+
+def check_supported(layer: Layer, fields: dict | None) -> None:
+    if fields is not None and QuantFormat(fields["format"]) not in SUPPORTED_FORMATS:
+        raise UnsupportedError(f"layer is stored as {fields['format']}, which convert cannot "
+                               f"read (supported: int8_tensorwise, asym_w4a8_int8, float)",
+                               tensor=layer.name)

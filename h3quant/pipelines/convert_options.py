@@ -1,0 +1,142 @@
+"""Options of ``convert``: targets, layer selection, the per-layer marker each target writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+from h3quant.convrot import is_valid_group_size
+from h3quant.errors import ConvertError
+from h3quant.formats.dtypes import FLOAT_DTYPES
+
+# target name -> (kind, convrot)
+TARGETS: dict[str, tuple[str, bool]] = {
+    "int8-convrot": ("int8", True),
+    "int8": ("int8", False),
+    "w4a8": ("w4a8", True),
+    "bf16": ("bf16", False),
+}
+PRESETS = ("h3", "all-linears")
+W4A8_GROUP = 16
+REPORT_ROWS = 256  # rows sampled per layer for the error report
+REPORT_TOKENS = 64  # tokens of the seeded random activation
+REPORT_SEED = 0
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``convert`` does. ``preset=None`` picks ``h3`` for H3 inputs, else ``all-linears``."""
+
+    target: str = "int8-convrot"
+    preset: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    group_size: int = 256
+    report: bool = True
+    workers: int | None = None  # threads encoding row chunks; None: one per CPU (at most 8)
+    mmap: bool = True
+    overwrite: bool = False
+    _patterns: tuple = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ConvertError(f"unknown target {self.target!r} (choose from {', '.join(TARGETS)})")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConvertError(f"unknown preset {self.preset!r} (choose from {', '.join(PRESETS)})")
+        if not is_valid_group_size(self.group_size):
+            raise ConvertError(f"--group-size must be a power of 4 (4, 16, 64, 256, 1024), "
+                               f"got {self.group_size!r}")
+        if self.workers is None:
+            object.__setattr__(self, "workers", max(1, min(os.cpu_count() or 1, 8)))
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ConvertError(f"--workers must be a positive integer, got {self.workers!r}")
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        compiled = []
+        for flag, pats in (("--include", self.include), ("--exclude", self.exclude)):
+            out = []
+            for pat in pats:
+                try:
+                    out.append(re.compile(pat))
+                except re.error as exc:
+                    raise ConvertError(f"{flag} {pat!r} is not a valid regular expression: {exc}") \
+                        from None
+            compiled.append(tuple(out))
+        object.__setattr__(self, "_patterns", tuple(compiled))
+
+    @property
+    def kind(self) -> str:
+        return TARGETS[self.target][0]
+
+    @property
+    def convrot(self) -> bool:
+        return TARGETS[self.target][1]
+
+    def filtered(self, layer: str) -> bool:
+        """True when ``--include``/``--exclude`` keep ``layer`` (``re.search`` on the name)."""
+        inc, exc = self._patterns
+        if inc and not any(p.search(layer) for p in inc):
+            return False
+        return not any(p.search(layer) for p in exc)
+
+    def provenance(self, preset: str) -> str:
+        """The ``h3quant.options`` header value: only what changes the output bytes."""
+        body = {"target": self.target, "preset": preset, "include": list(self.include),
+                "exclude": list(self.exclude), "group_size": self.group_size}
+        return json.dumps(body, sort_keys=True)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_patterns", None)
+        d["include"], d["exclude"] = list(self.include), list(self.exclude)
+        return d
+
+
+def target_marker(options: ConvertOptions) -> dict | None:
+    """The canonical marker object the target writes (None for bf16)."""
+    if options.kind == "int8":
+        from h3quant.formats.int8 import int8_marker
+
+        return int8_marker(convrot=options.convrot, group_size=options.group_size)
+    if options.kind == "w4a8":
+        from h3quant.formats.w4a8 import w4a8_marker
+
+        return w4a8_marker(group_size=W4A8_GROUP, convrot_groupsize=options.group_size)
+    return None
+
+
+def is_h3(tensors: dict) -> bool:
+    from h3quant.errors import H3QuantError
+    from h3quant.formats.topology import detect
+
+    try:
+        return detect(tensors) is not None
+    except H3QuantError:
+        return False
+
+
+def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
+                   quantized: bool) -> bool:
+    """Whether ``preset`` picks ``layer`` (before ``--include``/``--exclude``)."""
+    if preset == "h3":
+        from h3quant.formats.topology import is_h3_block_linear
+
+        return is_h3_block_linear(layer)
+    # all-linears: every 2-D float weight, and every already-quantized linear
+    return weight_rank == 2 and (weight_dtype in FLOAT_DTYPES or quantized)
+
+
+def describe_fields(fields: dict | None, dtype: str | None = None) -> str:
+    """Short text for a layer's storage: ``BF16``, ``int8_tensorwise convrot g=256`` ..."""
+    if not fields:
+        return dtype or "float"
+    fmt = fields.get("format")
+    if fmt == "int8_tensorwise":
+        return (f"int8_tensorwise convrot g={fields.get('convrot_groupsize', 256)}"
+                if fields.get("convrot") else "int8_tensorwise")
+    if fmt == "asym_w4a8_int8":
+        return (f"asym_w4a8_int8 G={fields.get('group_size', 16)} "
+                f"g={fields.get('convrot_groupsize', 256)}")
+    return str(fmt)

@@ -1,0 +1,320 @@
+"""Plan a conversion from the input header alone: every output tensor, shard and header.
+
+Nothing here reads tensor data except the tiny ``.comfy_quant`` markers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3quant import __version__
+from h3quant.errors import ConvertError, MarkerError
+from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint
+from h3quant.formats.layers import Layer, group_tensors
+from h3quant.formats.markers import (
+    HEADER_KEY,
+    MARKER_SUFFIX,
+    header_metadata_value,
+    marker_bytes,
+    parse_header_metadata,
+)
+from h3quant.formats.writer import Entry, Layout, plan_layout
+from h3quant.pipelines.convert_layers_plan import (
+    NEVER_WRITTEN,
+    CopyItem,
+    LayerPlan,
+    check_supported,
+    logical_k,
+    resolve_marker,
+    same_target,
+    skip_reason,
+)
+from h3quant.pipelines.convert_options import (
+    W4A8_GROUP,
+    ConvertOptions,
+    describe_fields,
+    is_h3,
+    preset_selects,
+    target_marker,
+)
+
+DEFAULT_INDEX = "model" + INDEX_SUFFIX
+PROVENANCE = ("h3quant.version", "h3quant.source", "h3quant.options")
+
+
+@dataclass
+class ShardPlan:
+    name: str  # output file name (the input shard's name)
+    metadata: dict[str, str]
+    entries: list[Entry] = field(default_factory=list)
+    layout: Layout | None = None
+
+
+@dataclass
+class ConvertPlan:
+    src: Path
+    dst: Path
+    options: ConvertOptions
+    preset: str
+    h3: bool
+    directory: bool  # the output is a directory of shards + index
+    layers: list[LayerPlan]
+    copies: list[CopyItem]  # plain tensors copied (layer copies live in LayerPlan.copies)
+    shards: dict[str, ShardPlan]
+    header_layers: dict[str, dict]
+    repairs: list[str]
+    dropped: list[str]
+    identity: bool
+    index_name: str | None
+    index_metadata: dict
+    input_bytes: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.layout.file_bytes for s in self.shards.values())
+
+    def layers_by(self, action: str) -> list[LayerPlan]:
+        return [lay for lay in self.layers if lay.action == action]
+
+    def all_copies(self) -> list[CopyItem]:
+        return self.copies + [c for lay in self.layers for c in lay.copies]
+
+    def to_dict(self) -> dict:
+        copies = self.all_copies()
+        return {
+            "input": str(self.src), "output": str(self.dst), "target": self.options.target,
+            "preset": self.preset, "group_size": self.options.group_size, "h3": self.h3,
+            "identity": self.identity,
+            "counts": {a: len(self.layers_by(a)) for a in ("convert", "keep", "skip", "untouched")},
+            "layers": [lay.to_dict() for lay in self.layers],
+            "copied": {"tensors": len(copies), "bytes": sum(c.src.nbytes for c in copies)},
+            "dropped": list(self.dropped), "repairs": list(self.repairs),
+            "warnings": list(self.warnings),
+            "files": [{"name": s.name, "bytes": s.layout.file_bytes, "tensors": len(s.entries)}
+                      for s in self.shards.values()],
+            "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+        }
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwrite: bool,
+                dry_run: bool = False) -> list[str]:
+    """Refuse writing over the input and over an existing output without ``overwrite``.
+
+    In a dry run an existing output is only noted (returned), since nothing will be written."""
+    files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
+    inputs = [src] + files + ([p.parent for p in files] if directory else [])
+    rd = dst.resolve()
+    for p in inputs:
+        if rd == p.resolve() or _same_file(dst, p):
+            raise ConvertError("output is the input (same path or same file); choose another "
+                               "output path", path=dst)
+    if directory and any(rd in p.resolve().parents for p in inputs):
+        raise ConvertError("output directory contains the input; choose another path", path=dst)
+    if not dst.parent.is_dir():
+        raise ConvertError("the output's parent directory does not exist", path=dst)
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            if dry_run:
+                return [f"{dst} exists: the real run needs --overwrite"]
+            raise ConvertError("output exists; pass --overwrite to replace it", path=dst)
+        if dst.is_dir() and not directory:
+            raise ConvertError("output is an existing directory; a single file would be written",
+                               path=dst)
+        if directory and not dst.is_dir():
+            raise ConvertError("output is an existing file; sharded output is a directory",
+                               path=dst)
+    return []
+
+
+def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
+               *, dry_run: bool = False) -> ConvertPlan:
+    tensors = ckpt.tensors
+    h3 = is_h3(tensors)
+    preset = options.preset or ("h3" if h3 else "all-linears")
+    directory = ckpt.is_sharded or src.is_dir()
+    warnings = check_paths(ckpt, src, dst, directory, options.overwrite, dry_run)
+    layers, others = group_tensors(tensors)
+    repairs: list[str] = []
+    header = None
+    try:
+        header = parse_header_metadata(ckpt.metadata)
+    except MarkerError as exc:
+        repairs.append(f"replaced unparseable {HEADER_KEY} ({exc.reason})")
+    copies = [CopyItem(n, tensors[n], Entry(n, tensors[n].dtype, tensors[n].shape)) for n in others]
+    plans: list[LayerPlan] = []
+    dropped: list[str] = []
+    for layer in layers.values():
+        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset)
+        if lp is None:  # plain layer, not converted: copied as is
+            copies += [CopyItem(t.name, t, Entry(t.name, t.dtype, t.shape))
+                       for t in layer.tensors.values()]
+            continue
+        plans.append(lp)
+        dropped += lp.dropped
+        repairs += lp.repairs
+    header_layers = {lp.name: lp.out_fields for lp in plans if lp.out_fields is not None}
+    if header:
+        gone = sorted(set(header) - set(layers))
+        if gone:
+            repairs.append(f"dropped {HEADER_KEY} entries for layers not in the file: "
+                           + ", ".join(gone[:10]) + (" ..." if len(gone) > 10 else ""))
+    elif header is None and any(lp.action != "convert" and lp.out_fields for lp in plans) \
+            and HEADER_KEY not in ckpt.metadata:
+        repairs.append(f"added the missing {HEADER_KEY} (from the marker tensors)")
+    identity = (not any(lp.action == "convert" or lp.produced for lp in plans) and not dropped
+                and not repairs
+                and all(c.entry == Entry(c.src.name, c.src.dtype, c.src.shape)
+                        for lp in plans for c in lp.copies))
+    plan = ConvertPlan(src, dst, options, preset, h3, directory, plans, copies, {}, header_layers,
+                       repairs, dropped, identity, None, dict(ckpt.index_metadata),
+                       sum(t.nbytes for t in tensors.values()))
+    plan.warnings = warnings
+    _plan_shards(plan, ckpt)
+    return plan
+
+
+def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str):
+    res = resolve_marker(layer, header, read_bytes)
+    w = layer.weight
+    if w is None:
+        return None  # a stray bias etc.: plain copy
+    quantized = res.fields is not None
+    if opts.kind == "bf16":
+        selected = quantized and opts.filtered(layer.name)
+    else:
+        selected = (preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
+                    and opts.filtered(layer.name))
+    if not selected and not quantized:
+        return None
+    k = logical_k(layer, res.fields)
+    shape = (w.shape[0], k) if k is not None else tuple(w.shape)
+    lp = LayerPlan(layer.name, "untouched", describe_fields(res.fields, w.dtype), None, shape,
+                   src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
+    if selected:
+        check_supported(layer, res.fields)
+        lp.reason = None if opts.kind == "bf16" else skip_reason(layer, res.fields, opts)
+        if lp.reason:
+            lp.action = "skip"
+        elif quantized and same_target(layer, res.fields, opts):
+            lp.action = "keep"
+        else:
+            lp.action = "convert"
+    if lp.action == "convert":
+        _plan_convert(lp, opts)
+    else:
+        _plan_verbatim(lp, res, opts if lp.action == "keep" else None)
+    return lp
+
+
+def _keep_fpmm(fields: dict | None, marker: dict) -> dict:
+    if fields and fields.get("full_precision_matrix_mult") is True:
+        marker = dict(marker, full_precision_matrix_mult=True)
+    return marker
+
+
+def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
+    n, k, name = lp.n, lp.k, lp.name
+    if opts.kind == "bf16":
+        lp.target = "BF16"
+        lp.produced = {f"{name}.weight": Entry(f"{name}.weight", "BF16", (n, k))}
+    else:
+        lp.out_fields = _keep_fpmm(lp.src_fields, target_marker(opts))
+        lp.target = describe_fields(lp.out_fields)
+        lp.marker = marker_bytes(lp.out_fields)
+        if opts.kind == "int8":
+            specs = {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}
+        else:
+            specs = {"weight": ("I8", (n, k // 2)),
+                     "weight_s_rel": ("F8_E4M3", (n, k // W4A8_GROUP)),
+                     "weight_s_channel": ("F32", (n,)), "weight_codebook": ("F32", (16,))}
+        specs["comfy_quant"] = ("U8", (len(lp.marker),))
+        lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
+    for suffix, info in lp.inputs.items():
+        if suffix == "bias":
+            lp.copies.append(CopyItem(info.name, info, Entry(info.name, info.dtype, info.shape)))
+        else:
+            lp.dropped.append(info.name)
+
+
+_RETYPE = {("weight", "U8"): "I8", ("weight_s_rel", "U8"): "F8_E4M3"}
+
+
+def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None:
+    """keep / skip / untouched: tensors copied; ``keep`` normalises marker and header shapes."""
+    name, n = lp.name, lp.n
+    if keep_opts is not None:
+        lp.out_fields = _keep_fpmm(lp.src_fields, target_marker(keep_opts))
+        lp.target = describe_fields(lp.out_fields)
+    elif lp.src_fields is not None:
+        lp.out_fields = res.raw
+        lp.target = lp.source
+    for suffix, info in lp.inputs.items():
+        if suffix == "comfy_quant":
+            continue
+        if suffix in NEVER_WRITTEN:
+            lp.dropped.append(info.name)
+            lp.notes.append(f"dropped {suffix} (ComfyUI does not load it)")
+            continue
+        dtype, shape = info.dtype, tuple(info.shape)
+        if keep_opts is not None:
+            dtype = _RETYPE.get((suffix, dtype), dtype)
+            if suffix == "weight_scale":
+                shape = (n, 1)
+            elif suffix == "weight_s_channel":
+                shape = (n,)
+            if (dtype, shape) != (info.dtype, tuple(info.shape)):
+                lp.notes.append(f"{suffix} re-declared {dtype} {list(shape)} "
+                                f"(was {info.dtype} {list(info.shape)}; same bytes)")
+        lp.copies.append(CopyItem(info.name, info, Entry(info.name, dtype, shape)))
+    if lp.out_fields is None:
+        return
+    if res.tensor_raw is not None and res.tensor_raw == lp.out_fields:
+        info = lp.inputs["comfy_quant"]
+        lp.copies.append(CopyItem(info.name, info, Entry(info.name, info.dtype, info.shape)))
+    else:
+        lp.marker = marker_bytes(lp.out_fields)
+        mname = name + MARKER_SUFFIX
+        lp.produced[mname] = Entry(mname, "U8", (len(lp.marker),))
+        if "comfy_quant" in lp.inputs:
+            lp.dropped.append(mname)
+        if res.tensor_raw is not None and keep_opts is not None:
+            lp.notes.append(f"marker normalised to {lp.marker.decode()}")
+
+
+def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
+    files = {sf.path.name: sf for sf in ckpt.files}
+    shard_of = {}
+    for c in plan.copies:
+        shard_of[c.out] = (c.src.file.name, c.entry)
+    for lp in plan.layers:
+        home = lp.weight.file.name
+        for c in lp.copies:
+            shard_of[c.out] = (c.src.file.name, c.entry)
+        for e in lp.produced.values():
+            shard_of[e.name] = (home, e)
+    for fname, sf in files.items():
+        meta = dict(sf.metadata)
+        if not plan.identity:
+            meta.pop(HEADER_KEY, None)
+            if plan.header_layers:
+                meta[HEADER_KEY] = header_metadata_value(plan.header_layers)
+            meta["h3quant.version"] = __version__
+            meta["h3quant.source"] = plan.src.name
+            meta["h3quant.options"] = plan.options.provenance(plan.preset)
+        plan.shards[fname] = ShardPlan(fname, meta)
+    for home, entry in shard_of.values():
+        plan.shards[home].entries.append(entry)
+    for shard in plan.shards.values():
+        shard.layout = plan_layout(shard.entries, shard.metadata)
+    if plan.directory:
+        plan.index_name = ckpt.index_path.name if ckpt.index_path else DEFAULT_INDEX

@@ -1,0 +1,124 @@
+"""Per-layer error report of a conversion.
+
+Cost control: every metric is computed on ``REPORT_ROWS`` (256) evenly spaced rows of each layer
+(all rows when N <= 256), kept while the layer was converted, so the report never re-reads or
+re-rotates a whole weight. Row-wise scales make a row subset an exact sample of the stored rows.
+
+- weight error: relative L2 ``||W - W_hat|| / ||W||``, SQNR ``20 log10(||W|| / ||W - W_hat||)``
+  dB and cosine, between the source weight rows (the input weight, dequantized when the input was
+  quantized) and the dequantized output rows;
+- output error: relative L2 of ``y = x W_hat^T`` computed the way the runtime does (ConvRot of x,
+  per-token int8 activation quantization, ``torch._int_mm`` int32 accumulation, both scales) vs
+  the float ``x W^T``, for ``x`` = 64 tokens of seeded standard normal activations. For bf16
+  output it is the float product with the bf16 weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from h3quant.convrot import rotate
+from h3quant.pipelines.convert_options import REPORT_ROWS, REPORT_SEED, REPORT_TOKENS
+
+_X_CACHE: dict[int, torch.Tensor] = {}
+
+
+def activation(k: int) -> torch.Tensor:
+    """The seeded random activation [64, K] used for every layer of width K."""
+    if k not in _X_CACHE:
+        gen = torch.Generator().manual_seed(REPORT_SEED + k)
+        _X_CACHE[k] = torch.randn(REPORT_TOKENS, k, generator=gen, dtype=torch.float32)
+    return _X_CACHE[k]
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, convrot: bool,
+                group_size: int) -> torch.Tensor:
+    """The runtime W8A8 product (FORMATS.md 3.2) of fp32 ``x`` [M, K] with int8 ``q`` [N, K]."""
+    from h3quant.formats.int8 import quantize_activation
+
+    xr = rotate(x, group_size) if convrot else x.float()
+    q_x, s_x = quantize_activation(xr)
+    acc = torch._int_mm(q_x.contiguous(), q.contiguous().t())  # column-major B: the fast path
+    return acc.float() * s_x.reshape(-1, 1).float() * s.reshape(1, -1).float()
+
+
+def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    num = (ref.double() - got.double()).norm().item()
+    den = ref.double().norm().item()
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def weight_metrics(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    r, g = ref.double().flatten(), got.double().flatten()
+    err = (r - g).norm().item()
+    norm = r.norm().item()
+    gn = g.norm().item()
+    rel = err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
+    sqnr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm > 0 else -math.inf)
+    cos = (r @ g).item() / (norm * gn) if norm > 0 and gn > 0 else (1.0 if err == 0 else 0.0)
+    return {"rel_l2": rel, "sqnr_db": sqnr, "cosine": cos}
+
+
+def layer_metrics(kind: str, lp, ref: torch.Tensor, out: dict, group_size: int) -> dict:
+    """Metrics of one converted layer from its sampled rows (see the module docstring)."""
+    k = lp.k
+    x = activation(k)
+    y_ref = x @ ref.t()
+    f = lp.out_fields or {}
+    if kind == "bf16":
+        w_hat = out["w"].float()
+        y = x @ w_hat.t()
+    elif kind == "int8":
+        from h3quant.formats.int8 import decode_int8
+
+        convrot = bool(f.get("convrot"))
+        w_hat = decode_int8(out["q"], out["s"].reshape(-1, 1), convrot=convrot,
+                            group_size=group_size, dtype=torch.float32)
+        y = int8_linear(x, out["q"], out["s"], convrot=convrot, group_size=group_size)
+    else:
+        from h3quant.formats.w4a8 import decode_w4a8, decode_w4a8_int8
+
+        local = {"weight": out["weight"], "weight_s_rel": out["weight_s_rel"],
+                 "weight_s_channel": out["weight_s_channel"]}
+        cb = out.get("weight_codebook")
+        if cb is not None:
+            local["weight_codebook"] = cb
+        g16 = f.get("group_size", 16)
+        w_hat = decode_w4a8(local, group_size=g16, convrot_groupsize=group_size)
+        w8 = decode_w4a8_int8(out["weight"], out["weight_s_rel"], group_size=g16, codebook=cb)
+        y = int8_linear(x, w8, out["weight_s_channel"], convrot=True, group_size=group_size)
+    m = weight_metrics(ref, w_hat)
+    return {"weight_rel_l2": m["rel_l2"], "sqnr_db": m["sqnr_db"], "cosine": m["cosine"],
+            "output_rel_l2": _rel(y_ref, y), "rows_sampled": int(ref.shape[0])}
+
+
+def summarize(layers: list[dict]) -> dict:
+    """Worst layer and mean / max errors over the layers that carry metrics."""
+    rows = [d for d in layers if d.get("metrics")]
+    if not rows:
+        return {"layers": 0}
+    rel = [d["metrics"]["weight_rel_l2"] for d in rows]
+    out = [d["metrics"]["output_rel_l2"] for d in rows]
+    sq = [d["metrics"]["sqnr_db"] for d in rows if math.isfinite(d["metrics"]["sqnr_db"])]
+    worst = max(rows, key=lambda d: d["metrics"]["output_rel_l2"])
+    return {
+        "layers": len(rows),
+        "worst_layer": worst["name"],
+        "worst_output_rel_l2": worst["metrics"]["output_rel_l2"],
+        "mean_weight_rel_l2": sum(rel) / len(rel), "max_weight_rel_l2": max(rel),
+        "mean_output_rel_l2": sum(out) / len(out), "max_output_rel_l2": max(out),
+        "mean_sqnr_db": sum(sq) / len(sq) if sq else math.inf,
+    }
+
+
+def summary_line(summary: dict) -> str:
+    if not summary.get("layers"):
+        return "error report: no converted layers"
+    return (f"error report ({summary['layers']} layers, up to {REPORT_ROWS} rows each): "
+            f"weight rel L2 mean {summary['mean_weight_rel_l2']:.4f} "
+            f"max {summary['max_weight_rel_l2']:.4f}; "
+            f"output rel L2 mean {summary['mean_output_rel_l2']:.4f} max "
+            f"{summary['max_output_rel_l2']:.4f}; mean SQNR {summary['mean_sqnr_db']:.1f} dB; "
+            f"worst layer {summary['worst_layer']}")

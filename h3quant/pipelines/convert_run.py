@@ -1,0 +1,215 @@
+"""Run a planned conversion: stream every tensor to its place in the output, atomically.
+
+Each output tensor is written at the offset ``plan_layout`` gave it (``OffsetWriter``), so a
+layer's codes, scales and marker are written as soon as they are computed and memory holds one
+layer (in row chunks for int8 and bf16). A copy thread streams the byte-for-byte tensors while
+the layers convert; both read the input in offset order. A layer whose conversion fails is
+recorded and the run goes on, so every failure is listed; the output is then discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from h3quant.errors import ConvertError, H3QuantError
+from h3quant.pipelines.convert_compute import CONVERTERS, SourceRows, copy_tensor
+from h3quant.pipelines.convert_io import OffsetWriter, Reader, StagedDir, fsync_dir
+from h3quant.pipelines.convert_options import REPORT_ROWS, REPORT_TOKENS
+from h3quant.pipelines.convert_plan import ConvertPlan
+from h3quant.pipelines.convert_report import layer_metrics, summarize
+
+
+class LayerFailures(ConvertError):
+    """Some layers could not be converted; nothing was written."""
+
+    exit_code = 1
+
+
+class _Sinks:
+    """Routes each output tensor name to the writer of its shard."""
+
+    def __init__(self, plan: ConvertPlan, writers: dict[str, OffsetWriter]):
+        self._by_name = {e.name: writers[s] for s, sp in plan.shards.items() for e in sp.entries}
+
+    def write(self, name: str, start: int, data) -> None:
+        self._by_name[name].write(name, start, data)
+
+    def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        self._by_name[name].write_tensor(name, tensor, start)
+
+
+def _by_input_offset(items, info_of) -> list:
+    return sorted(items, key=lambda x: (str(info_of(x).file), info_of(x).begin))
+
+
+def _copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
+    for item in items:
+        if stop.is_set():
+            return
+        copy_tensor(item, reader, sinks, progress)
+
+
+def run_plan(plan: ConvertPlan, ckpt, *, progress: bool = True) -> dict:
+    """Execute ``plan`` (from ``build_plan``) and return the report dict.
+
+    Two streams run at once: a copy thread writes every byte-for-byte tensor while the main
+    thread converts the layers (their row chunks on ``workers`` threads). Both read the input in
+    offset order and write at planned offsets, so neither waits for the other.
+    """
+    opts = plan.options
+    reader = Reader(ckpt)
+    results: dict[str, dict] = {}
+    failures: list[dict] = []
+    t0 = time.perf_counter()
+    from tqdm import tqdm
+
+    bar = tqdm(total=plan.input_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+               file=sys.stderr, disable=not progress, desc="convert", leave=False)
+    copies = _by_input_offset(plan.all_copies(), lambda c: c.src)
+    layers = _by_input_offset(plan.layers, lambda lp: lp.weight)
+    pool = ThreadPoolExecutor(opts.workers) if opts.workers > 1 else None
+    io = ThreadPoolExecutor(1, thread_name_prefix="h3quant-copy")
+    stop = threading.Event()
+    threads = torch.get_num_threads()
+    if opts.workers > 1:  # the workers share the cores: no nested intra-op teams
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.workers))
+    ok = False
+    try:
+        with contextlib.ExitStack() as stack:
+            writers = _open_writers(plan, stack)
+            sinks = _Sinks(plan, writers)
+            copying = io.submit(_copy_all, copies, reader, sinks, bar.update, stop)
+            try:
+                run = functools.partial(_run_layer, plan=plan, reader=reader, sinks=sinks,
+                                        bar=bar, results=results, failures=failures)
+                _convert_layers(layers, run, pool, opts, copying)
+                copying.result()
+            finally:
+                stop.set()
+                io.shutdown(wait=True)
+            for entry in results.values():  # collect the report tasks before the files close
+                if isinstance(entry.get("metrics"), Future):
+                    entry["metrics"] = entry["metrics"].result()
+            if failures:
+                raise LayerFailures(f"{len(failures)} layer(s) failed to convert; nothing written: "
+                                    + "; ".join(f"{f['name']}: {f['error']}" for f in failures))
+        ok = True
+    finally:
+        if pool is not None:  # after an error, chunks still running finish on their own
+            pool.shutdown(wait=ok, cancel_futures=True)
+        torch.set_num_threads(threads)
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    if plan.directory:
+        fsync_dir(plan.dst.parent)
+    return build_report(plan, results, elapsed)
+
+
+def _convert_layers(layers, run, pool, opts, copying) -> None:
+    """Layers one after another, their row chunks on the pool; W4A8 layers (one encoder call
+    per layer: its codebook is fitted on the whole layer) run ``workers`` at a time instead."""
+    if pool is None or opts.kind != "w4a8":
+        for lp in layers:
+            if copying.done() and copying.exception() is not None:
+                return
+            run(lp, pool=pool)
+        return
+    pending: deque = deque()
+    try:
+        for lp in layers:
+            pending.append(pool.submit(run, lp, pool=None))
+            if len(pending) >= opts.workers:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+def _open_writers(plan: ConvertPlan, stack: contextlib.ExitStack) -> dict[str, OffsetWriter]:
+    """One writer per shard. Sharded output goes to a staging directory; on success the shards
+    are renamed (writers exit first), then the index is written, then the directory moves."""
+    if not plan.directory:
+        (name, shard), = plan.shards.items()
+        return {name: stack.enter_context(OffsetWriter(plan.dst, shard.layout))}
+    tmp = stack.enter_context(StagedDir(plan.dst, overwrite=plan.options.overwrite))
+
+    def index_on_success(exc_type, exc, tb):
+        if exc_type is None:
+            _write_index(plan, tmp)
+        return False
+
+    stack.push(index_on_success)
+    return {name: stack.enter_context(OffsetWriter(tmp / name, s.layout))
+            for name, s in plan.shards.items()}
+
+
+def _write_index(plan: ConvertPlan, tmp) -> None:
+    """The shard index, written last (after every shard file is complete)."""
+    weight_map = {e.name: s for s, sp in plan.shards.items() for e in sp.entries}
+    meta = dict(plan.index_metadata)
+    meta["total_size"] = sum(sp.layout.data_bytes for sp in plan.shards.values())
+    body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+    with open(tmp / plan.index_name, "wb") as fh:
+        fh.write((json.dumps(body, indent=2) + "\n").encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(tmp)
+
+
+def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None:
+    opts = plan.options
+    copied = {c.src.name for c in lp.copies}
+    total = sum(t.nbytes for t in lp.inputs.values() if t.name not in copied)
+    done = [0]
+
+    def progress(n):
+        n = min(n, total - done[0])
+        done[0] += n
+        bar.update(n)
+
+    entry = lp.to_dict()
+    try:
+        if lp.action == "convert":
+            src = SourceRows(lp, reader)
+            samples = CONVERTERS[opts.kind](lp, src, opts, sinks, progress, opts.workers, pool)
+            if opts.report:  # on a worker when there are any: overlaps the next layer
+                ref, out = samples.cat()
+                args = (opts.kind, lp, ref, out, opts.group_size)
+                entry["metrics"] = (pool.submit(layer_metrics, *args) if pool
+                                    else layer_metrics(*args))
+        else:
+            for name in lp.produced:  # keep / skip / untouched produce at most a marker
+                sinks.write(name, 0, lp.marker)
+    except H3QuantError as exc:
+        entry["error"] = exc.reason
+        failures.append({"name": lp.name, "error": exc.reason})
+    progress(total)
+    results[lp.name] = entry
+
+
+def build_report(plan: ConvertPlan, results: dict[str, dict], elapsed: float) -> dict:
+    for entry in results.values():
+        if isinstance(entry.get("metrics"), Future):
+            entry["metrics"] = entry["metrics"].result()
+    base = plan.to_dict()
+    layers = [results.get(lp.name, lp.to_dict()) for lp in plan.layers]
+    base["layers"] = layers
+    base["summary"] = summarize(layers)
+    base["metric_method"] = (f"rows: up to {REPORT_ROWS} evenly spaced rows per layer; "
+                             f"activation: {REPORT_TOKENS} tokens, seeded N(0,1); runtime int8 "
+                             "math via torch._int_mm")
+    base["elapsed_s"] = round(elapsed, 3)
+    base["input_mb_per_s"] = round(plan.input_bytes / 1e6 / elapsed, 1) if elapsed > 0 else None
+    return base
