@@ -58,6 +58,19 @@ def _int8_scale(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
     return [(n, 1), (), (n,), (1,)]
 
 
+def _fp8_spec(fmt: QuantFormat, dtype: str, kind: str) -> SchemeSpec:
+    return SchemeSpec(
+        fmt.value, fmt, False,
+        (
+            TensorSpec("weight", (dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
+            TensorSpec("weight_scale", ("F32",), _int8_scale, "[] (or per row)"),
+            TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
+            _BIAS,
+        ),
+        True, f"fp8 {kind} weight with an fp32 tensor scale",
+    )
+
+
 SCHEMES: dict[QuantFormat, SchemeSpec] = {
     QuantFormat.INT8_TENSORWISE: SchemeSpec(
         "int8_tensorwise", QuantFormat.INT8_TENSORWISE, True,
@@ -84,26 +97,8 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
         ),
         True, "4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on",
     ),
-    QuantFormat.FLOAT8_E4M3FN: SchemeSpec(
-        "float8_e4m3fn", QuantFormat.FLOAT8_E4M3FN, False,
-        (
-            TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("F32",), _int8_scale, "[] (or per row)"),
-            TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
-            _BIAS,
-        ),
-        True, "fp8 e4m3 weight with an fp32 tensor scale",
-    ),
-    QuantFormat.FLOAT8_E5M2: SchemeSpec(
-        "float8_e5m2", QuantFormat.FLOAT8_E5M2, False,
-        (
-            TensorSpec("weight", ("F8_E5M2",), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("F32",), _int8_scale, "[] (or per row)"),
-            TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
-            _BIAS,
-        ),
-        True, "fp8 e5m2 weight with an fp32 tensor scale",
-    ),
+    QuantFormat.FLOAT8_E4M3FN: _fp8_spec(QuantFormat.FLOAT8_E4M3FN, "F8_E4M3", "e4m3"),
+    QuantFormat.FLOAT8_E5M2: _fp8_spec(QuantFormat.FLOAT8_E5M2, "F8_E5M2", "e5m2"),
     QuantFormat.NVFP4: SchemeSpec(
         "nvfp4", QuantFormat.NVFP4, False,
         (
