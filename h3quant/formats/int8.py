@@ -81,20 +81,36 @@ def _codes_(v: torch.Tensor, out: torch.Tensor, clamp: bool = True) -> None:
     out.copy_(v.clamp_(-128.0, 127.0) if clamp else v)
 
 
-def _encode_plain(weight: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotation(convrot: bool, g: int, method: str):
+    """The per-chunk transform applied before scaling: a ConvRot rotation, or none (fp32 copy)."""
+    if not convrot:
+        return lambda x: x
+    if method == "fast":
+        return lambda x: rotate_chunk_(x.contiguous(), g, torch.empty_like(x))
+    if method == "dense":
+        return lambda x: rotate_dense(x, g)
+    return lambda x: rotate_exact(x, g)
+
+
+def _encode_per_row(weight: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=weight.device)
+    step = _row_step(k)
+    for i in range(0, n, step):
+        rot = transform(weight[i:i + step].to(torch.float32, copy=True))
+        a = _absmax_rows(rot)
+        _finite_or_raise(a, i)
+        s = (a / 127.0).clamp_(min=SCALE_MIN)
+        scale[i:i + step] = s
+        _codes_(rot.div_(s), q[i:i + step], clamp=False)
+    return q, scale
+
+
+def _encode_tensorwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
     step = _row_step(k)
-    if per_row:
-        scale = torch.empty((n, 1), dtype=torch.float32, device=weight.device)
-        for i in range(0, n, step):
-            x = weight[i:i + step].to(torch.float32, copy=True)
-            a = _absmax_rows(x)
-            _finite_or_raise(a, i)
-            s = (a / 127.0).clamp_(min=SCALE_MIN)
-            scale[i:i + step] = s
-            _codes_(x.div_(s), q[i:i + step], clamp=False)
-        return q, scale
     amax = torch.zeros((), dtype=torch.float32, device=weight.device)
     for i in range(0, n, step):
         a = _absmax_rows(weight[i:i + step]).to(torch.float32)
@@ -103,27 +119,6 @@ def _encode_plain(weight: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, to
     scale = (amax / 127.0).clamp_(min=SCALE_MIN)
     for i in range(0, n, step):
         _codes_(weight[i:i + step].to(torch.float32, copy=True).div_(scale), q[i:i + step], clamp=False)
-    return q, scale
-
-
-def _encode_convrot(weight: torch.Tensor, g: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k = weight.shape
-    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
-    scale = torch.empty((n, 1), dtype=torch.float32, device=weight.device)
-    step = _row_step(k)
-    for i in range(0, n, step):
-        x = weight[i:i + step].to(torch.float32, copy=True)
-        if method == "fast":
-            rot = rotate_chunk_(x.contiguous(), g, torch.empty_like(x))
-        elif method == "dense":
-            rot = rotate_dense(x, g)
-        else:
-            rot = rotate_exact(x, g)
-        a = _absmax_rows(rot)
-        _finite_or_raise(a, i)
-        s = (a / 127.0).clamp_(min=SCALE_MIN)
-        scale[i:i + step] = s
-        _codes_(rot.div_(s), q[i:i + step], clamp=False)
     return q, scale
 
 
@@ -143,9 +138,9 @@ def encode_int8(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_weight(weight, convrot, group_size, per_row)
-    if not convrot:
-        return _encode_plain(weight, per_row)
-    return _encode_convrot(weight, group_size, method)
+    if not per_row:
+        return _encode_tensorwise(weight)
+    return _encode_per_row(weight, _rotation(convrot, group_size, method))
 
 
 def decode_int8(
