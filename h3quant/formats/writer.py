@@ -84,10 +84,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def default_mode(directory: bool = False) -> int:
+    """Permissions a plain ``open``/``mkdir`` would give (mkstemp/mkdtemp make 0600/0700)."""
+    mask = os.umask(0o022)
     os.umask(mask)
-    return mask
+    return (0o777 if directory else 0o666) & ~mask
 
 
 class StreamingWriter:
@@ -156,7 +157,7 @@ class StreamingWriter:
                     raise ContainerError(f"output incomplete: {self.current.name} and later tensors "
                                          "were never written", path=self.path)
                 os.fsync(self._fh.fileno())
-                os.fchmod(self._fh.fileno(), 0o666 & ~_umask())
+                os.fchmod(self._fh.fileno(), default_mode())
             self._fh.close()
             if exc_type is None:
                 os.replace(self._tmp, self.path)

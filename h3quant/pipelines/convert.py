@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from h3quant.formats.checkpoint import Checkpoint
-from h3quant.pipelines.convert_io import default_mode
+from h3quant.formats.writer import default_mode
 from h3quant.pipelines.convert_options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert_plan import ConvertPlan, build_plan
 from h3quant.pipelines.convert_report import summary_line

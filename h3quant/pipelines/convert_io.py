@@ -10,7 +10,6 @@ once.
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import tempfile
@@ -22,21 +21,7 @@ import torch
 from h3quant.errors import ContainerError
 from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
-from h3quant.formats.writer import Layout
-
-_PAGE = mmap.PAGESIZE
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def default_mode(directory: bool = False) -> int:
-    """Permissions a plain ``open``/``mkdir`` would give (mkstemp/mkdtemp make 0600/0700)."""
-    return (0o777 if directory else 0o666) & ~_umask()
-
+from h3quant.formats.writer import Layout, default_mode
 
 FLUSH_BYTES = 256 << 20  # start writeback after this many new bytes (overlaps the final fsync)
 
@@ -285,18 +270,7 @@ class Reader:
 
     def release(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
         """Drop the mapped pages of a byte range of ``info`` (no-op without mmap)."""
-        sf = self.ckpt.file_of(info.name)
-        mm = getattr(sf, "_mm", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        length = info.nbytes - start if length is None else length
-        begin = info.begin + start
-        lo = begin - begin % _PAGE
-        hi = begin + length
-        try:
-            mm.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(mm)) - lo)
-        except (OSError, ValueError):
-            pass
+        self.ckpt.file_of(info.name).release_pages(info, start, length)
 
     def release_rows(self, info: TensorInfo, r0: int, r1: int) -> None:
         row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
@@ -305,14 +279,7 @@ class Reader:
 
     def prefetch_rows(self, info: TensorInfo, r0: int, r1: int) -> None:
         """Ask the kernel to start reading rows ``[r0, r1)`` (mmap only)."""
-        sf = self.ckpt.file_of(info.name)
-        mm = getattr(sf, "_mm", None)
         row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
-        if mm is None or not row or not hasattr(mmap, "MADV_WILLNEED"):
-            return
-        begin = info.begin + r0 * row
-        lo = begin - begin % _PAGE
-        try:
-            mm.madvise(mmap.MADV_WILLNEED, lo, min(begin + (r1 - r0) * row, len(mm)) - lo)
-        except (OSError, ValueError):
-            pass
+        if row:
+            self.ckpt.file_of(info.name).prefetch(info, r0 * row, (r1 - r0) * row)
+
