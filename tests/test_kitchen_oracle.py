@@ -87,3 +87,24 @@ def test_kitchen_written_w4a8_file_reads_validates_and_verifies(tmp_path):
                                "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert "asym_w4a8_int8" in res.output and "PASS" in res.output
+
+
+def test_fast_rotation_is_within_one_code_of_kitchen(files, tmp_path):
+    src, exact_out = files
+    fast_out = tmp_path / "fast.safetensors"
+    convert(src, fast_out, ConvertOptions(target="int8-convrot", rotation="fast"))
+    with Checkpoint(exact_out) as a, Checkpoint(fast_out) as b:
+        assert "rotation" in b.metadata["h3quant.options"]
+        assert "rotation" not in a.metadata["h3quant.options"]
+        for name in scan_checkpoint(a).quantized:
+            qa, qb = a.read(name + ".weight"), b.read(name + ".weight")
+            assert (qa.int() - qb.int()).abs().max() <= 1, name
+            torch.testing.assert_close(a.read(name + ".weight_scale"), b.read(name + ".weight_scale"),
+                                       rtol=1e-6, atol=0)
+
+
+def test_unknown_rotation_rejected():
+    from h3quant.errors import ConvertError
+
+    with pytest.raises(ConvertError, match="--rotation"):
+        ConvertOptions(rotation="sylvester")

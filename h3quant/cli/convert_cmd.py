@@ -35,6 +35,10 @@ def _group_size(ctx, param, value):
               help="Never convert layers whose name matches (repeatable).")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
+@click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+              help="int8 ConvRot rotation: 'exact' gives codes bit-identical to comfy-kitchen; "
+                   "'fast' (butterfly) is ~1.7x faster to encode, equal to fp32 rounding "
+                   "(a few codes per million differ by 1).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -47,12 +51,22 @@ def _group_size(ctx, param, value):
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
 @handle_errors
-def command(src, dst, target, preset, include, exclude, group_size, overwrite, dry_run, as_json,
-            quiet, report_path, no_report, workers, no_mmap):
+def command(src, dst, target, preset, include, exclude, group_size, rotation, overwrite, dry_run,
+            as_json, quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
-    Nothing is left at OUT if anything fails; OUT == IN is refused.
+    Nothing is left at OUT if anything fails; OUT == IN is refused. The output is written to a
+    temporary file beside OUT and renamed when complete; the same input and options always give
+    the same bytes. Exit status: 0 ok, 1 a layer failed (nothing written), 2 usage or I/O error.
+
+    \b
+    Examples:
+      h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
+      h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
+      h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
+      h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
+      h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
     """
     from h3quant.pipelines.convert import (
         ConvertOptions,
@@ -68,7 +82,7 @@ def command(src, dst, target, preset, include, exclude, group_size, overwrite, d
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
                              exclude=tuple(exclude), group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
-                             overwrite=overwrite)
+                             overwrite=overwrite, rotation=rotation)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

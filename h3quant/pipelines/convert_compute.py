@@ -158,7 +158,8 @@ def encode_int8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        q, s = encode_int8(w, convrot=opts.convrot, group_size=g, per_row=True)
+        q, s = encode_int8(w, convrot=opts.convrot, group_size=g, per_row=True,
+                           method=opts.rotation)
         with lock:
             samples.take(r0, r1, w, q=q, s=s)
         src.release(r0, r1)
