@@ -15,7 +15,9 @@ from h3quant.errors import DeviceError, FormatError, UnsupportedError
 from h3quant.runtime.backends import list_backends, reference_linear, w8a8_emulation
 from h3quant.runtime.backends.base import LinearOptions
 from h3quant.runtime.capabilities import CUDA_INT_MM_GATE, StaticProbe
-from h3quant.runtime.int8_math import _quantize_activation, scale_accumulator
+from h3quant.formats.int8 import quantize_activation as _quantize_activation
+from h3quant.runtime.int8_math import quantize_activation as runtime_quantize_activation
+from h3quant.runtime.int8_math import scale_accumulator
 from h3quant.runtime.linear import QuantizedLinear
 
 TOL = {"torch-int8": 0.02, "dequant": 0.01, "reference": 0.005}
@@ -275,17 +277,17 @@ def test_kitchen_oracle_agrees_on_cpu(layer_data):
     assert rel(ours, theirs) < 0.01
 
 
-def test_local_activation_quantizer_matches_formats_codec():
-    codec = pytest.importorskip("h3quant.formats.int8")
-    if not hasattr(codec, "quantize_activation"):
-        pytest.skip("h3quant.formats.int8.quantize_activation not available yet")
+def test_runtime_activation_path_is_rotation_then_the_codec_quantizer():
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(37, 256, generator=g) * torch.logspace(-3, 3, 37)[:, None]
-    x[4] = 0
-    x[5, :] = 0.5  # ties
-    q_ours, s_ours = _quantize_activation(x)
-    q_theirs, s_theirs = codec.quantize_activation(x)
-    assert torch.equal(q_ours, q_theirs) and torch.equal(s_ours, s_theirs)
+    x = torch.randn(3, 37, 256, generator=g) * torch.logspace(-3, 3, 37)[None, :, None]
+    x[0, 4] = 0
+    x[1, 5, :] = 0.5  # ties
+    q_rt, s_rt = runtime_quantize_activation(x, True, 64)
+    q_c, s_c = _quantize_activation(rotate(x, 64).reshape(-1, 256))
+    assert torch.equal(q_rt, q_c) and torch.equal(s_rt, s_c)
+    q_rt, s_rt = runtime_quantize_activation(x, False, 64)
+    q_c, s_c = _quantize_activation(x.reshape(-1, 256))
+    assert torch.equal(q_rt, q_c) and torch.equal(s_rt, s_c)
 
 
 def test_kitchen_runner_plumbing_on_cpu(layer_data):

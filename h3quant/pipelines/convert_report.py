@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from h3quant.convrot import rotate
 from h3quant.pipelines.convert_options import REPORT_ROWS, REPORT_SEED, REPORT_TOKENS
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.runtime.int8_math import quantize_activation, scale_accumulator
 
 _X_CACHE: dict[int, torch.Tensor] = {}
 
@@ -36,29 +37,9 @@ def activation(k: int) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, convrot: bool,
                 group_size: int) -> torch.Tensor:
     """The runtime W8A8 product (FORMATS.md 3.2) of fp32 ``x`` [M, K] with int8 ``q`` [N, K]."""
-    from h3quant.formats.int8 import quantize_activation
-
-    xr = rotate(x, group_size) if convrot else x.float()
-    q_x, s_x = quantize_activation(xr)
+    q_x, s_x = quantize_activation(x, convrot, group_size)
     acc = torch._int_mm(q_x.contiguous(), q.contiguous().t())  # column-major B: the fast path
-    return acc.float() * s_x.reshape(-1, 1).float() * s.reshape(1, -1).float()
-
-
-def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
-    num = (ref.double() - got.double()).norm().item()
-    den = ref.double().norm().item()
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
-
-
-def weight_metrics(ref: torch.Tensor, got: torch.Tensor) -> dict:
-    r, g = ref.double().flatten(), got.double().flatten()
-    err = (r - g).norm().item()
-    norm = r.norm().item()
-    gn = g.norm().item()
-    rel = err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
-    sqnr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm > 0 else -math.inf)
-    cos = (r @ g).item() / (norm * gn) if norm > 0 and gn > 0 else (1.0 if err == 0 else 0.0)
-    return {"rel_l2": rel, "sqnr_db": sqnr, "cosine": cos}
+    return scale_accumulator(acc, s_x, s.reshape(-1), torch.float32)
 
 
 def layer_metrics(kind: str, lp, ref: torch.Tensor, out: dict, group_size: int) -> dict:
@@ -89,9 +70,9 @@ def layer_metrics(kind: str, lp, ref: torch.Tensor, out: dict, group_size: int) 
         w_hat = decode_w4a8(local, group_size=g16, convrot_groupsize=group_size)
         w8 = decode_w4a8_int8(out["weight"], out["weight_s_rel"], group_size=g16, codebook=cb)
         y = int8_linear(x, w8, out["weight_s_channel"], convrot=True, group_size=group_size)
-    m = weight_metrics(ref, w_hat)
-    return {"weight_rel_l2": m["rel_l2"], "sqnr_db": m["sqnr_db"], "cosine": m["cosine"],
-            "output_rel_l2": _rel(y_ref, y), "rows_sampled": int(ref.shape[0])}
+    rel, sqnr, cos = error_metrics(w_hat, ref)
+    return {"weight_rel_l2": rel, "sqnr_db": sqnr, "cosine": cos,
+            "output_rel_l2": error_metrics(y, y_ref)[0], "rows_sampled": int(ref.shape[0])}
 
 
 def summarize(layers: list[dict]) -> dict:

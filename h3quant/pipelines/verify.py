@@ -64,6 +64,7 @@ from h3quant.runtime.block import (
     seeded_inputs,
     swiglu,
 )
+from h3quant.pipelines.metrics import error_metrics
 from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, LoadedLayer, block_indices, load_blocks
 
 DEFAULT_BLOCKS = 2
@@ -170,18 +171,6 @@ def _json_safe(obj):
 
 
 # ------------------------------------------------------------------------------------ metrics
-
-
-def compare(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    """(relative L2 error, SQNR dB, cosine) of ``y`` against ``ref``, in float64."""
-    y, ref = y.double().flatten(), ref.double().flatten()
-    num, den = (y - ref).norm().item(), ref.norm().item()
-    if not math.isfinite(num):
-        return math.inf, -math.inf, float("nan")
-    rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
-    sqnr = math.inf if rel == 0 else -20.0 * math.log10(rel)
-    cos = F.cosine_similarity(y, ref, dim=0).item() if den > 0 and y.norm() > 0 else 0.0
-    return rel, sqnr, cos
 
 
 # ------------------------------------------------------------------------------ data checks
@@ -293,7 +282,7 @@ def _check_layer(layer, ref_w, ref_b, run_mod, tdev, dtype, tokens, seed, salt, 
         with torch.no_grad():
             y = (run_mod(x.to(tdev), input_act=act) if act else run_mod(x.to(tdev))).float().cpu()
             ref = F.linear(swiglu(x.float()) if act else x.float(), ref_w, ref_b)
-        rel, sqnr, cos = compare(y, ref)
+        rel, sqnr, cos = error_metrics(y, ref)
         checks.append(LayerCheck(layer.name, layer.format.value, path,
                                  str(getattr(run_mod, "backend_name", "?")), rel, sqnr, cos, limit,
                                  rel <= limit))
@@ -388,7 +377,7 @@ def _verify_block(qb, rb, result, run, siblings) -> None:
     with torch.no_grad():
         y_ref = rblock(x, temb)
         y = qblock(x.to(dtype).to(tdev), temb.to(tdev)).float().cpu()
-    rel, sqnr, cos = compare(y - x, y_ref - x)
+    rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
     w4 = QuantFormat.ASYM_W4A8_INT8.value in fmts
     limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from h3quant.convrot import rotate
 from h3quant.errors import FormatError, UnsupportedError
+from h3quant.formats.int8 import quantize_activation as quantize_rows
 
 INPUT_ACTS = (None, "none", "swiglu")
 # Largest fp32 temporary (bytes) materialised at once when scaling int32 accumulators.
@@ -57,24 +58,12 @@ def rotate_activation(x: torch.Tensor, convrot: bool, group_size: int) -> torch.
     return rotate(x, group_size) if convrot else x.to(torch.float32)
 
 
-def _quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row dynamic int8 quantization of a 2-D fp32 activation.
-
-    ``s_x[m] = max(max_k |x[m, k]| / 127, 1e-30)``; ``q_x = clamp(round_half_even(x / s_x), -128, 127)``.
-    Returns ``(q_x int8 [M, K], s_x fp32 [M])``.
-    """
-    xf = x2d.to(torch.float32)
-    s_x = (xf.abs().amax(dim=-1) / 127.0).clamp_min(1e-30)
-    q_x = torch.round(xf / s_x[:, None]).clamp_(-128, 127).to(torch.int8)
-    return q_x, s_x
-
-
 def quantize_activation(
     x: torch.Tensor, convrot: bool, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate (fp32), flatten to ``[M, K]`` and quantize per row: ``(q_x int8, s_x fp32 [M])``."""
     xr = rotate_activation(x, convrot, group_size)
-    return _quantize_activation(xr.reshape(-1, xr.shape[-1]))
+    return quantize_rows(xr.reshape(-1, xr.shape[-1]))
 
 
 def scale_accumulator(
