@@ -19,18 +19,11 @@ from h3quant.formats.int8 import quantize_activation as _quantize_activation
 from h3quant.runtime.int8_math import quantize_activation as runtime_quantize_activation
 from h3quant.runtime.int8_math import scale_accumulator
 from h3quant.runtime.linear import QuantizedLinear
+from runtime_util import quantize_weight, rel
 
 TOL = {"torch-int8": 0.02, "dequant": 0.01, "reference": 0.005}
 
 
-def quantize_weight(w, convrot=True, g=256):
-    wr = rotate(w, g) if convrot else w.float()
-    s = (wr.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-30)
-    return torch.round(wr / s).clamp(-128, 127).to(torch.int8), s
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture

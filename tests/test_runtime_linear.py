@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from h3quant.convrot import rotate
 from h3quant.errors import DeviceError
 from h3quant.runtime.backends import reference_linear
 from h3quant.runtime.capabilities import StaticProbe
 from h3quant.runtime.linear import QuantizedLinear
+from runtime_util import quantize_weight, rel
 
 
 class RecordOps(TorchDispatchMode):
@@ -24,14 +24,6 @@ class RecordOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def quantize_weight(w, g=256):
-    wr = rotate(w, g)
-    s = (wr.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-30)
-    return torch.round(wr / s).clamp(-128, 127).to(torch.int8), s
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture

@@ -23,19 +23,12 @@ from h3quant.runtime.devices import parse_device
 from h3quant.runtime.linear import QuantizedLinear
 from h3quant.runtime.sim_npu import SimulatedTorchNpu, simulated_npu
 from h3quant.runtime.simdevice import SimTensor, simulated_mps
+from runtime_util import quantize_weight, rel
 
 if importlib.util.find_spec("torch_npu") is not None:  # pragma: no cover
     pytest.skip("a real torch_npu is installed; the simulation would shadow it", allow_module_level=True)
 
 
-def quantize_weight(w, convrot=True, g=256):
-    wr = rotate(w, g) if convrot else w.float()
-    s = (wr.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-30)
-    return torch.round(wr / s).clamp(-128, 127).to(torch.int8), s
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def swiglu(h):
