@@ -42,6 +42,7 @@ class Layout:
     header: bytes  # 8-byte length + padded JSON
     order: tuple[Entry, ...]
     offsets: dict[str, tuple[int, int]]
+    entries: dict[str, Entry]
 
     @property
     def data_bytes(self) -> int:
@@ -69,7 +70,7 @@ def plan_layout(entries: list[Entry], metadata: dict[str, str] | None = None) ->
         pos += e.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    return Layout(struct.pack("<Q", len(text)) + text, order, offsets)
+    return Layout(struct.pack("<Q", len(text)) + text, order, offsets, {e.name: e for e in order})
 
 
 def entry_for(name: str, tensor: torch.Tensor) -> Entry:
@@ -141,7 +142,7 @@ class StreamingWriter:
             self._skip_empty()
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        planned = next((e for e in self.layout.order if e.name == name), None)
+        planned = self.layout.entries.get(name)
         got = (from_torch(tensor.dtype), tuple(tensor.shape))
         if planned is None or got != (planned.dtype, planned.shape):
             want = f"{planned.dtype} {list(planned.shape)}" if planned else "no such tensor"
