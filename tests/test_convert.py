@@ -132,7 +132,7 @@ def test_output_is_deterministic_and_independent_of_workers_and_mmap(h3_file, tm
 def test_codes_equal_encoder_across_row_chunks(tmp_path, monkeypatch):
     """Several row chunks per layer (small chunk size) still give one-call encoder codes."""
     from h3quant.formats.int8 import encode_int8
-    from h3quant.pipelines import convert_compute
+    from h3quant.pipelines.convert import compute as convert_compute
 
     monkeypatch.setattr(convert_compute, "CHUNK_ELEMS", 256 * 7)  # 7 rows of K=256 per chunk
     src = write(tmp_path / "in.safetensors", small_h3(blocks=1))
@@ -220,8 +220,8 @@ def test_non_h3_input_defaults_to_all_linears(tmp_path):
 def test_report_metrics_match_an_independent_computation(h3_file, tmp_path):
     from h3quant.convrot import rotate
     from h3quant.formats.int8 import decode_int8
-    from h3quant.pipelines.convert_compute import sample_rows
-    from h3quant.pipelines.convert_report import activation
+    from h3quant.pipelines.convert.compute import sample_rows
+    from h3quant.pipelines.convert.report import activation
 
     out = tmp_path / "o.safetensors"
     report = convert(h3_file, out, ConvertOptions())
@@ -258,7 +258,7 @@ def test_no_report_skips_metrics(h3_file, tmp_path):
 
 
 def test_output_file_mode_follows_umask(h3_file, tmp_path):
-    from h3quant.pipelines.convert_io import default_mode
+    from h3quant.pipelines.convert.io import default_mode
 
     out = tmp_path / "o.safetensors"
     convert(h3_file, out, ConvertOptions(report=False))

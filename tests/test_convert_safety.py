@@ -263,7 +263,7 @@ def test_offset_writer_any_order_incomplete_and_closed(tmp_path):
     import torch
 
     from h3quant.formats.writer import entry_for, plan_layout, save_tensors
-    from h3quant.pipelines.convert_io import OffsetWriter
+    from h3quant.pipelines.convert.io import OffsetWriter
 
     tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int8),
                "c": torch.ones(3, dtype=torch.bfloat16)}

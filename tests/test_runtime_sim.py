@@ -1,6 +1,6 @@
 """Regression tests for seed failures 1, 3 and 4 on SIMULATED Ascend NPU and MPS devices.
 
-The simulations (h3quant.runtime.sim_npu, h3quant.runtime.simdevice) run on the CPU; see their
+The simulations (h3quant.testing.sim_npu, h3quant.testing.simdevice) run on the CPU; see their
 docstrings for what they model. Tolerances: NPU output vs ``w8a8_emulation`` of the same
 bf16-rounded rotated activation: bit-identical without bias, rel L2 <= 0.01 with bias (the op adds
 the bias in fp32 before the cast); any backend vs the fp32 reference: rel L2 <= 0.02.
@@ -21,8 +21,8 @@ from h3quant.runtime.backends.npu import npu_layer_reasons
 from h3quant.runtime.capabilities import LiveProbe
 from h3quant.runtime.devices import parse_device
 from h3quant.runtime.linear import QuantizedLinear
-from h3quant.runtime.sim_npu import SimulatedTorchNpu, simulated_npu
-from h3quant.runtime.simdevice import SimTensor, simulated_mps
+from h3quant.testing.sim_npu import SimulatedTorchNpu, simulated_npu
+from h3quant.testing.simdevice import SimTensor, simulated_mps
 from runtime_util import quantize_weight, rel
 
 if importlib.util.find_spec("torch_npu") is not None:  # pragma: no cover

@@ -181,7 +181,7 @@ def test_verify_setup_errors(files):
 
 def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
     from h3quant.cli.verify_cmd import render
-    from h3quant.runtime.sim_npu import simulated_npu
+    from h3quant.testing.sim_npu import simulated_npu
 
     with simulated_npu() as sim:
         r = verify_checkpoint(files["int8"], device="npu", tokens=TOKENS, probe=sim.probe)
@@ -197,7 +197,7 @@ def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
 
 
 def test_simulated_mps_dequantizes_on_the_device(files, cpu_int8):
-    from h3quant.runtime.simdevice import simulated_mps
+    from h3quant.testing.simdevice import simulated_mps
 
     with simulated_mps() as sim:  # any aten::_int_mm on the device would raise here
         r = verify_checkpoint(files["int8"], device="mps", tokens=TOKENS, probe=sim.probe)

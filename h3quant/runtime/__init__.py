@@ -1,7 +1,6 @@
 """Runtime: devices, capability probes, int8 linear backends and the quantized linear module.
 
-Simulations of hardware we lack (``simdevice``, ``sim_npu``) are test aids and are not imported
-here.
+Simulations of hardware we lack live in ``h3quant.testing`` and are never imported here.
 """
 
 from h3quant.runtime.backends import (

@@ -7,7 +7,7 @@ weight scale, the per-token scale and the bias itself, so its output is final: n
 nothing moves to the CPU.
 
 ``torch_npu`` is whatever module the probe imports (the real one, or the simulation in
-``h3quant.runtime.sim_npu``, which installs itself as ``sys.modules["torch_npu"]``).
+``h3quant.testing.sim_npu``, which installs itself as ``sys.modules["torch_npu"]``).
 """
 
 from __future__ import annotations

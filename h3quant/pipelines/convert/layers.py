@@ -19,7 +19,7 @@ from h3quant.formats.markers import (
     parse_marker_bytes,
 )
 from h3quant.formats.writer import Entry
-from h3quant.pipelines.convert_options import W4A8_GROUP, ConvertOptions, describe_fields
+from h3quant.pipelines.convert.options import W4A8_GROUP, ConvertOptions, describe_fields
 
 INT8 = QuantFormat.INT8_TENSORWISE.value
 W4A8 = QuantFormat.ASYM_W4A8_INT8.value

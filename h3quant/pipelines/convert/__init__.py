@@ -21,10 +21,10 @@ from pathlib import Path
 
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.writer import default_mode
-from h3quant.pipelines.convert_options import TARGETS, ConvertOptions
-from h3quant.pipelines.convert_plan import ConvertPlan, build_plan
-from h3quant.pipelines.convert_report import summary_line
-from h3quant.pipelines.convert_run import LayerFailures, run_plan
+from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
+from h3quant.pipelines.convert.plan import ConvertPlan, build_plan
+from h3quant.pipelines.convert.report import summary_line
+from h3quant.pipelines.convert.run import LayerFailures, run_plan
 
 __all__ = ["TARGETS", "ConvertOptions", "ConvertPlan", "LayerFailures", "convert",
            "plan_convert", "render_plan", "summary_line", "write_report"]

@@ -21,7 +21,7 @@ from h3quant.formats.markers import (
     parse_header_metadata,
 )
 from h3quant.formats.writer import Entry, Layout, plan_layout
-from h3quant.pipelines.convert_layers_plan import (
+from h3quant.pipelines.convert.layers import (
     NEVER_WRITTEN,
     CopyItem,
     LayerPlan,
@@ -31,7 +31,7 @@ from h3quant.pipelines.convert_layers_plan import (
     same_target,
     skip_reason,
 )
-from h3quant.pipelines.convert_options import (
+from h3quant.pipelines.convert.options import (
     W4A8_GROUP,
     ConvertOptions,
     describe_fields,

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from h3quant.pipelines.convert_options import REPORT_ROWS, REPORT_SEED, REPORT_TOKENS
+from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_SEED, REPORT_TOKENS
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.runtime.int8_math import quantize_activation, scale_accumulator
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from h3quant.errors import FormatError
-from h3quant.pipelines.convert_io import Reader
-from h3quant.pipelines.convert_layers_plan import INT8, W4A8, LayerPlan
-from h3quant.pipelines.convert_options import REPORT_ROWS, W4A8_GROUP, ConvertOptions
+from h3quant.pipelines.convert.io import Reader
+from h3quant.pipelines.convert.layers import INT8, W4A8, LayerPlan
+from h3quant.pipelines.convert.options import REPORT_ROWS, W4A8_GROUP, ConvertOptions
 
 CHUNK_ELEMS = 1 << 20  # weight elements per row chunk (4 MB as fp32)
 COPY_CHUNK = 16 << 20  # bytes per copy chunk

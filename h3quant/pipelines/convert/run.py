@@ -22,11 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from h3quant.errors import ConvertError, H3QuantError
-from h3quant.pipelines.convert_compute import CONVERTERS, SourceRows, copy_tensor
-from h3quant.pipelines.convert_io import OffsetWriter, Reader, StagedDir, fsync_dir
-from h3quant.pipelines.convert_options import REPORT_ROWS, REPORT_TOKENS
-from h3quant.pipelines.convert_plan import ConvertPlan
-from h3quant.pipelines.convert_report import layer_metrics, summarize
+from h3quant.pipelines.convert.compute import CONVERTERS, SourceRows, copy_tensor
+from h3quant.pipelines.convert.io import OffsetWriter, Reader, StagedDir, fsync_dir
+from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
+from h3quant.pipelines.convert.plan import ConvertPlan
+from h3quant.pipelines.convert.report import layer_metrics, summarize
 
 
 class LayerFailures(ConvertError):
