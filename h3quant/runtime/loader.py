@@ -25,8 +25,8 @@ from h3quant.formats.dtypes import FLOAT_DTYPES
 from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
 from h3quant.formats import registry
 from h3quant.formats.markers import QuantFormat
+from h3quant.formats.topology import BLOCK_LINEARS
 
-BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
 
 
