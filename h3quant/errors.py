@@ -59,6 +59,15 @@ class ConvertError(H3QuantError):
     """A conversion cannot proceed (bad options, refused output path, failed layer)."""
 
 
+class OutputError(H3QuantError):
+    """An output path is refused (it is an input, another output, not a regular file, a foreign
+    directory, exists without --overwrite) or appeared while the command ran."""
+
+
+class UsageError(H3QuantError):
+    """An option value is out of range or unavailable (exit 2, before any work)."""
+
+
 class DeviceError(H3QuantError):
     """A device string is invalid or the device cannot run what was asked."""
 

@@ -74,7 +74,6 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
         plan_convert,
         render_plan,
         summary_line,
-        write_report,
     )
 
     if no_report and report_path:
@@ -93,7 +92,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
     say = (lambda msg: None) if quiet else log
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
-                       progress=not quiet, log=say)
+                       progress=not quiet and sys.stderr.isatty(), log=say,
+                       report_path=report_path)
     except KeyboardInterrupt:
         # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
         # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
@@ -101,8 +101,6 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-    if report_path:
-        write_report(report_path, report)
     if as_json:
         emit_json(report)
     if not quiet:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
 from h3quant.cli.common import handle_errors, log
-from h3quant.errors import ConvertError
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for outputs at least this big
 
@@ -48,24 +48,22 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth h3_tiny_full.safetensors --form full --seed 7
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
     """
+    from h3quant.formats.atomic import Outputs
     from h3quant.formats.topology import config_for
     from h3quant.synth import synth_checkpoint
 
-    if out.is_dir():
-        raise ConvertError("output is a directory", path=out)
-    if out.exists() and not overwrite:
-        raise ConvertError("output exists; pass --overwrite to replace it", path=out)
-    if not out.parent.exists():
-        raise ConvertError("output directory does not exist", path=out.parent)
     cfg = config_for(preset, blocks=blocks, form=form)
     # Rough size for the progress decision: 2 bytes per element of the big 16-bit tensors.
     per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in
                         ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")))
     approx = per_block * (cfg.blocks + cfg.refiner_blocks)
-    result = synth_checkpoint(out, preset=preset, blocks=blocks, form=form, seed=seed,
-                              progress=not quiet and approx >= PROGRESS_MIN_BYTES)
+    with Outputs(overwrite=overwrite, log=log) as outs:
+        staged = outs.add(out)  # checked before any work; appears only when complete
+        result = synth_checkpoint(staged, preset=preset, blocks=blocks, form=form, seed=seed,
+                                  progress=not quiet and approx >= PROGRESS_MIN_BYTES
+                                  and sys.stderr.isatty())
     if not quiet:
         c = result.config
-        log(f"wrote {result.path} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
+        log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
             f"preset={preset} form={c.form} blocks={c.blocks} refiner_blocks={c.refiner_blocks} "
             f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}")
