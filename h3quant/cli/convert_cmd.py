@@ -7,7 +7,14 @@ import sys
 
 import click
 
-from h3quant.cli.common import emit_json, guard, handle_errors, log, mmap_option
+from h3quant.cli.common import (
+    WORKERS,
+    emit_json,
+    guard,
+    handle_errors,
+    log,
+    mmap_option,
+)
 from h3quant.errors import ConvertError
 
 _TARGETS = ("int8-convrot", "int8", "w4a8", "bf16")
@@ -17,7 +24,7 @@ def _group_size(ctx, param, value):
     from h3quant.convrot import is_valid_group_size
 
     if value is not None and not is_valid_group_size(value):
-        raise click.BadParameter(f"{value} is not a power of 4 (4, 16, 64, 256, 1024)")
+        raise click.BadParameter(f"{value} is not a power of 4 in 4..1024 (4, 16, 64, 256, 1024)")
     return value
 
 
@@ -46,7 +53,7 @@ def _group_size(ctx, param, value):
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=str),
               help="Write the per-layer error report (JSON) to this file.")
 @click.option("--no-report", is_flag=True, help="Skip the per-layer error measurement.")
-@click.option("--workers", type=int, default=None,
+@click.option("--workers", type=WORKERS, default=None,
               help="Threads encoding row chunks in parallel (default: one per CPU, at most 8; "
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
@@ -58,7 +65,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
     Nothing is left at OUT if anything fails; OUT == IN is refused. The output is written to a
     temporary file beside OUT and renamed when complete; the same input and options always give
-    the same bytes. Exit status: 0 ok, 1 a layer failed (nothing written), 2 usage or I/O error.
+    the same bytes. Exit status: 0 ok, 1 a layer failed or its source data breaks a rule (nothing
+    written), 2 usage or I/O error (nothing written).
 
     \b
     Examples:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from h3quant.cli.common import handle_errors, log
+from h3quant.cli.common import MAX_BLOCKS, SEED, handle_errors, log
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for outputs at least this big
 
@@ -24,13 +24,13 @@ def _size(n: int) -> str:
               help="Widths: 'tiny' (hidden 512, fast tests) or 'full' (the real H3 dims, "
                    "hidden 5376: ~0.77 GB per DiT block plus ~1.6 GB of token refiner and "
                    "other tensors; 50 blocks make ~40 GB).")
-@click.option("--blocks", type=click.IntRange(min=1), default=None,
+@click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=None,
               help="Number of DiT blocks (default: 2 for tiny, 50 for full).")
 @click.option("--form", type=click.Choice(["pruned", "full"]), default="pruned", show_default=True,
               help="'pruned': adaln_t_table [1025, 8] (the released form); 'full': "
                    "time_embedder.proj_in/proj_out.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Random seed; the same options and seed give byte-identical files.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @handle_errors
@@ -41,6 +41,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
     The file has the real H3 DiT tensor names, dtypes and shapes (FORMATS.md 5) with seeded
     random data: Gaussian linears with a few large-outlier input channels, norms near 1, small
     biases. Data is generated and streamed one chunk at a time, so memory stays small.
+    OUT appears only when complete. Exit status: 0 written, 2 usage or I/O error.
 
     \b
     Examples:
