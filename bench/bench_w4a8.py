@@ -44,7 +44,12 @@ def _worker(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from h3quant.formats.w4a8 import FROZEN_CODEBOOK, decode_w4a8, encode_w4a8, relative_l2
+    from h3quant.formats.w4a8 import (
+        FROZEN_CODEBOOK,
+        decode_w4a8,
+        encode_w4a8,
+        relative_l2,
+    )
 
     n, k = (int(v) for v in args.worker_shape.split("x"))
     w = make_weight(n, k)
@@ -72,7 +77,7 @@ def _run(shape: str, encoder: str, args) -> dict | None:
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-shape", shape,
            "--worker-encoder", encoder, "--threads", str(args.threads), "--codebook", args.codebook]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
         print(f"  {encoder} failed:\n{proc.stderr.strip()[-2000:]}", file=sys.stderr)
         return None
@@ -122,7 +127,7 @@ def main() -> None:
                      else "")
             print(f"{shape:>12} {enc:>8} {r['wall']:8.2f} {r['cpu']:8.2f} "
                   f"{r['cpu'] / r['weights'] * 1e9:10.1f} {mbps:8.1f} {r['peak_rss_mib']:13.0f} "
-                  f"{r['rel_l2']:10.6f} {str(r['fitted']):>6} {ratio:>8}", flush=True)
+                  f"{r['rel_l2']:10.6f} {r['fitted']!s:>6} {ratio:>8}", flush=True)
 
 
 if __name__ == "__main__":

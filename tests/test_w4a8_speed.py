@@ -16,8 +16,18 @@ import torch
 from h3quant.convrot import rotate
 from h3quant.formats import w4a8 as W
 from h3quant.formats import w4a8_codebook as CB
-from h3quant.formats.w4a8 import FROZEN_CODEBOOK, decode_w4a8_int8, encode_w4a8, pack_nibbles
-from h3quant.formats.w4a8_encode import E4M3_MAX, E4M3_MIN_SUBNORMAL, DecodedLevels, encode_rows
+from h3quant.formats.w4a8 import (
+    FROZEN_CODEBOOK,
+    decode_w4a8_int8,
+    encode_w4a8,
+    pack_nibbles,
+)
+from h3quant.formats.w4a8_encode import (
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    DecodedLevels,
+    encode_rows,
+)
 
 
 def _weights(seed, n=24, k=512, kind="outliers"):

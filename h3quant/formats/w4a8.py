@@ -13,8 +13,17 @@ import torch
 
 from h3quant.convrot import is_valid_group_size, rotate
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.w4a8_codebook import FROZEN_CODEBOOK, LevelIndex, choose_codebook, sample_rows, take
-from h3quant.formats.w4a8_encode import E4M3_MAX, E4M3_MIN_SUBNORMAL, DecodedLevels, encode_rows
+from h3quant.formats.w4a8_codebook import (
+    FROZEN_CODEBOOK,
+    LevelIndex,
+    choose_codebook,
+    sample_rows,
+    take,
+)
+from h3quant.formats.w4a8_encode import (
+    DecodedLevels,
+    encode_rows,
+)
 
 __all__ = [
     "FORMAT_NAME",
