@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
+from h3quant.runtime.tp.group import Collectives
 from h3quant.testing.simdevice import SimulatedDevice, SimTensor, Simulation, live_torch_version
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -131,7 +132,7 @@ class SimulatedTorchNpu(types.ModuleType):
             if bias is not None and bias.dtype == torch.int32:
                 acc = acc + bias.inner.to(torch.float64)
             if out_dtype == torch.int32:
-                if acc.abs().max().item() >= 2**31:
+                if acc.abs().max().item() >= 2**31:  # hardware would wrap: refuse loudly
                     raise RuntimeError(f"{op}: int32 accumulator overflow")
                 return SimTensor(acc.to(torch.int32), x1.device)
             y = acc.to(torch.float32) * scale.inner.to(torch.float32).reshape(1, -1)
@@ -173,3 +174,16 @@ def simulated_npu(cuda_version: str | None = "12.1") -> Iterator[Simulation]:
         else:
             sys.modules["torch_npu"] = old_mod
         torch.version.cuda = old_cuda
+
+
+class SimNpuCollectives(Collectives):
+    """SIMULATED hccl transport for tensor-parallel tests: the collectives of
+    ``h3quant.runtime.tp.group`` on simulated-NPU tensors, carried by the CPU process group
+    (gloo) on their CPU data and handed back as simulated-NPU tensors. On Ascend, hccl moves
+    device memory directly; nothing here is a device-to-host copy of the runtime."""
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.inner.contiguous() if isinstance(t, SimTensor) else t
+
+    def _unwire(self, wire: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return SimTensor(wire, like.device) if isinstance(like, SimTensor) else wire

@@ -57,13 +57,15 @@ def in_torchrun() -> bool:
 def rank_device(kind: str, local_rank: int) -> str:
     if kind == "cpu":
         return "cpu"
-    if kind == "cuda":
-        import torch
+    import torch
 
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
     elif kind == "npu":
-        import torch
-
+        try:
+            import torch_npu  # noqa: F401 (registers torch.npu)
+        except ImportError:
+            raise TpError("device npu needs torch_npu, which is not installed") from None
         torch.npu.set_device(local_rank)
     return f"{kind}:{local_rank}"
 

@@ -56,8 +56,9 @@ def quantize_shared(xr: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor,
 def int32_matmul_fn(device, probe):
     """A callable ``(q_x [M, K] int8, w_t [K, N] int8) -> int32 [M, N]`` on ``device``, or
     TpError saying why the shared-scale mode cannot run there."""
-    from h3quant.runtime.capabilities import int8_mm_capability
+    from h3quant.runtime.capabilities import int8_mm_capability, live_probe
 
+    probe = probe or live_probe()
     if device.kind == "npu":
         from h3quant.runtime.backends.npu import npu_int32_matmul
 
