@@ -122,6 +122,7 @@ class TpSpec:
     mode: str
     mmap: bool
     backend: str | None = None  # runtime backend forced for the local layers
+    sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
     rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
@@ -133,15 +134,24 @@ def layer_input(block: int, salt: int, tokens: int, width: int, seed: int) -> to
     return torch.randn(tokens, width, generator=g)
 
 
-def _seeded_block_inputs(hidden: int, t_dim: int, tokens: int, seed: int):
+def block_inputs(ckpt: Checkpoint, root: str, hidden: int, tokens: int, seed: int, sigma: float,
+                 dtype: torch.dtype, tdev):
+    """Seeded hidden states [tokens, hidden] in ``dtype`` and the real conditioning of a small
+    t2va layout of ``tokens`` rows at ``sigma`` (the file's time embedding and RoPE), on tdev."""
+    from h3quant.runtime.model.layout import Timesteps, layout_for_rows
+    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
+
+    cond = make_conditioning(layout_for_rows(tokens), Timesteps.from_sigma(sigma),
+                             load_time_embedding(ckpt, root), read_float(ckpt, root + "rope.inv_freq"),
+                             dtype, "cpu")
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, tokens, hidden, generator=g), torch.randn(1, t_dim, generator=g)
+    return torch.randn(tokens, hidden, generator=g).to(dtype).to(tdev), cond.to(tdev)
 
 
 # ------------------------------------------------------------------------------ one rank
 
 
-def _run_layers(block, info, comm, tokens: int, seed: int, dtype, tdev) -> dict:
+def _run_layers(block, info, comm, tokens: int, seed: int, dtype, tdev, inputs) -> dict:
     """Full outputs of every block linear and of the block on seeded inputs (every rank calls
     it; the collectives need all of them)."""
     world, rank = comm.world, comm.rank
@@ -163,8 +173,7 @@ def _run_layers(block, info, comm, tokens: int, seed: int, dtype, tdev) -> dict:
                                  seed).to(dtype)
                 xs = swiglu_input_slice(x2, world, rank).to(tdev)
                 outs[role + " [swiglu]"] = lin(xs, input_act="swiglu").float().cpu()
-        x, temb = _seeded_block_inputs(block.hidden, block.t_dim, tokens, seed + info.index)
-        outs["block"] = block(x.to(dtype).to(tdev), temb.to(tdev)).float().cpu()
+        outs["block"] = block(*inputs).float().cpu()
     return outs
 
 
@@ -199,10 +208,13 @@ def _rank_body(ctx, spec: TpSpec, probe):
         idx = choose_blocks(spec.blocks, block_indices(ckpt, root), spec.path)
         for i in idx:
             block, info = shard_block(ckpt, scan, f"{root}blocks.{i}", i, comm, mode=spec.mode,
-                                      device=dev, probe=probe, backend=spec.backend)
+                                      device=dev, probe=probe, backend=spec.backend,
+                                      compute_dtype=dtype)
             read += info.bytes_read
             held = max(held, held_bytes(block))
-            outs = _run_layers(block, info, comm, spec.tokens, spec.seed, dtype, tdev)
+            inputs = block_inputs(ckpt, root, block.hidden, spec.tokens, spec.seed + i,
+                                  spec.sigma, dtype, tdev)
+            outs = _run_layers(block, info, comm, spec.tokens, spec.seed, dtype, tdev, inputs)
             backends = {r: str(getattr(m, "backend_name", "?")) for r, m in block.linears().items()}
             if ctx.rank == 0:
                 kept[i] = outs
@@ -240,14 +252,15 @@ def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
 
     comm = LocalCollectives()
     block, info = shard_block(ckpt, scan, f"{root}blocks.{i}", i, comm, mode="shared",
-                              device=dev, probe=probe, backend=spec.backend)
-    outs = _run_layers(block, info, comm, spec.tokens, spec.seed, dtype, tdev)
+                              device=dev, probe=probe, backend=spec.backend, compute_dtype=dtype)
+    inputs = block_inputs(ckpt, root, block.hidden, spec.tokens, spec.seed + i, spec.sigma,
+                          dtype, tdev)
+    outs = _run_layers(block, info, comm, spec.tokens, spec.seed, dtype, tdev, inputs)
     del block
     plain = runtime_block(load_blocks(ckpt, [i], scan=scan)[0], device=dev, backend=spec.backend,
-                          probe=probe)
-    x, temb = _seeded_block_inputs(plain.hidden, plain.t_dim, spec.tokens, spec.seed + i)
+                          probe=probe, compute_dtype=dtype)
     with torch.no_grad():
-        y = plain(x.to(dtype).to(tdev), temb.to(tdev)).float().cpu()
+        y = plain(*inputs).float().cpu()
     del plain
     gc.collect()
     return outs, float(error_metrics(outs["block"], y)[0])
@@ -305,7 +318,7 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               blocks=None, tokens: int = 16, seed: int = 0, mmap: bool = True,
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
-              comm_cls=None, rank_setup=None) -> TpResult:
+              comm_cls=None, rank_setup=None, sigma: float = 0.6) -> TpResult:
     """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
     may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
@@ -327,7 +340,8 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     if not os.path.exists(path):
         raise VerifyError("no such file or directory", path=path)
     _precheck(path, tp, blocks, mmap)
-    spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend, rank_setup)
+    spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
+                  sigma=sigma, rank_setup=rank_setup)
     comm_cls = comm_cls or Collectives
     if in_torchrun():
         return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,

@@ -15,7 +15,7 @@ import torch
 
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import Layer, LayerScan
-from h3quant.runtime.block import H3Block, block_params, check_block_shapes, quantized_linear
+from h3quant.runtime.block import H3Block, build_block, quantized_linear
 from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, load_layer
 from h3quant.runtime.tp.group import Collectives
 from h3quant.runtime.tp.linears import RowParallelLinear, column_linear
@@ -59,8 +59,8 @@ def head_dim_of(layers: dict[str, Layer], prefix: str) -> int:
 
 
 def shard_block(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, comm: Collectives,
-                *, mode: str, device, probe=None, backend: str | None = None
-                ) -> tuple[H3Block, ShardInfo]:
+                *, mode: str, device, probe=None, backend: str | None = None,
+                compute_dtype: torch.dtype | None = None) -> tuple[H3Block, ShardInfo]:
     """The block ``prefix`` as this rank runs it (``device``: a runtime Device)."""
     layers = block_layers(scan, prefix)
     missing = [r for r in BLOCK_LINEARS if r not in layers]
@@ -73,13 +73,13 @@ def shard_block(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, comm
     reader = ShardReader(ckpt)
 
     def make_local(layer):
-        return quantized_linear(layer, device=device, backend=backend, probe=probe)
+        return quantized_linear(layer, device=device, backend=backend, probe=probe,
+                                compute_dtype=compute_dtype)
 
-    linears, loaded = {}, {}
+    linears = {}
     for role in BLOCK_LINEARS:
         shard = plan.shard(role)
         layer = read_shard(reader, layers[role], shard)
-        loaded[role] = layer
         if isinstance(shard, ColumnShard):
             linears[role] = column_linear(layer, shard, make_local)
         else:
@@ -89,25 +89,19 @@ def shard_block(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, comm
     info.bytes_read = reader.bytes_read
     info.bytes_total = sum(layers[r].nbytes for r in BLOCK_LINEARS)
     params = {n: load_layer(ckpt, lay) for n, lay in layers.items() if n not in BLOCK_LINEARS}
-    _check_full_shapes(shapes, head_dim, params, prefix)
-    lb = LoadedBlock(index, prefix, {**params, **loaded})
-    tdev = device.torch_device
-    block = H3Block(linears, {k: v.to(tdev) for k, v in block_params(lb).items()},
-                    head_dim=head_dim, index=index)
+    # The runtime's own block builder: it checks the WHOLE block's shapes (shape-only stand-ins
+    # of the linears) and takes the rank's shards from the make_linear factory.
+    stand_in = LoadedBlock(index, prefix, {**params, **{r: _ShapeOnly(r, s)
+                                                       for r, s in shapes.items()}})
+    block = build_block(stand_in, lambda lay: linears[lay.role], device=device.torch_device)
     return block, info
 
 
-def _check_full_shapes(shapes, head_dim, params, prefix) -> None:
-    """The unsharded shapes chain as the H3 block needs (the block builder's own check, run on
-    a shape-only stand-in of the whole block)."""
-    stand_in = LoadedBlock(0, prefix, {**params, **{r: _ShapeOnly(s) for r, s in shapes.items()}})
-    check_block_shapes(stand_in)
-
-
 class _ShapeOnly:
-    """A LoadedLayer stand-in exposing only the shape fields ``check_block_shapes`` reads."""
+    """A LoadedLayer stand-in with the unsharded shape (what ``check_block_shapes`` reads)."""
 
-    def __init__(self, s: LayerShape) -> None:
+    def __init__(self, role: str, s: LayerShape) -> None:
+        self.role, self.name = role, role
         self.out_features, self.in_features = s.out_features, s.in_features
         self.tensors = {"weight": None}
 
