@@ -6,8 +6,21 @@ import sys
 
 import click
 
-from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, log, mmap_option
-from h3quant.cli.common import format_table, guard
+from h3quant.cli.common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    MAX_BLOCKS,
+    MAX_TOKENS,
+    SEED,
+    device_callback,
+    emit_json,
+    finite_float,
+    format_table,
+    guard,
+    handle_errors,
+    log,
+    mmap_option,
+)
 
 _HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
 against a float reference, plus reference-free checks of the stored codes.
@@ -93,15 +106,15 @@ def render(res) -> str:
 @click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
-@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--device", default="auto", show_default=True, callback=device_callback(True),
+              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n] (checked before any work).")
+@click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=2, show_default=True,
               help="Verify the first N blocks.")
-@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Activation rows per layer and tokens per block input.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the random activations.")
-@click.option("--magnitude-factor", type=click.FloatRange(min=0), default=3.0, show_default=True,
+@click.option("--tokens", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True,
+              help=f"Activation rows per layer and tokens per block input (at most {MAX_TOKENS}).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random activations (0 .. 2^32-1).")
+@click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
               help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
                    "magnitude check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
