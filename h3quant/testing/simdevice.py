@@ -8,6 +8,8 @@ data. Inside a ``SimulatedDevice`` context:
 - copies from the device to the CPU are logged (``to_cpu``), so tests can prove nothing left it;
 - an op mixing SimTensors with non-scalar CPU tensors raises, as on real hardware;
 - ``missing_ops`` raise ``NotImplementedError`` (MPS before torch 2.15 has no ``aten::_int_mm``);
+- ``missing_dtypes`` cannot live on the device: moving or creating such a tensor there, or an op
+  on the device producing one, raises ``TypeError`` (MPS has no float64, as the real one);
   ``cpu_fallback_ops`` run but are logged ``cpu_fallback`` (``aten::_int_mm`` under torch_npu);
 - every aten op is logged with whether it touched the device.
 
@@ -94,6 +96,7 @@ class _FunctionBoundary(TorchFunctionMode):
             return self.sim._tensor_to(func, args, kwargs)
         if self.sim.is_sim(kwargs.get("device")):
             out = func(*args, **{**kwargs, "device": "cpu"})
+            self.sim._check_outputs(out, getattr(func, "__name__", str(func)))
             self.sim._log("to_device", getattr(func, "__name__", str(func)), True)
             return self.sim._wrap(out)
         if any(isinstance(t, SimTensor) for t in tree_leaves((args, kwargs))):
@@ -120,13 +123,14 @@ class _DispatchLog(TorchDispatchMode):
 class SimulatedDevice:
     """Context manager running SimTensors of ``kind`` (``"npu"`` or ``"mps"``) on the CPU."""
 
-    def __init__(self, kind: str, *, missing_ops=(), cpu_fallback_ops=()) -> None:
+    def __init__(self, kind: str, *, missing_ops=(), cpu_fallback_ops=(), missing_dtypes=()) -> None:
         if kind == "npu":
             ensure_npu_device_type()
         self.kind = kind
         self.device = torch.device(kind, 0)
         self.missing_ops = frozenset(missing_ops)
         self.cpu_fallback_ops = frozenset(cpu_fallback_ops)
+        self.missing_dtypes = frozenset(missing_dtypes)
         self.events: list[SimEvent] = []
         self._quiet = 0
         self._forced = 0
@@ -191,6 +195,16 @@ class SimulatedDevice:
     def _wrap(self, out):
         return tree_map(lambda t: SimTensor(t, self.device) if isinstance(t, torch.Tensor) else t, out)
 
+    def _check_dtype(self, dtype: torch.dtype, what: str) -> None:
+        if dtype in self.missing_dtypes:
+            raise TypeError(f"{what}: the {self.kind.upper()} device has no {dtype} (simulated); "
+                            "use float32 there")
+
+    def _check_outputs(self, out, name: str) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._check_dtype(t.dtype, name)
+
     def _tensor_to(self, func, args, kwargs):
         src = args[0]
         target, dtype = _as_device(kwargs.get("device")), kwargs.get("dtype")
@@ -202,6 +216,8 @@ class SimulatedDevice:
             elif _as_device(a) is not None:
                 target = _as_device(a)
         on_dev = isinstance(src, SimTensor)
+        if (target is not None and target.type == self.kind) or (on_dev and target is None):
+            self._check_dtype(dtype or src.dtype, "Tensor.to")
         if target is not None and target.type == self.kind and not on_dev:
             self._log("to_device", "Tensor.to", True)
             data = src.detach().to(dtype=dtype or src.dtype, copy=True)
@@ -273,6 +289,8 @@ class SimulatedDevice:
         if name == "aten::_to_copy" and has_sim and target is not None and target.type == "cpu":
             self._log("to_cpu", name, True)
             return out
+        if on_dev or to_dev:
+            self._check_outputs(out, name)
         return self._wrap(out) if (has_sim or to_dev) else out
 
 
@@ -331,9 +349,10 @@ def mps_probe(torch_version: tuple[int, int] = (2, 13)) -> StaticProbe:
 
 @contextmanager
 def simulated_mps(torch_version: tuple[int, int] = (2, 13)) -> Iterator[Simulation]:
-    """SIMULATION of an MPS device; before torch 2.15 any ``aten::_int_mm`` on it raises."""
+    """SIMULATION of an MPS device: no float64 tensors on it (as real MPS); before torch 2.15 any
+    ``aten::_int_mm`` on it raises."""
     missing = () if torch_version >= (2, 15) else (INT_MM_OP,)
-    with SimulatedDevice("mps", missing_ops=missing) as dev:
+    with SimulatedDevice("mps", missing_ops=missing, missing_dtypes=(torch.float64,)) as dev:
         yield Simulation(dev, mps_probe(torch_version))
 
 
