@@ -133,7 +133,8 @@ def main(argv=None) -> None:
                   flush=True)
     print(f"\nprep = ConvRot rotation + per-token int8 quantization of x (fp32); int8 = prep + "
           f"int_mm + scale; deq.cached = dequant backend with the weight dequantized at load; "
-          f"deq.call = dequantized per call; fp32 = F.linear in fp32 for context. Bench wall time {time.perf_counter() - t0:.1f} s.")
+          f"deq.call = dequantized per call; fp32 = F.linear in fp32 for context. "
+          f"Bench wall time {time.perf_counter() - t0:.1f} s.")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def _r(code: str, name: str, severity: Severity, rule: str) -> None:
     _RULES[code] = Rule(code, name, severity, rule)
 
 
-E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO
+E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741 (I = info, as E and W)
 # Container (safetensors) rules: FORMATS.md 1.
 _r("C101", "header-length", E, "the u64 header length is bounded (100 MB) and 8 + n fits in the file")
 _r("C102", "header-utf8", E, "the header is valid UTF-8")

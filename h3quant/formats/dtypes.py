@@ -48,9 +48,17 @@ def itemsize(name: str) -> int:
 
 
 def to_torch(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name; UnsupportedError when this torch lacks it
+    (``float8_e8m0fnu`` arrived in torch 2.7)."""
     import torch
 
-    return getattr(torch, DTYPES[name][1])
+    dtype = getattr(torch, DTYPES[name][1], None)
+    if dtype is None:
+        from h3quant.errors import UnsupportedError
+
+        raise UnsupportedError(f"this torch ({torch.__version__}) has no {DTYPES[name][1]} dtype to "
+                               f"read {name} tensor data; upgrade torch")
+    return dtype
 
 
 def from_torch(dtype: torch.dtype) -> str:

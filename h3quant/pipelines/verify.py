@@ -55,7 +55,6 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from h3quant.errors import VerifyError
 from h3quant.formats.checkpoint import Checkpoint

@@ -1,6 +1,6 @@
 """Load the layers of chosen H3 blocks from a checkpoint, keeping quantized data exactly as stored.
 
-FORMATS.md 3, 4, 5 and seed failure 5 (section 8): a quantized layer keeps its int8 bytes and its
+FORMATS.md 3, 4, 5 and 8: a quantized layer keeps its int8 bytes and its
 scales bit for bit (no re-quantization, no float round trip), its marker comes from the header
 ``_quantization_metadata`` or the ``.comfy_quant`` tensor (the header wins), marker and other
 metadata-only keys never become tensors of the layer, and the stored row order ([q; k; v],
@@ -161,7 +161,7 @@ def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
             raise MarkerError(f.message, path=path, tensor=f.tensor, code=f.code)
 
 
-def _check_quantized(layer: Layer, fields: dict, path) -> None:
+def check_quantized(layer: Layer, fields: dict, path) -> None:
     """Raise when the layer's tensors do not match what its marker says."""
     fmt = QuantFormat(fields["format"])
     name = layer.name
@@ -241,7 +241,7 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
                 f"runtime quantization was requested but the layer is already quantized "
                 f"({layer.fields['format']}); re-quantizing would stack two quantizations",
                 path=path, tensor=layer.name, code="Q105")
-        _check_quantized(layer, layer.fields, path)
+        check_quantized(layer, layer.fields, path)
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant import __version__
-from h3quant.errors import ConvertError, MarkerError
+from h3quant.errors import MarkerError
 from h3quant.formats import registry
 from h3quant.formats.atomic import check_output
 from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint

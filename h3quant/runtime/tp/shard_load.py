@@ -22,7 +22,7 @@ from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
 from h3quant.formats.layers import Layer
 from h3quant.formats.markers import QuantFormat
-from h3quant.runtime.loader import LoadedLayer, _check_quantized
+from h3quant.runtime.loader import LoadedLayer, check_quantized
 from h3quant.runtime.tp.plan import ColumnShard, LayerShape, RowShard, TpError
 
 _ROW_TENSORS = ("weight_scale", "weight_s_channel", "bias")  # one value per output row
@@ -103,7 +103,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     path = reader.ckpt.path
     fields = layer.fields
     if fields is not None:
-        _check_quantized(layer, fields, path)
+        check_quantized(layer, fields, path)
     w4 = fields is not None and QuantFormat(fields["format"]) is QuantFormat.ASYM_W4A8_INT8
     tensors = {}
     for suffix, info in layer.tensors.items():

@@ -1,0 +1,180 @@
+"""Guards on the code base itself: lint, import layers, torch-free header-only commands, no
+private imports across modules, self-contained docs, and a README that CI actually runs."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "h3quant"
+SOURCES = sorted(PKG.rglob("*.py"))
+
+
+def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_ruff_is_clean():
+    """ruff with the pyproject configuration finds nothing in the package, tests and benches."""
+    proc = _run("-m", "ruff", "check", "--no-cache", "h3quant", "tests", "bench")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_import_contracts_are_kept():
+    """import-linter: layers cli > pipelines > runtime > formats > convrot, no production import
+    of the simulations, formats independent of the runtime (contracts in pyproject.toml)."""
+    proc = _run("-c", "import sys; from importlinter.cli import lint_imports; "
+                      "sys.exit(lint_imports(no_cache=True, no_logo=True))")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout and "3 kept" in proc.stdout, proc.stdout
+
+
+def test_header_only_commands_do_not_import_torch(tmp_path):
+    """inspect and validate (without --deep) read headers and markers only; importing their
+    command modules and running them on a real quantized file leaves torch unimported."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.synth import synth_checkpoint
+
+    src, dst = tmp_path / "bf16.safetensors", tmp_path / "int8.safetensors"
+    synth_checkpoint(src, preset="tiny", blocks=1)
+    convert(src, dst, ConvertOptions(target="int8-convrot", report=False, workers=1))
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "import h3quant.cli.inspect_cmd, h3quant.cli.validate_cmd, h3quant.formats.registry\n"
+        "from h3quant.cli import main\n"
+        f"for args in (['inspect', {str(dst)!r}, '--layers'], ['validate', {str(dst)!r}]):\n"
+        "    r = CliRunner().invoke(main, args)\n"
+        "    assert r.exit_code == 0, (args, r.output)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False", "torch was imported"
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from h3quant.x import _name`` and ``module._name`` on an imported h3quant module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    modules, out = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("h3quant"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    out.append(f"{where}:{node.lineno} imports {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in node.names
+                           if a.name.startswith("h3quant"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            out.append(f"{where}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return out
+
+
+def test_no_private_imports_across_modules():
+    found = [hit for p in SOURCES for hit in _private_imports(p)]
+    assert not found, "\n".join(found)
+
+
+def test_private_import_detector_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from h3quant.formats.markers import _x\nfrom h3quant.formats import markers\n"
+                   "markers._y\n")
+    assert len(_private_imports(bad)) == 2
+
+
+def test_block_linears_defined_once():
+    owners = [str(p.relative_to(ROOT)) for p in SOURCES
+              for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+              if isinstance(node, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "BLOCK_LINEARS" for t in node.targets)]
+    assert owners == ["h3quant/formats/topology.py"]
+
+
+# Words that only make sense next to files users do not have, or to a review's numbering.
+_FOREIGN = [re.compile(r"\.\./" + "shared"), re.compile("seed " + r"failure\s+\d", re.I)]
+
+
+def test_code_docs_and_tests_are_self_contained():
+    files = [p for p in [*SOURCES, *sorted((ROOT / "tests").rglob("*.py")),
+                         *sorted((ROOT / "bench").rglob("*.py")), ROOT / "README.md",
+                         *sorted((ROOT / "docs").rglob("*.md"))] if p.is_file()]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+            for p in files for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if any(rx.search(line) for rx in _FOREIGN)]
+    assert not hits, "\n".join(hits)
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "README has no opening bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_opens_with_two_commands_and_ci_runs_the_second():
+    cmds = _readme_commands()
+    assert len(cmds) == 2, cmds
+    assert all(c.startswith("python3 -m venv .venv && ") for c in cmds), cmds
+    assert "h3quant demo" in cmds[0] and "pytest" in cmds[1]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert cmds[1] in ci, f".ci/run does not run the README's test command {cmds[1]!r}"
+
+
+def test_readme_links_the_format_document():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/FORMATS.md" in text and (ROOT / "docs" / "FORMATS.md").is_file()
+
+
+@pytest.mark.parametrize("name", ["torch", "click", "tqdm", "numpy"])
+def test_runtime_dependencies_are_imported_by_the_package(name):
+    """Every runtime dependency is imported by h3quant itself (test-only ones live in the extra)."""
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower() for d in deps}
+    used = any(re.search(rf"^\s*(import|from) {name}\b", p.read_text(encoding="utf-8"), re.M)
+               for p in SOURCES)
+    assert (name in names) == used, f"{name}: declared={name in names} imported={used}"
+
+
+def test_no_undeclared_runtime_dependency():
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+    stdlib = set(sys.stdlib_module_names)
+    imported = set()
+    for p in SOURCES:
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    # torch_npu and comfy_kitchen are optional backends, imported only when present.
+    third = imported - stdlib - {"h3quant", "torch_npu", "comfy_kitchen"}
+    assert third <= declared, f"imported but not declared: {sorted(third - declared)}"
+    assert declared <= third, f"declared but never imported: {sorted(declared - third)}"
+
+
+def test_a_dtype_this_torch_lacks_is_a_clear_error(monkeypatch):
+    """Reading F8_E8M0 data needs torch >= 2.7; older torch gets a specific error, not a crash."""
+    import torch
+
+    from h3quant.errors import UnsupportedError
+    from h3quant.formats.dtypes import to_torch
+
+    monkeypatch.delattr(torch, "float8_e8m0fnu", raising=False)
+    with pytest.raises(UnsupportedError, match="no float8_e8m0fnu"):
+        to_torch("F8_E8M0")
+    assert to_torch("I8") is torch.int8
