@@ -1,4 +1,4 @@
-"""Loader (exact quantized data, marker resolution, refusals: seed failure 5) and the minimal H3 block.
+"""Loader (exact quantized data, marker resolution, refusals of what cannot run as stored) and the minimal H3 block.
 
 The helpers here (``quantize_file``, ``rewrite``, ``read_all``) are shared with test_verify.py.
 """
@@ -148,7 +148,7 @@ def _drop_marker_tensors(t, meta):
 
 
 def test_header_only_markers_still_load_quantized(files, tmp_path):
-    """Seed failure 5: marker tensors missing, header metadata present -> quantized layers."""
+    """Marker tensors missing, header metadata present -> quantized layers (never plain float)."""
     path = rewrite(files["int8"], tmp_path / "hdr.safetensors", _drop_marker_tensors)
     with Checkpoint(path) as ck:
         assert not any(n.endswith(".comfy_quant") for n in ck.tensors)

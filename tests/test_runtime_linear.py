@@ -65,7 +65,7 @@ def test_fused_path_uses_int_mm_where_it_exists(fc2):
 
 
 def test_fused_path_without_int8_matmul_never_reaches_int_mm(fc2, monkeypatch):
-    # Seed failure 1 on CPU terms: a device whose profile has no _int_mm kernel.
+    # The fused call honours the fallback on CPU terms: a device whose profile has no _int_mm kernel.
     q, s, h = fc2
     no_int_mm = StaticProbe(name="cpu-without-int-mm", kernels=frozenset())
     layer = QuantizedLinear.from_int8(q, s, convrot=True, probe=no_int_mm)

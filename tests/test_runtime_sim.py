@@ -1,4 +1,6 @@
-"""Regression tests for seed failures 1, 3 and 4 on SIMULATED Ascend NPU and MPS devices.
+"""Regression tests on SIMULATED Ascend NPU and MPS devices: the fused SwiGLU call never reaches
+``_int_mm`` where the plain call would not, device detection never trusts ``torch.version.cuda``,
+and the NPU int8 product stays on the NPU with its scales applied exactly once.
 
 The simulations (h3quant.testing.sim_npu, h3quant.testing.simdevice) run on the CPU; see their
 docstrings for what they model. Tolerances: NPU output vs ``w8a8_emulation`` of the same
@@ -254,7 +256,7 @@ def test_seed1_mps_fused_swiglu_never_reaches_int_mm(monkeypatch, data):
     assert rel(fused, reference_linear(swiglu(h.float()), q, s, True, 256, bias)) < 0.02
 
 
-def test_mps_simulation_crashes_like_the_seed_failure(data):
+def test_mps_simulation_has_no_int_mm_before_torch_2_15(data):
     q, s, _, _ = data
     with simulated_mps((2, 13)) as sim:
         a = sim.device.put(torch.ones(32, 32, dtype=torch.int8))

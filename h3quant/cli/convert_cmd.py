@@ -47,8 +47,10 @@ def _group_size(ctx, param, value):
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
               help="int8 ConvRot rotation: 'exact' gives codes bit-identical to comfy-kitchen; "
-                   "'fast' (butterfly) is ~1.7x faster to encode, equal to fp32 rounding "
-                   "(a few codes per million differ by 1).")
+                   "'fast' factors the Hadamard: convert encodes on the CPU, where that is two "
+                   "small matmuls per block (16-point factors), not the butterfly passes used "
+                   "on other devices. Equal to fp32 rounding but a few codes per million differ "
+                   "by 1; ~1.3x faster to encode here.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")

@@ -2,7 +2,8 @@
 
 The backend is chosen ONCE, when the layer is built, and both ``forward(x)`` and the fused
 ``forward(x, input_act="swiglu")`` go through that same runner: the fused call applies the
-activation eagerly and then takes exactly the path of the plain call (seed failure 1). Output
+activation eagerly and then takes exactly the path of the plain call (so a device without an
+int8 kernel never reaches ``_int_mm`` through the fused call). Output
 dtype is the activation dtype. The layer stays on the device it was built for.
 """
 

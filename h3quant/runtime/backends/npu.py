@@ -3,7 +3,7 @@
 ``aten::_int_mm`` must never be used on an NPU (it silently runs on the CPU). The weight operand is
 the ``[K, N]`` transpose view of the stored ``[N, K]`` int8 weight. ``npu_quant_matmul`` applies the
 weight scale, the per-token scale and the bias itself, so its output is final: no rescale here
-(seed failure 4 scaled twice). Admission failures dequantize ON the NPU and run ``F.linear`` there;
+(rescaling it would apply the scales twice). Admission failures dequantize ON the NPU and run ``F.linear`` there;
 nothing moves to the CPU.
 
 ``torch_npu`` is whatever module the probe imports (the real one, or the simulation in
