@@ -149,10 +149,19 @@ def test_runtime_dependencies_are_imported_by_the_package(name):
     assert (name in names) == used, f"{name}: declared={name in names} imported={used}"
 
 
+def _names(reqs) -> set[str]:
+    return {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in reqs}
+
+
 def test_no_undeclared_runtime_dependency():
+    """Every third-party module h3quant imports is a dependency, or an optional extra's (imported
+    only where that feature is used: torch_npu for Ascend, matplotlib for plots); every
+    dependency is imported."""
     tomllib = pytest.importorskip("tomllib")
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    declared = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    optional = set().union(*(_names(v) for k, v in extras.items() if k != "test"))
     stdlib = set(sys.stdlib_module_names)
     imported = set()
     for p in SOURCES:
@@ -161,9 +170,10 @@ def test_no_undeclared_runtime_dependency():
                 imported.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
-    # torch_npu and comfy_kitchen are optional backends, imported only when present.
-    third = imported - stdlib - {"h3quant", "torch_npu", "comfy_kitchen"}
-    assert third <= declared, f"imported but not declared: {sorted(third - declared)}"
+    # comfy_kitchen is an optional CUDA backend, used only when it is installed.
+    third = imported - stdlib - {"h3quant", "comfy_kitchen"}
+    assert third <= declared | optional, f"imported but not declared: {sorted(third - declared - optional)}"
+    assert optional <= third, f"optional extra never imported: {sorted(optional - third)}"
     assert declared <= third, f"declared but never imported: {sorted(declared - third)}"
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
 
 # Registration order is the order of ``convert --to`` choices and of listings.
 _MODULES = (
@@ -116,6 +116,11 @@ def verify_limits(name: str | None) -> VerifyLimits:
     return (codec or _CODECS["int8_tensorwise"]).verify
 
 
-__all__ = ["PLAIN", "Codec", "Target", "VerifyLimits", "codec_for", "codecs", "describe", "get",
-           "logical_k", "marker_defaults", "quantized_codecs", "register", "supported_names",
+def low_bit(names) -> bool:
+    """Whether any of these formats stores weights in fewer than 8 bits (looser verify limits)."""
+    return any((c := get(n)) is not None and c.weight_bits < 8 for n in names)
+
+
+__all__ = ["PLAIN", "Codec", "RowRange", "Target", "VerifyLimits", "codec_for", "codecs", "describe", "get",
+           "logical_k", "low_bit", "marker_defaults", "quantized_codecs", "register", "supported_names",
            "target", "target_codec", "targets", "verify_limits"]

@@ -1,4 +1,5 @@
-"""Error metrics shared by the convert report and verify: relative L2, SQNR (dB), cosine."""
+"""Error metrics shared by the convert report and verify: relative L2, SQNR (dB), cosine; and
+the JSON form of results that may hold infinities."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def error_metrics(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, f
     else:
         cos = 1.0 if err == 0 else 0.0
     return rel, sqnr, cos
+
+
+def json_safe(obj):
+    """``obj`` with non-finite floats as strings ("inf", "nan"), for strict JSON output."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_safe(v) for v in obj]
+    return obj

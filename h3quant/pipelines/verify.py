@@ -59,8 +59,9 @@ import torch
 from h3quant.errors import VerifyError
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats import registry
 from h3quant.formats.markers import QuantFormat
-from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.metrics import error_metrics, json_safe
 from h3quant.runtime.block import (
     FloatLinear,
     build_block,
@@ -81,19 +82,26 @@ DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
 
 
+_INT8_LIMITS = registry.get("int8_tensorwise").verify
+_W4A8_LIMITS = registry.get("asym_w4a8_int8").verify
+
+
 @dataclass(frozen=True)
 class Thresholds:
-    rel_err_int8: float = 0.05
-    rel_err_w4a8: float = 0.12
-    block_sqnr_db_int8: float = 20.0
-    block_sqnr_db_w4a8: float = 8.0
+    """Limits of ``verify``; the per-format defaults come from the codecs' ``verify`` limits
+    (8-bit weight formats use the int8 ones, 4-bit the W4A8 ones)."""
+
+    rel_err_int8: float = _INT8_LIMITS.rel_err
+    rel_err_w4a8: float = _W4A8_LIMITS.rel_err
+    block_sqnr_db_int8: float = _INT8_LIMITS.block_sqnr_db
+    block_sqnr_db_w4a8: float = _W4A8_LIMITS.block_sqnr_db
     bad_row_fraction: float = 0.01
     w4a8_row_peak_min: int = 96
     saturation_fraction: float = 0.01
     magnitude_factor: float = 3.0
 
-    def rel_err(self, fmt: QuantFormat | None) -> float:
-        return self.rel_err_w4a8 if fmt is QuantFormat.ASYM_W4A8_INT8 else self.rel_err_int8
+    def rel_err(self, fmt: QuantFormat | str | None) -> float:
+        return self.rel_err_w4a8 if fmt is not None and registry.low_bit([fmt]) else self.rel_err_int8
 
 
 @dataclass
@@ -159,7 +167,7 @@ class VerifyResult:
 
     def to_dict(self) -> dict:
         """JSON-ready; non-finite numbers (a NaN error, an infinite SQNR) become strings."""
-        return _json_safe({
+        return json_safe({
             "path": self.path, "reference": self.reference, "device": self.device,
             "blocks": self.blocks, "tokens": self.tokens, "seed": self.seed,
             "passed": self.passed, "failures": self.failures,
@@ -169,16 +177,6 @@ class VerifyResult:
             "data": [asdict(d) for d in self.data],
             "notes": self.notes,
         })
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -239,16 +237,14 @@ def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) 
         peak = torch.maximum(q.amax(1).to(torch.int32), -qmin)
     else:
         qmin = peak = torch.zeros(0, dtype=torch.int32)
-    if layer.format is QuantFormat.INT8_TENSORWISE and layer.tensors["weight_scale"].numel() == 1:
-        top = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
-        bad, lim = (top != 127) | (qmin == -128).any().reshape(1), "max|q| = 127 per tensor"
-        peak = top
-    elif layer.format is QuantFormat.INT8_TENSORWISE:
-        bad = (peak != 127) | (qmin == -128)
-        lim = "max|q| = 127 per row"
-    else:
-        bad = (peak < th.w4a8_row_peak_min) | (peak > 127)
-        lim = f"row peak in [{th.w4a8_row_peak_min}, 127]"
+    rule = layer.codec.row_range(layer.tensors, th)
+    if rule.per_tensor:
+        peak = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
+        qmin = qmin.min().reshape(1) if qmin.numel() else qmin
+    bad = (peak < rule.low) | (peak > rule.high)
+    if rule.no_min128:
+        bad |= qmin == -128
+    lim = rule.text
     bad &= peak > 0  # an all-zero row (a zero weight row) is legal
     rows = max(bad.numel(), 1)
     frac = bad.sum().item() / rows
@@ -378,7 +374,7 @@ def verify_checkpoint(
         have = block_indices(ckpt)
         if not have:
             raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
-        idx = _choose_blocks(blocks, have, path)
+        idx = choose_blocks(blocks, have, path)
         if not _any_quantized(scan, ckpt, idx):
             raise VerifyError(f"blocks {idx} hold no quantized layer; nothing to verify", path=path)
         result = VerifyResult(str(path), str(reference) if reference else "dequantized",
@@ -460,7 +456,7 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
                                               inputs[name], tdev, dtype, th))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
-    w4 = QuantFormat.ASYM_W4A8_INT8.value in fmts
+    w4 = registry.low_bit(fmts)
     limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8
     result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
 
@@ -478,7 +474,9 @@ def _release(ckpt: Checkpoint, stem: str) -> None:
             ckpt.file_of(n).release_pages(ckpt.info(n))
 
 
-def _choose_blocks(blocks, have: list[int], path) -> list[int]:
+def choose_blocks(blocks, have: list[int], path) -> list[int]:
+    """The block indices to check: ``blocks`` (a count, or indices that must exist) or the first
+    ``DEFAULT_BLOCKS``."""
     if blocks is None:
         return have[:DEFAULT_BLOCKS]
     if isinstance(blocks, int) and not isinstance(blocks, bool):

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.markers import QuantFormat
-from h3quant.pipelines.metrics import error_metrics
+from h3quant.formats import registry
+from h3quant.pipelines.metrics import error_metrics, json_safe
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ class ModelThresholds:
     sqnr_db_w4a8: float = 8.0
 
     def limit(self, formats) -> float:
-        return self.sqnr_db_w4a8 if QuantFormat.ASYM_W4A8_INT8.value in formats \
-            else self.sqnr_db_int8
+        return self.sqnr_db_w4a8 if registry.low_bit(formats) else self.sqnr_db_int8
 
 
 @dataclass
@@ -106,9 +105,8 @@ class ModelVerifyResult:
         return not self.failures
 
     def to_dict(self) -> dict:
-        from h3quant.pipelines.verify import _json_safe
 
-        return _json_safe({
+        return json_safe({
             "mode": "model", "path": self.path, "reference": self.reference,
             "device": self.device, "inputs": asdict(self.inputs),
             "blocks_total": self.blocks_total, "depth": self.depth,

@@ -17,7 +17,6 @@ Per-rank memory (bytes read, bytes held by the block linears, peak RSS) is all_g
 from __future__ import annotations
 
 import gc
-import math
 import os
 import resource
 import sys
@@ -28,7 +27,8 @@ import torch
 from h3quant.errors import VerifyError
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
-from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines import verify
+from h3quant.pipelines.metrics import error_metrics, json_safe
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
 from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
@@ -98,17 +98,7 @@ class TpResult:
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items()}
         d["passed"], d["failures"] = self.passed, self.failures
-        return _json_safe(d)
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
+        return json_safe(d)
 
 
 @dataclass(frozen=True)
@@ -298,17 +288,7 @@ def _peak_rss() -> int:
 def choose_blocks(blocks, have: list[int], path) -> list[int]:
     if not have:
         raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
-    if blocks is None:
-        return have[:2]
-    if isinstance(blocks, int) and not isinstance(blocks, bool):
-        if blocks < 1:
-            raise VerifyError(f"--blocks must be >= 1, got {blocks}")
-        return have[:blocks]
-    idx = sorted({int(i) for i in blocks})
-    missing = [i for i in idx if i not in have]
-    if missing:
-        raise VerifyError(f"no blocks {missing} in the checkpoint", path=path)
-    return idx
+    return verify.choose_blocks(blocks, have, path)
 
 
 # ------------------------------------------------------------------------------ entry point

@@ -132,7 +132,7 @@ class DequantLinear(nn.Module):
         self.register_buffer("s", s.to(device) if device is not None else s)
         b = layer.bias
         self.register_buffer("bias", None if b is None else b.to(self.q.device))
-        self.convrot = layer.convrot or layer.format.value == "asym_w4a8_int8"
+        self.convrot = layer.convrot
         self.group_size = layer.convrot_groupsize
 
     @property
@@ -301,7 +301,7 @@ def quantized_linear(layer: LoadedLayer, *, device, backend: str | None = None,
     q, s = layer.runtime_tensors()
     options = LinearOptions(compute_dtype=compute_dtype) if compute_dtype else None
     return QuantizedLinear.from_int8(
-        q, s, convrot=layer.convrot or layer.format.value == "asym_w4a8_int8",
+        q, s, convrot=layer.convrot,
         group_size=layer.convrot_groupsize, bias=layer.bias,
         full_precision=layer.full_precision, device=device, backend=backend, probe=probe,
         options=options)

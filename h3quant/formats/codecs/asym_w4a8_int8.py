@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h3quant.convrot import is_valid_group_size
-from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
 
 NAME = "asym_w4a8_int8"
 GROUP = 16  # the group size h3quant writes (ComfyUI's default)
@@ -21,6 +21,7 @@ class AsymW4A8Int8(Codec):
     chunked = False  # the codebook is chosen per layer
     unrowed_outputs = ("weight_codebook",)
     always_convrot = True
+    weight_bits = 4
 
     def logical_k(self, cols, fields):
         return 2 * cols
@@ -119,6 +120,11 @@ class AsymW4A8Int8(Codec):
                              group_size=int(fields["group_size"]),
                              codebook=tensors.get("weight_codebook"))
         return q, tensors["weight_s_channel"].to(torch.float32).reshape(-1)
+
+    def row_range(self, tensors, th):
+        """The decoded grid of a well-encoded row peaks near 127 (``th.w4a8_row_peak_min``)."""
+        low = th.w4a8_row_peak_min
+        return RowRange(False, low, 127, False, f"row peak in [{low}, 127]")
 
 
 CODEC = AsymW4A8Int8()

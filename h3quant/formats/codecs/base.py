@@ -28,6 +28,17 @@ class Target:
 
 
 @dataclass(frozen=True)
+class RowRange:
+    """Legal peak |code| of a quantized layer's int8 grid (per row, or one peak per tensor)."""
+
+    per_tensor: bool
+    low: int
+    high: int
+    no_min128: bool  # the encoder never writes -128
+    text: str
+
+
+@dataclass(frozen=True)
 class VerifyLimits:
     """``verify`` limits for layers of a format (block limits apply to the loosest format present)."""
 
@@ -50,6 +61,7 @@ class Codec:
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
+    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
 
     # ------------------------------------------------------------------ header-level knowledge
     def logical_k(self, cols: int, fields: dict | None) -> int:
@@ -113,3 +125,7 @@ class Codec:
     def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
         return grid
+
+    def row_range(self, tensors: dict, th) -> RowRange:
+        """verify's reference-free check of the int8 grid: the legal per-row code peak."""
+        return RowRange(per_tensor=False, low=127, high=127, no_min128=True, text="max|q| = 127 per row")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h3quant.convrot import is_valid_group_size
-from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
 
 NAME = "int8_tensorwise"
 
@@ -20,6 +20,7 @@ class Int8Tensorwise(Codec):
     runtime_tensors = ("weight", "weight_scale")
     runtime_required = ("weight", "weight_scale")
     deep_scales = ("weight_scale", "input_scale")
+    weight_bits = 8
 
     def describe(self, fields):
         if fields and fields.get("convrot"):
@@ -120,6 +121,11 @@ class Int8Tensorwise(Codec):
 
         stored = tensors["weight_scale"]
         return grid[0], stored if stored.dtype == torch.float32 else stored.to(torch.float32)
+
+    def row_range(self, tensors, th):
+        if tensors["weight_scale"].numel() == 1:  # one scale: one peak for the whole tensor
+            return RowRange(True, 127, 127, True, "max|q| = 127 per tensor")
+        return RowRange(False, 127, 127, True, "max|q| = 127 per row")
 
 
 CODEC = Int8Tensorwise()

@@ -112,7 +112,7 @@ class RowParallelLinear(nn.Module):
         self.local = None
         if self.quantized and mode == "shared":
             self.scale = row_scale(layer).to(tdev)
-            self.convrot = layer.convrot or layer.format.value == "asym_w4a8_int8"
+            self.convrot = layer.convrot
             self.group_size = layer.convrot_groupsize
         if shard.width == 0:
             self.backend_name = "tp-row(empty)"

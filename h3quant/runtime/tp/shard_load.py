@@ -21,7 +21,7 @@ from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
 from h3quant.formats.layers import Layer
-from h3quant.formats.markers import QuantFormat
+from h3quant.formats import registry
 from h3quant.runtime.loader import LoadedLayer, check_quantized
 from h3quant.runtime.tp.plan import ColumnShard, LayerShape, RowShard, TpError
 
@@ -89,11 +89,9 @@ def layer_shape(layer: Layer, role: str) -> LayerShape:
     fields = layer.fields
     align = 1
     if fields is not None:
-        fmt = QuantFormat(fields["format"])
-        if fmt is QuantFormat.ASYM_W4A8_INT8:
-            k *= 2
-            align = int(fields.get("convrot_groupsize", 256))
-        elif fields.get("convrot"):
+        codec = registry.codec_for(fields, tensor=layer.name)
+        k = codec.logical_k(k, fields)
+        if codec.uses_convrot(fields):
             align = int(fields.get("convrot_groupsize", 256))
     return LayerShape(role, int(n), int(k), align)
 
@@ -104,7 +102,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     fields = layer.fields
     if fields is not None:
         check_quantized(layer, fields, path)
-    w4 = fields is not None and QuantFormat(fields["format"]) is QuantFormat.ASYM_W4A8_INT8
+    pack = registry.logical_k(1, fields)  # logical input columns per stored weight column
     tensors = {}
     for suffix, info in layer.tensors.items():
         if suffix == "comfy_quant":
@@ -116,7 +114,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
             else:
                 tensors[suffix] = reader.whole(info)
         elif suffix == "weight":
-            div = 2 if w4 else 1
+            div = pack
             tensors[suffix] = reader.columns(info, shard.k0 // div, shard.k1 // div)
         elif suffix == "weight_s_rel":
             gs = int(fields.get("group_size", 16))
