@@ -90,7 +90,7 @@ def test_int8_convrot_codes_equal_encoder_bit_for_bit(h3_file, tmp_path):
     report = convert(h3_file, out, ConvertOptions(target="int8-convrot"))
     src, _, src_raw = read_all(h3_file)
     got, meta, raw = read_all(out)
-    converted = sorted(lay["name"] for lay in report["layers"] if lay["action"] == "convert")
+    converted = sorted(lay["name"] for lay in report.layers if lay["action"] == "convert")
     assert converted == sorted(block_linears())
     marker = int8_marker(convrot=True, group_size=256)
     assert marker == {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
@@ -125,7 +125,7 @@ def test_output_is_deterministic_and_independent_of_workers_and_mmap(h3_file, tm
     convert(h3_file, b, ConvertOptions(workers=3, report=False))
     rc = convert(h3_file, c, ConvertOptions(mmap=False, workers=2))
     assert sha(a) == sha(b) == sha(c)
-    for x, y in zip(ra["layers"], rc["layers"], strict=True):  # threads: last-ulp sums only
+    for x, y in zip(ra.layers, rc.layers, strict=True):  # threads: last-ulp sums only
         assert x["metrics"] == pytest.approx(y["metrics"], rel=1e-12)
 
 
@@ -177,7 +177,7 @@ def test_selection_presets_include_exclude_and_skips(tmp_path):
     # the skip shows up in the report too, and the layer is copied unchanged
     out = tmp_path / "o.safetensors"
     report = convert(src, out, ConvertOptions())
-    skipped = [lay for lay in report["layers"] if lay["action"] == "skip"]
+    skipped = [lay for lay in report.layers if lay["action"] == "skip"]
     assert [lay["name"] for lay in skipped] == ["blocks.0.mlp.fc2"]
     assert "K=320" in skipped[0]["reason"]
     got, _, _ = read_all(out)
@@ -208,8 +208,8 @@ def test_non_h3_input_defaults_to_all_linears(tmp_path):
     src = write(tmp_path / "m.safetensors", t)
     out = tmp_path / "o.safetensors"
     report = convert(src, out, ConvertOptions())
-    assert report["preset"] == "all-linears" and not report["h3"]
-    acts = {lay["name"]: lay["action"] for lay in report["layers"]}
+    assert report.preset == "all-linears" and not report.h3
+    acts = {lay["name"]: lay["action"] for lay in report.layers}
     assert acts == {"enc.proj": "convert", "head": "skip"}
     got, _, raw = read_all(out)
     assert got["enc.proj.weight"].dtype == torch.int8
@@ -225,7 +225,7 @@ def test_report_metrics_match_an_independent_computation(h3_file, tmp_path):
 
     out = tmp_path / "o.safetensors"
     report = convert(h3_file, out, ConvertOptions())
-    lay = next(x for x in report["layers"] if x["name"] == "blocks.0.mlp.fc1")
+    lay = next(x for x in report.layers if x["name"] == "blocks.0.mlp.fc1")
     m = lay["metrics"]
     got, _, _ = read_all(out)
     w = small_h3()["blocks.0.mlp.fc1.weight"].float()
@@ -248,13 +248,13 @@ def test_report_metrics_match_an_independent_computation(h3_file, tmp_path):
     y_ref = x.double() @ ref.double().t()
     out_rel = ((y - y_ref).norm() / y_ref.norm()).item()
     assert m["output_rel_l2"] == pytest.approx(out_rel, rel=1e-3)
-    assert report["summary"]["layers"] == 8
-    assert report["summary"]["max_output_rel_l2"] >= m["output_rel_l2"]
+    assert report.summary["layers"] == 8
+    assert report.summary["max_output_rel_l2"] >= m["output_rel_l2"]
 
 
 def test_no_report_skips_metrics(h3_file, tmp_path):
     report = convert(h3_file, tmp_path / "o.safetensors", ConvertOptions(report=False))
-    assert all("metrics" not in lay for lay in report["layers"])
+    assert all("metrics" not in lay for lay in report.layers)
 
 
 def test_output_file_mode_follows_umask(h3_file, tmp_path):

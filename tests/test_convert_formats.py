@@ -97,7 +97,7 @@ def test_sharded_input_gives_sharded_output(tmp_path):
 def test_int8_to_bf16_round_trip(int8_file, tmp_path):
     out = tmp_path / "bf16.safetensors"
     report = convert(int8_file, out, ConvertOptions(target="bf16"))
-    assert report["counts"]["convert"] == 8
+    assert report.counts["convert"] == 8
     got, meta, _ = read_all(out)
     orig = small_h3()
     assert HEADER_KEY not in meta
@@ -116,7 +116,7 @@ def test_int8_to_bf16_round_trip(int8_file, tmp_path):
 def test_canonical_int8_is_re_emitted_byte_for_byte(int8_file, tmp_path):
     out = tmp_path / "again.safetensors"
     report = convert(int8_file, out, ConvertOptions(target="int8-convrot"))
-    assert report["identity"] and report["counts"]["keep"] == 8
+    assert report.identity and report.counts["keep"] == 8
     assert sha(out) == sha(int8_file)
 
 
@@ -140,7 +140,7 @@ def test_header_repair_missing_and_disagreeing(int8_file, tmp_path):
                        metadata=dict(meta, **{HEADER_KEY: header_metadata_value(bad_layers)}))
     out2 = tmp_path / "o2.safetensors"
     report = convert(disagree, out2, ConvertOptions())
-    assert any("blocks.0.mlp.fc1" in r and "replaced" in r for r in report["repairs"])
+    assert any("blocks.0.mlp.fc1" in r and "replaced" in r for r in report.repairs)
     _, meta2, raw2 = read_all(out2)
     assert parse_header_metadata(meta2)["blocks.0.mlp.fc1"] == CANON
     assert all(raw2[n] == raw[n] for n in raw)
@@ -159,8 +159,8 @@ def test_markers_with_extra_fields_and_header_only_markers(int8_file, tmp_path):
     src = rewrite(int8_file, tmp_path / "extra.safetensors", edit=add_extra)
     out = tmp_path / "o.safetensors"
     report = convert(src, out, ConvertOptions())
-    assert report["counts"]["keep"] == 8 and not report["identity"]
-    assert any("normalised" in n for lay in report["layers"] for n in lay.get("notes", []))
+    assert report.counts["keep"] == 8 and not report.identity
+    assert any("normalised" in n for lay in report.layers for n in lay.get("notes", []))
     _, meta, raw = read_all(out)
     _, _, raw0 = read_all(int8_file)
     for n in block_linears():
@@ -175,7 +175,7 @@ def test_markers_with_extra_fields_and_header_only_markers(int8_file, tmp_path):
     header_only = rewrite(int8_file, tmp_path / "hdr.safetensors", edit=drop_markers)
     out2 = tmp_path / "o2.safetensors"
     report = convert(header_only, out2, ConvertOptions())
-    assert any("written from header" in r for r in report["repairs"])
+    assert any("written from header" in r for r in report.repairs)
     _, meta2, raw2 = read_all(out2)
     assert all(json.loads(raw2[n + MARKER_SUFFIX]) == CANON for n in block_linears())
 
@@ -204,7 +204,7 @@ def test_unsupported_input_format_is_rejected_naming_the_layer(tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
     # not selected (excluded): copied unchanged, its marker kept in the header table
     report = convert(src, tmp_path / "o.safetensors", ConvertOptions(exclude=("fc1",)))
-    assert {lay["name"]: lay["action"] for lay in report["layers"]}["blocks.0.mlp.fc1"] == \
+    assert {lay["name"]: lay["action"] for lay in report.layers}["blocks.0.mlp.fc1"] == \
         "untouched"
     _, meta, _ = read_all(tmp_path / "o.safetensors")
     assert parse_header_metadata(meta)["blocks.0.mlp.fc1"] == {"format": "float8_e4m3fn"}
@@ -237,7 +237,7 @@ def test_w4a8_output_tensor_set_and_error(tmp_path):
         w = orig[name + ".weight"].float()
         assert ((w - w_hat).norm() / w.norm()).item() < 0.2
     assert parse_header_metadata(meta) == dict.fromkeys(block_linears(1), w4a8_marker())
-    assert all(lay["metrics"]["weight_rel_l2"] < 0.2 for lay in report["layers"])
+    assert all(lay["metrics"]["weight_rel_l2"] < 0.2 for lay in report.layers)
     # layers encoded concurrently (workers) or one by one: the same bytes
     out1 = tmp_path / "w4_1.safetensors"
     convert(src, out1, ConvertOptions(target="w4a8", workers=1, report=False))
@@ -304,7 +304,7 @@ def test_tensorwise_int8_input_is_reencoded_per_row(tmp_path):
     src = write(tmp_path / "tw.safetensors", t)
     out = tmp_path / "o.safetensors"
     report = convert(src, out, ConvertOptions(target="int8"))
-    acts = {lay["name"]: lay for lay in report["layers"]}
+    acts = {lay["name"]: lay for lay in report.layers}
     assert acts["blocks.0.mlp.fc1"]["action"] == "convert"
     assert acts["blocks.0.mlp.fc1"]["from"] == "int8_tensorwise"
     got, _, _ = read_all(out)

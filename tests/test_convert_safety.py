@@ -103,7 +103,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(src, tmp_path):
     plan = json.loads(res.stdout)
     assert plan["counts"]["convert"] == 8
     real = convert(src, dst, ConvertOptions())
-    assert plan["output_bytes"] == real["output_bytes"] == dst.stat().st_size
+    assert plan["output_bytes"] == real.output_bytes == dst.stat().st_size
     # an existing output is only a warning in a dry run (the real run refuses it)
     res = run_cli("convert", src, dst, "--dry-run")
     assert res.exit_code == 0 and "needs --overwrite" in res.output

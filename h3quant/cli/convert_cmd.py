@@ -81,13 +81,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
       h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
     """
-    from h3quant.pipelines.convert import (
-        ConvertOptions,
-        convert,
-        plan_convert,
-        render_plan,
-        summary_line,
-    )
+    from h3quant.cli.render import render_plan, summary_line
+    from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
@@ -115,14 +110,14 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
         sys.stderr.flush()
         os._exit(130)
     if as_json:
-        emit_json(report)
+        emit_json(report.to_dict())
     if not quiet:
-        converted = report["counts"]["convert"]
-        log(f"wrote {dst}: {report['output_bytes']:,} bytes, {converted} layer(s) converted, "
-            f"{report['copied']['tensors']} tensor(s) copied, {report['elapsed_s']:.1f} s "
-            f"({report['input_mb_per_s']} MB/s of input)")
-        for lay in report["layers"]:
+        converted = report.counts["convert"]
+        log(f"wrote {dst}: {report.output_bytes:,} bytes, {converted} layer(s) converted, "
+            f"{report.copied['tensors']} tensor(s) copied, {report.elapsed_s:.1f} s "
+            f"({report.input_mb_per_s} MB/s of input)")
+        for lay in report.layers:
             if lay["action"] == "skip":
                 log(f"skipped {lay['name']}: {lay['reason']}")
         if options.report and converted:
-            log(summary_line(report["summary"]))
+            log(summary_line(report.summary))

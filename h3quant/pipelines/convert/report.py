@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_SEED, REPORT_TOKENS
+from h3quant.pipelines.convert.options import REPORT_SEED, REPORT_TOKENS
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.runtime.int8_math import quantize_activation, scale_accumulator
 
@@ -74,14 +74,3 @@ def summarize(layers: list[dict]) -> dict:
         "mean_output_rel_l2": sum(out) / len(out), "max_output_rel_l2": max(out),
         "mean_sqnr_db": sum(sq) / len(sq) if sq else math.inf,
     }
-
-
-def summary_line(summary: dict) -> str:
-    if not summary.get("layers"):
-        return "error report: no converted layers"
-    return (f"error report ({summary['layers']} layers, up to {REPORT_ROWS} rows each): "
-            f"weight rel L2 mean {summary['mean_weight_rel_l2']:.4f} "
-            f"max {summary['max_weight_rel_l2']:.4f}; "
-            f"output rel L2 mean {summary['mean_output_rel_l2']:.4f} max "
-            f"{summary['max_output_rel_l2']:.4f}; mean SQNR {summary['mean_sqnr_db']:.1f} dB; "
-            f"worst layer {summary['worst_layer']}")

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -60,10 +61,10 @@ def _copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
         copy_tensor(item, reader, sinks, progress)
 
 
-def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> dict:
+def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> ConvertReport:
     """Execute ``plan`` (from ``build_plan``), writing to ``out`` (the staged path
     ``formats.atomic.Outputs`` gave for ``plan.dst``: a file, or an empty directory for sharded
-    output), and return the report dict.
+    output), and return the ``ConvertReport``.
 
     Two streams run at once: a copy thread writes every byte-for-byte tensor while the main
     thread converts the layers (their row chunks on ``workers`` threads). Both read the input in
@@ -201,7 +202,39 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
     results[lp.name] = entry
 
 
-def build_report(plan: ConvertPlan, results: dict[str, dict], elapsed: float) -> dict:
+@dataclass
+class ConvertReport:
+    """What ``convert`` did: the plan's fields (files, sizes, what each layer became), every
+    layer's result (``metrics`` or ``error``), the error summary and the timing."""
+
+    input: str
+    output: str
+    target: str
+    preset: str
+    group_size: int
+    h3: bool
+    identity: bool
+    counts: dict[str, int]
+    layers: list[dict]
+    copied: dict
+    dropped: list[str]
+    repairs: list[str]
+    warnings: list[str]
+    files: list[dict]
+    input_bytes: int
+    output_bytes: int
+    summary: dict
+    metric_method: str
+    elapsed_s: float
+    input_mb_per_s: float | None
+    extra: dict = field(default_factory=dict)  # plan fields added later (kept in the JSON form)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**d, **self.extra}
+
+
+def build_report(plan: ConvertPlan, results: dict[str, dict], elapsed: float) -> ConvertReport:
     for entry in results.values():
         if isinstance(entry.get("metrics"), Future):
             entry["metrics"] = entry["metrics"].result()
@@ -214,4 +247,6 @@ def build_report(plan: ConvertPlan, results: dict[str, dict], elapsed: float) ->
                              "math via torch._int_mm")
     base["elapsed_s"] = round(elapsed, 3)
     base["input_mb_per_s"] = round(plan.input_bytes / 1e6 / elapsed, 1) if elapsed > 0 else None
-    return base
+    names = {f.name for f in fields(ConvertReport)} - {"extra"}
+    return ConvertReport(**{k: v for k, v in base.items() if k in names},
+                         extra={k: v for k, v in base.items() if k not in names})

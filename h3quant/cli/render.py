@@ -1,0 +1,64 @@
+"""Text rendering of pipeline results for the terminal (the pipelines return data only)."""
+
+from __future__ import annotations
+
+from h3quant.pipelines.convert.options import REPORT_ROWS
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def render_plan(d: dict) -> str:
+    """Human-readable convert plan (``ConvertPlan.to_dict()``) or finished report
+    (``ConvertReport.to_dict()``): layers by action, copies, repairs, output size."""
+    lines = [f"convert {d['input']} -> {d['output']}",
+             f"target {d['target']} (group size {d['group_size']}), preset {d['preset']}"
+             + (" (H3 detected)" if d["h3"] else "")]
+    by = {}
+    for lay in d["layers"]:
+        by.setdefault(lay["action"], []).append(lay)
+    titles = {"convert": "convert", "keep": "already in the target format (re-emitted)",
+              "skip": "skipped", "untouched": "quantized, not selected (copied)"}
+    for action, title in titles.items():
+        rows = by.get(action, [])
+        if not rows:
+            continue
+        lines.append(f"{title}: {len(rows)} layer(s)")
+        for lay in rows:
+            extra = f"  [{lay['reason']}]" if lay.get("reason") else ""
+            err = f"  FAILED: {lay['error']}" if lay.get("error") else ""
+            m = lay.get("metrics")
+            met = (f"  rel {m['weight_rel_l2']:.4f} sqnr {m['sqnr_db']:.1f} dB "
+                   f"out {m['output_rel_l2']:.4f}") if m else ""
+            lines.append(f"  {lay['name']} {lay['shape']}: {lay['from']} -> {lay['to']}"
+                         f"{extra}{met}{err}")
+            for note in lay.get("notes", ()):
+                lines.append(f"      note: {note}")
+    c = d["copied"]
+    lines.append(f"copied byte for byte: {c['tensors']} tensor(s), {_mb(c['bytes'])}")
+    if d["dropped"]:
+        lines.append(f"not written (replaced or dropped): {len(d['dropped'])} tensor(s)")
+    for r in d["repairs"]:
+        lines.append(f"repair: {r}")
+    for w in d.get("warnings", ()):
+        lines.append(f"warning: {w}")
+    if d.get("identity"):
+        lines.append("nothing to convert: the output re-emits the input unchanged")
+    files = d["files"]
+    where = f" in {len(files)} files" if len(files) > 1 else ""
+    lines.append(f"output size: {d['output_bytes']:,} bytes ({_mb(d['output_bytes'])}){where}; "
+                 f"input {_mb(d['input_bytes'])}")
+    return "\n".join(lines)
+
+
+def summary_line(summary: dict) -> str:
+    """One line of the convert error report's summary (``ConvertReport.summary``)."""
+    if not summary.get("layers"):
+        return "error report: no converted layers"
+    return (f"error report ({summary['layers']} layers, up to {REPORT_ROWS} rows each): "
+            f"weight rel L2 mean {summary['mean_weight_rel_l2']:.4f} "
+            f"max {summary['max_weight_rel_l2']:.4f}; "
+            f"output rel L2 mean {summary['mean_output_rel_l2']:.4f} max "
+            f"{summary['max_output_rel_l2']:.4f}; mean SQNR {summary['mean_sqnr_db']:.1f} dB; "
+            f"worst layer {summary['worst_layer']}")
