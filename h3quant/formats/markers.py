@@ -22,9 +22,11 @@ HEADER_VERSION = "1.0"
 
 
 class QuantFormat(str, Enum):
-    """Every format ComfyUI knows, by its wire name."""
+    """Every format ComfyUI knows, by its wire name, plus h3quant's NPU layout (FORMATS.md 9),
+    which ComfyUI does not know (so it refuses such files instead of mis-reading them)."""
 
     INT8_TENSORWISE = "int8_tensorwise"
+    INT8_TENSORWISE_KN = "int8_tensorwise_kn"
     ASYM_W4A8_INT8 = "asym_w4a8_int8"
     CONVROT_W4A4 = "convrot_w4a4"
     FLOAT8_E4M3FN = "float8_e4m3fn"
@@ -34,11 +36,15 @@ class QuantFormat(str, Enum):
     AWQ_W4A16 = "awq_w4a16"
 
 
-SUPPORTED_FORMATS = frozenset({QuantFormat.INT8_TENSORWISE, QuantFormat.ASYM_W4A8_INT8})
+SUPPORTED_FORMATS = frozenset({QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN,
+                               QuantFormat.ASYM_W4A8_INT8})
+# The format names ComfyUI itself knows (FORMATS.md 2); int8_tensorwise_kn is not one of them.
+COMFY_FORMATS = frozenset(f for f in QuantFormat if f is not QuantFormat.INT8_TENSORWISE_KN)
 
 # Defaults ComfyUI applies when a field is absent.
 _DEFAULTS: dict[QuantFormat, dict] = {
     QuantFormat.INT8_TENSORWISE: {"convrot": False, "convrot_groupsize": 256},
+    QuantFormat.INT8_TENSORWISE_KN: {"convrot": False, "convrot_groupsize": 256},
     QuantFormat.ASYM_W4A8_INT8: {"group_size": 16, "convrot_groupsize": 256, "convrot": True},
 }
 _FIELD_TYPES = {

@@ -83,6 +83,15 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
         ),
         True, "int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
     ),
+    QuantFormat.INT8_TENSORWISE_KN: SchemeSpec(
+        "int8_tensorwise_kn", QuantFormat.INT8_TENSORWISE_KN, True,
+        (
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(k, n)], "[K, N]"),
+            TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,)], "[N]"),
+            _BIAS,
+        ),
+        True, "int8_tensorwise pre-transposed for the NPU: weight [K, N], scale [N] (FORMATS.md 9)",
+    ),
     QuantFormat.ASYM_W4A8_INT8: SchemeSpec(
         "asym_w4a8_int8", QuantFormat.ASYM_W4A8_INT8, True,
         (
@@ -167,6 +176,8 @@ def logical_shape(layer) -> tuple[int | None, int | None]:
         return n, 2 * cols
     if fmt in (QuantFormat.CONVROT_W4A4, QuantFormat.AWQ_W4A16):
         return None, None
+    if fmt is QuantFormat.INT8_TENSORWISE_KN:
+        return cols, n  # stored [K, N]
     return n, cols
 
 
@@ -208,6 +219,10 @@ def check_layer(layer) -> list[Finding]:
             f"{spec.tensors[0].describe()}")
     if spec.format is QuantFormat.ASYM_W4A8_INT8:
         _w4a8_geometry(layer, n, k, add)
+    if spec.format is QuantFormat.INT8_TENSORWISE_KN:
+        from h3quant.formats.int8_kn import check_kn
+
+        out.extend(check_kn(layer, n, k, file=str(layer.weight.file)))
     for ts in spec.tensors:
         info = layer.tensors.get(ts.suffix)
         if info is None:
@@ -238,7 +253,10 @@ def check_layer(layer) -> list[Finding]:
 
 
 def _skip_shape(spec: SchemeSpec, ts: TensorSpec, layer, n: int, k: int) -> bool:
-    """W4A8 weight width and s_rel columns are judged by ``_w4a8_geometry`` instead."""
+    """W4A8 weight width and s_rel columns are judged by ``_w4a8_geometry`` instead; the kn
+    scale against the weight by ``kn_rules.check_kn`` (Q109)."""
+    if spec.format is QuantFormat.INT8_TENSORWISE_KN:
+        return ts.suffix == "weight_scale"
     if spec.format is not QuantFormat.ASYM_W4A8_INT8:
         return False
     g = layer.fields.get("group_size")
@@ -270,7 +288,8 @@ def _w4a8_geometry(layer, n, k, add) -> None:
 def _constraints(spec: SchemeSpec, layer, k: int, add) -> None:
     f = layer.fields
     convrot = f.get("convrot", False) or spec.format is QuantFormat.ASYM_W4A8_INT8
-    if spec.format not in (QuantFormat.INT8_TENSORWISE, QuantFormat.ASYM_W4A8_INT8):
+    if spec.format not in (QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN,
+                           QuantFormat.ASYM_W4A8_INT8):
         return
     if convrot:
         g = f.get("convrot_groupsize", 256)

@@ -220,11 +220,11 @@ def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) 
                          "" if finite else "a scale is zero, negative, NaN or inf"))
     qa = q.to(torch.int16).abs()  # int8 abs(-128) would wrap
     peak = qa.amax(1).to(torch.int32) if q.numel() else torch.zeros(0, dtype=torch.int32)
-    if layer.format is QuantFormat.INT8_TENSORWISE and layer.tensors["weight_scale"].numel() == 1:
+    if layer.is_int8 and layer.tensors["weight_scale"].numel() == 1:
         top = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
         bad, lim = (top != 127) | (q == -128).any().reshape(1), "max|q| = 127 per tensor"
         peak = top
-    elif layer.format is QuantFormat.INT8_TENSORWISE:
+    elif layer.is_int8:
         bad = (peak != 127) | (q == -128).any(1)
         lim = "max|q| = 127 per row"
     else:

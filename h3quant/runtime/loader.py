@@ -29,20 +29,28 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
 
 # suffixes each supported format may hold (the marker is never loaded as a tensor)
+_KN = QuantFormat.INT8_TENSORWISE_KN
+_INT8 = (QuantFormat.INT8_TENSORWISE, _KN)  # one math, two layouts
 _ALLOWED = {
     QuantFormat.INT8_TENSORWISE: {"weight", "weight_scale", "bias"},
+    _KN: {"weight", "weight_scale", "bias"},
     QuantFormat.ASYM_W4A8_INT8: {"weight", "weight_s_rel", "weight_s_channel", "weight_codebook",
                                  "bias"},
 }
 _REQUIRED = {
     QuantFormat.INT8_TENSORWISE: ("weight", "weight_scale"),
+    _KN: ("weight", "weight_scale"),
     QuantFormat.ASYM_W4A8_INT8: ("weight", "weight_s_rel", "weight_s_channel"),
 }
 
 
 @dataclass
 class LoadedLayer:
-    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged."""
+    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged.
+
+    An ``int8_tensorwise_kn`` layer keeps its ``[K, N]`` weight as stored; its int8 grid is the
+    ``[N, K]`` ``.t()`` view of it (no copy), so every consumer sees one int8 math.
+    """
 
     name: str
     tensors: dict[str, torch.Tensor]
@@ -67,11 +75,18 @@ class LoadedLayer:
         return self.tensors.get("bias")
 
     @property
+    def is_int8(self) -> bool:
+        """int8_tensorwise in either layout (canonical [N, K] or the NPU's [K, N])."""
+        return self.format in _INT8
+
+    @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return int(self.weight.shape[1] if self.format is _KN else self.weight.shape[0])
 
     @property
     def in_features(self) -> int:
+        if self.format is _KN:
+            return int(self.weight.shape[0])
         k = int(self.weight.shape[-1])
         return 2 * k if self.format is QuantFormat.ASYM_W4A8_INT8 else k
 
@@ -90,17 +105,19 @@ class LoadedLayer:
     def int8_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies.
 
-        int8: the stored codes (same storage) and the stored scales (a scalar is broadcast to N
-        rows, exact). W4A8: decoded once to the int8 grid, scale = ``weight_s_channel``.
+        int8: the stored codes (same storage; for kn the ``.t()`` view of the stored [K, N]) and
+        the stored scales (a scalar is broadcast to N rows, exact). W4A8: decoded once to the int8
+        grid, scale = ``weight_s_channel``.
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
         if self._grid is None:
-            if self.format is QuantFormat.INT8_TENSORWISE:
+            if self.is_int8:
                 s = self.tensors["weight_scale"].to(torch.float32).reshape(-1)
                 if s.numel() == 1:
                     s = s.expand(self.out_features).contiguous()
-                self._grid = (self.weight, s)
+                q = self.weight.t() if self.format is _KN else self.weight
+                self._grid = (q, s)
             else:
                 from h3quant.formats.w4a8 import decode_w4a8_int8
                 q = decode_w4a8_int8(self.weight, self.tensors["weight_s_rel"],
@@ -114,7 +131,7 @@ class LoadedLayer:
         scale tensor in its stored shape ([N, 1], [N] or []); W4A8 the decoded grid and
         ``weight_s_channel``."""
         q, s = self.int8_grid()
-        if self.format is QuantFormat.INT8_TENSORWISE:
+        if self.is_int8:
             stored = self.tensors["weight_scale"]
             return q, stored if stored.dtype == torch.float32 else stored.to(torch.float32)
         return q, s
@@ -208,7 +225,13 @@ def _check_quantized(layer: Layer, fields: dict, path) -> None:
         bad("Q102", f"weight is {w.dtype} {list(w.shape)}, {fmt.value} needs a 2-D I8 weight",
             "weight")
     n, kw = w.shape
-    if fmt is QuantFormat.INT8_TENSORWISE:
+    if fmt is _KN:
+        k, n = n, kw  # stored [K, N]
+        s = t["weight_scale"]
+        if s.dtype not in FLOAT_DTYPES or list(s.shape) != [n]:
+            bad("Q109", f"weight_scale is {s.dtype} {list(s.shape)}, expected F32 [{n}] for a "
+                f"[K, N] = [{k}, {n}] kn weight", "weight_scale")
+    elif fmt is QuantFormat.INT8_TENSORWISE:
         k = kw
         s = t["weight_scale"]
         if s.dtype not in FLOAT_DTYPES:
