@@ -9,8 +9,9 @@ import click
 
 from h3quant.cli.common import emit_json, guard, handle_errors, log, mmap_option
 from h3quant.errors import ConvertError
+from h3quant.formats import registry
 
-_TARGETS = ("int8-convrot", "int8", "w4a8", "bf16")
+_TARGETS = tuple(registry.targets())
 
 
 def _group_size(ctx, param, value):
@@ -25,7 +26,9 @@ def _group_size(ctx, param, value):
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
 @click.argument("dst", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--to", "target", type=click.Choice(_TARGETS), default="int8-convrot",
-              show_default=True, help="Target format of the selected linears.")
+              show_default=True,
+              help="Target format of the selected linears: "
+                   + "; ".join(f"{t.name} = {t.help}" for t in registry.targets().values()) + ".")
 @click.option("--preset", type=click.Choice(("h3", "all-linears")), default=None,
               help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
                    "inputs); all-linears = every 2-D float weight (default otherwise).")

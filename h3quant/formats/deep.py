@@ -14,17 +14,12 @@ import torch
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding
+from h3quant.formats import registry
 from h3quant.formats.dtypes import FLOAT_DTYPES, itemsize, to_torch
 from h3quant.formats.markers import QuantFormat
 
 CHUNK_BYTES = 16 << 20
 
-# Scale tensors whose values must be finite and positive in the supported formats.
-_SCALES = {
-    QuantFormat.INT8_TENSORWISE: ("weight_scale", "input_scale"),
-    QuantFormat.INT8_TENSORWISE_KN: ("weight_scale",),
-    QuantFormat.ASYM_W4A8_INT8: ("weight_s_rel", "weight_s_channel"),
-}
 
 
 class Stream:
@@ -150,8 +145,9 @@ def _check_float(src, info, out: list[Finding]) -> None:
 def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
     fmt = layer.format
     t = layer.tensors
-    if fmt in _SCALES:
-        for suffix in _SCALES[fmt]:
+    codec = registry.get(fmt) if fmt is not None else None
+    if codec is not None:  # supported formats: their scale tensors must be finite and > 0
+        for suffix in codec.deep_scales:
             info = t.get(suffix)
             if info is None or info.dtype not in FLOAT_DTYPES | {"F8_E4M3", "U8"}:
                 continue

@@ -18,7 +18,7 @@ from h3quant.formats.dtypes import QUANTIZED_WEIGHT_DTYPES
 from h3quant.formats.markers import (
     MARKER_SUFFIX,
     QuantFormat,
-    _check_object,
+    check_marker_object,
     effective_fields,
     parse_header_metadata,
     parse_marker_bytes,
@@ -106,7 +106,7 @@ def scan_layers(
     header_fields: dict[str, dict] = {}
     for lname, raw in (header or {}).items():
         try:
-            header_fields[lname] = effective_fields(_check_object(raw, "header metadata entry"))
+            header_fields[lname] = effective_fields(check_marker_object(raw, "header metadata entry"))
         except MarkerError as exc:
             add(exc.code, exc.reason, lname)
         if lname not in layers:

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from h3quant.errors import MarkerError
+from h3quant.formats import registry
 
 if TYPE_CHECKING:
     import torch
@@ -36,17 +37,19 @@ class QuantFormat(str, Enum):
     AWQ_W4A16 = "awq_w4a16"
 
 
-SUPPORTED_FORMATS = frozenset({QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN,
-                               QuantFormat.ASYM_W4A8_INT8})
+# The formats h3quant reads, converts and runs: those with a codec in the registry.
+SUPPORTED_FORMATS = frozenset(QuantFormat(n) for n in registry.supported_names()
+                              if n in QuantFormat._value2member_map_)
+
+
 # The format names ComfyUI itself knows (FORMATS.md 2); int8_tensorwise_kn is not one of them.
 COMFY_FORMATS = frozenset(f for f in QuantFormat if f is not QuantFormat.INT8_TENSORWISE_KN)
 
-# Defaults ComfyUI applies when a field is absent.
-_DEFAULTS: dict[QuantFormat, dict] = {
-    QuantFormat.INT8_TENSORWISE: {"convrot": False, "convrot_groupsize": 256},
-    QuantFormat.INT8_TENSORWISE_KN: {"convrot": False, "convrot_groupsize": 256},
-    QuantFormat.ASYM_W4A8_INT8: {"group_size": 16, "convrot_groupsize": 256, "convrot": True},
-}
+
+def known_format_names() -> frozenset[str]:
+    """Every format name a marker may carry: ComfyUI's and any registered codec's."""
+    return frozenset(f.value for f in QuantFormat) | registry.supported_names()
+
 _FIELD_TYPES = {
     "convrot": bool,
     "convrot_groupsize": int,
@@ -55,14 +58,16 @@ _FIELD_TYPES = {
 }
 
 
-def _check_object(obj: object, where: str) -> dict:
+def check_marker_object(obj: object, where: str) -> dict:
+    """``obj`` when it is a marker object naming a known format; else MarkerError (coded)."""
     if not isinstance(obj, dict):
         raise MarkerError(f"{where} JSON is a {type(obj).__name__}, expected an object", code="M104")
     if "format" not in obj:
         raise MarkerError(f"{where} has no 'format' field", code="M105")
     fmt = obj["format"]
-    if fmt not in {f.value for f in QuantFormat}:
-        known = ", ".join(f.value for f in QuantFormat)
+    known_names = known_format_names()
+    if not isinstance(fmt, str) or fmt not in known_names:
+        known = ", ".join(sorted(known_names))
         raise MarkerError(f"{where} names unknown format {fmt!r} (known: {known})", code="M106")
     return obj
 
@@ -78,7 +83,7 @@ def parse_marker_bytes(raw: bytes) -> dict:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MarkerError(f"marker is not UTF-8 JSON ({exc})", code="M103") from None
-    return _check_object(obj, "marker")
+    return check_marker_object(obj, "marker")
 
 
 def effective_fields(obj: dict) -> dict:
@@ -88,8 +93,7 @@ def effective_fields(obj: dict) -> dict:
     if isinstance(params, dict):
         merged.update(params)
     merged.update({k: v for k, v in obj.items() if k != "params"})
-    fmt = QuantFormat(merged["format"])
-    for key, value in _DEFAULTS.get(fmt, {}).items():
+    for key, value in registry.marker_defaults(merged["format"]).items():
         merged.setdefault(key, value)
     for key, typ in _FIELD_TYPES.items():
         if key in merged:

@@ -1,8 +1,9 @@
 """Compute one layer's output tensors in bounded memory and hand them to a sink as they come.
 
-int8 targets and bf16 work on row chunks (per-row scales make chunks independent, so the codes
-equal one ``encode_int8`` call on the whole weight); W4A8 encodes the whole layer at once (its
-codebook is chosen per layer). A few evenly spaced rows of the source and the result are kept
+The target's codec does the tensor work. Row-chunked codecs (int8 and bf16: per-row scales make
+chunks independent, so the codes equal one encoder call on the whole weight) work on row chunks,
+each output written at its rows' offset; the others (W4A8: its codebook is chosen per layer)
+encode the whole layer at once. A few evenly spaced rows of the source and the result are kept
 for the error report.
 """
 
@@ -17,8 +18,10 @@ import torch
 
 from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
-from h3quant.pipelines.convert.layers import INT8, W4A8, LayerPlan
-from h3quant.pipelines.convert.options import REPORT_ROWS, W4A8_GROUP, ConvertOptions
+from h3quant.formats import registry
+from h3quant.formats.dtypes import itemsize
+from h3quant.pipelines.convert.layers import LayerPlan
+from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
 CHUNK_ELEMS = 1 << 20  # weight elements per row chunk (4 MB as fp32)
 COPY_CHUNK = 16 << 20  # bytes per copy chunk
@@ -64,57 +67,34 @@ class Samples:
 
 
 class SourceRows:
-    """Decode rows of a layer's input weight to a float tensor (plain, int8 or W4A8 input)."""
+    """Decode rows of a layer's input weight to a float tensor, through the input's codec."""
 
     def __init__(self, lp: LayerPlan, reader: Reader):
         self.lp, self.reader = lp, reader
         self.f = lp.src_fields
         self.t = lp.inputs
-        self._scalar = None
-        self._codebook = None
-        if self.f and self.f["format"] == INT8 and self.t["weight_scale"].numel == 1:
-            self._scalar = reader.whole(self.t["weight_scale"]).float().reshape(())
-        if self.f and self.f["format"] == W4A8 and "weight_codebook" in self.t:
-            self._codebook = reader.whole(self.t["weight_codebook"]).clone()
+        self.codec = registry.codec_for(self.f, tensor=lp.name)
+        row_names, whole_names = self.codec.source_tensors(self.f, self.t)
+        self._rows = [self.t[n] for n in row_names]
+        self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
 
     def used(self) -> list:
-        names = ["weight"]
-        if self.f and self.f["format"] == INT8 and self._scalar is None:
-            names.append("weight_scale")
-        if self.f and self.f["format"] == W4A8:
-            names += ["weight_s_rel", "weight_s_channel"]
-        return [self.t[n] for n in names]
+        """The tensors read row by row (what progress, prefetch and release cover)."""
+        return list(self._rows)
 
     def prefetch(self, r0: int, r1: int) -> None:
-        for info in self.used():
+        for info in self._rows:
             self.reader.prefetch_rows(info, r0, r1)
 
     def release(self, r0: int, r1: int) -> None:
-        for info in self.used():
+        for info in self._rows:
             self.reader.release_rows(info, r0, r1)
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)``: the stored float rows (no copy) or the dequantized fp32 rows."""
-        rd, t, f = self.reader, self.t, self.f
-        if f is None:
-            return rd.rows(t["weight"], r0, r1)
-        if f["format"] == INT8:
-            from h3quant.formats.int8 import decode_int8
-
-            q = rd.rows(t["weight"], r0, r1)
-            s = (self._scalar.expand(r1 - r0, 1) if self._scalar is not None
-                 else rd.rows(t["weight_scale"], r0, r1).reshape(-1, 1))
-            return decode_int8(q, s, convrot=bool(f.get("convrot")),
-                               group_size=f.get("convrot_groupsize", 256), dtype=torch.float32)
-        from h3quant.formats.w4a8 import decode_w4a8
-
-        local = {"weight": rd.rows(t["weight"], r0, r1).view(torch.int8),
-                 "weight_s_rel": rd.rows(t["weight_s_rel"], r0, r1),
-                 "weight_s_channel": rd.rows(t["weight_s_channel"], r0, r1).reshape(-1)}
-        if self._codebook is not None:
-            local["weight_codebook"] = self._codebook
-        return decode_w4a8(local, group_size=f.get("group_size", 16),
-                           convrot_groupsize=f.get("convrot_groupsize", 256), dtype=torch.float32)
+        rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
+                for info in self._rows}
+        return self.codec.decode_rows(rows, self._whole, self.f)
 
 
 def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None):
@@ -138,19 +118,47 @@ def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None
             fut.cancel()
 
 
-def _check_scale(lp: LayerPlan, s: torch.Tensor, r0: int) -> None:
-    if not torch.isfinite(s).all():
-        bad = int((~torch.isfinite(s)).nonzero()[0, 0]) + r0
-        raise FormatError(f"weight holds NaN or inf (row {bad}); cannot quantize", tensor=lp.name)
+def _check_finite(lp: LayerPlan, out: dict[str, torch.Tensor], r0: int) -> None:
+    """A NaN or inf in the source shows up as a non-finite fp32 scale: refuse the layer."""
+    for t in out.values():
+        if t.dtype == torch.float32 and t.dim() and not torch.isfinite(t).all():
+            bad = torch.isfinite(t.reshape(t.shape[0], -1)).all(1).logical_not().nonzero()
+            row = int(bad[0, 0]) + r0
+            raise FormatError(f"weight holds NaN or inf (row {row}); cannot quantize",
+                              tensor=lp.name)
 
 
-def encode_int8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                      workers: int = 1, pool=None) -> Samples:
-    from h3quant.formats.int8 import encode_int8
+def _check_planned(lp: LayerPlan, out: dict[str, torch.Tensor], n: int,
+                   unrowed: tuple[str, ...]) -> None:
+    """The encoder returned exactly the planned tensors: ``n`` rows of each rowed one."""
+    planned = {e.name[len(lp.name) + 1:]: tuple(e.shape) for e in lp.produced.values()}
+    planned.pop("comfy_quant", None)
 
-    n, k, g = lp.n, lp.k, opts.group_size
+    def fits(suffix: str) -> bool:
+        got, want = tuple(out[suffix].shape), planned[suffix]
+        return got == want if suffix in unrowed else got == (n, *want[1:])
+
+    if set(out) != set(planned) or not all(fits(sfx) for sfx in out):
+        got = ", ".join(f"{sfx} {list(v.shape)}" for sfx, v in sorted(out.items()))
+        raise FormatError(f"encoder returned {got}; the plan expects "
+                          + ", ".join(f"{sfx} {list(sh)}" for sfx, sh in sorted(planned.items())),
+                          tensor=lp.name)
+
+
+def _row_bytes(lp: LayerPlan, suffix: str) -> int:
+    e = lp.produced[f"{lp.name}.{suffix}"]
+    per = 1
+    for d in e.shape[1:]:
+        per *= d
+    return per * itemsize(e.dtype)
+
+
+def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
+                   workers: int = 1, pool=None) -> Samples:
+    """Row-chunked codecs: each chunk's outputs are written at their rows' offsets."""
+    n, k = lp.n, lp.k
+    codec, marker = opts.codec, lp.out_fields
     samples = Samples.for_layer(n, opts.report)
-    scale = torch.empty(n, 1, dtype=torch.float32)
     lock = threading.Lock()
     step = rows_per_chunk(k)
 
@@ -158,48 +166,27 @@ def encode_int8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        q, s = encode_int8(w, convrot=opts.convrot, group_size=g, per_row=True,
-                           method=opts.rotation)
+        out = codec.encode(w, marker, opts.rotation)
         with lock:
-            samples.take(r0, r1, w, q=q, s=s)
-        src.release(r0, r1)
-        return r0, r1, q, s
-
-    wname = f"{lp.name}.weight"
-    for r0, r1, q, s in _chunked(n, k, task, workers, pool):
-        _check_scale(lp, s, r0)
-        sink.write_tensor(wname, q, r0 * k)
-        scale[r0:r1] = s.reshape(-1, 1)
-        progress(sum(i.nbytes for i in src.used()) * (r1 - r0) // max(n, 1))
-    sink.write_tensor(f"{lp.name}.weight_scale", scale)
-    sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
-    return samples
-
-
-def decode_bf16_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                      workers: int = 1, pool=None) -> Samples:
-    n, k = lp.n, lp.k
-    samples = Samples.for_layer(n, opts.report)
-    lock = threading.Lock()
-
-    def task(r0, r1):
-        w = src.rows(r0, r1)
-        out = w.to(torch.bfloat16)
-        with lock:
-            samples.take(r0, r1, w, w=out)
+            samples.take(r0, r1, w, **out)
         src.release(r0, r1)
         return r0, r1, out
 
     for r0, r1, out in _chunked(n, k, task, workers, pool):
-        sink.write_tensor(f"{lp.name}.weight", out, r0 * k * 2)
+        _check_planned(lp, out, r1 - r0, codec.unrowed_outputs)
+        if codec.quantized:
+            _check_finite(lp, out, r0)
+        for suffix, tensor in out.items():
+            sink.write_tensor(f"{lp.name}.{suffix}", tensor, r0 * _row_bytes(lp, suffix))
         progress(sum(i.nbytes for i in src.used()) * (r1 - r0) // max(n, 1))
+    if lp.marker is not None:
+        sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
     return samples
 
 
-def encode_w4a8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                      workers: int = 1, pool=None) -> Samples:
-    from h3quant.formats.w4a8 import encode_w4a8
-
+def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
+                 workers: int = 1, pool=None) -> Samples:
+    """Codecs that need the whole layer at once (W4A8 fits its codebook per layer)."""
     n, k = lp.n, lp.k
     if lp.src_fields is None:
         w = src.rows(0, n)
@@ -207,20 +194,13 @@ def encode_w4a8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink
         w = torch.empty(n, k, dtype=torch.float32)
         for r0, r1, rows in _chunked(n, k, lambda a, b: (a, b, src.rows(a, b)), workers, pool):
             w[r0:r1] = rows
-    out = encode_w4a8(w, group_size=W4A8_GROUP, convrot_groupsize=opts.group_size,
-                      codebook="auto")
-    if not torch.isfinite(out["weight_s_channel"]).all():
-        raise FormatError("weight holds NaN or inf; cannot quantize", tensor=lp.name)
-    planned = {e.name[len(lp.name) + 1:]: e for e in lp.produced.values()}
-    planned.pop("comfy_quant", None)
-    if set(out) != set(planned) or any(tuple(out[s].shape) != planned[s].shape for s in out):
-        got = ", ".join(f"{s} {list(v.shape)}" for s, v in sorted(out.items()))
-        raise FormatError(f"W4A8 encoder returned {got}; the plan expects "
-                          + ", ".join(f"{s} {list(e.shape)}" for s, e in sorted(planned.items())),
-                          tensor=lp.name)
+    out = opts.codec.encode(w, lp.out_fields, opts.rotation)
+    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
+    _check_planned(lp, out, n, opts.codec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
-    samples.take(0, n, w, **{s: v for s, v in out.items() if s != "weight_codebook"})
-    samples.extra = {"weight_codebook": out["weight_codebook"]}
+    unrowed = opts.codec.unrowed_outputs
+    samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
+    samples.extra = {s: v for s, v in out.items() if s in unrowed}
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
@@ -228,6 +208,13 @@ def encode_w4a8_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink
         sink.write_tensor(f"{lp.name}.{suffix}", tensor)
     sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
     return samples
+
+
+def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
+                 workers: int = 1, pool=None) -> Samples:
+    """Encode one planned layer with the target's codec."""
+    run = encode_chunked if opts.codec.chunked else encode_whole
+    return run(lp, src, opts, sink, progress, workers, pool)
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:
@@ -239,5 +226,3 @@ def copy_tensor(item, reader: Reader, sink, progress) -> None:
         sink.write(item.out, start, data)
         progress(len(data))
 
-
-CONVERTERS = {"int8": encode_int8_layer, "w4a8": encode_w4a8_layer, "bf16": decode_bf16_layer}

@@ -5,24 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from h3quant.convrot import is_valid_group_size
-from h3quant.errors import FormatError, MarkerError, UnsupportedError
+from h3quant.errors import FormatError, MarkerError
+from h3quant.formats import registry
 from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
 from h3quant.formats.layers import Layer
 from h3quant.formats.markers import (
-    SUPPORTED_FORMATS,
-    QuantFormat,
-    _check_object,
+    check_marker_object,
     effective_fields,
     marker_bytes,
     parse_marker_bytes,
 )
 from h3quant.formats.writer import Entry
-from h3quant.pipelines.convert.options import W4A8_GROUP, ConvertOptions, describe_fields
+from h3quant.pipelines.convert.options import ConvertOptions
 
-INT8 = QuantFormat.INT8_TENSORWISE.value
-W4A8 = QuantFormat.ASYM_W4A8_INT8.value
 NEVER_WRITTEN = frozenset({"weight_correction"})  # ComfyUI does not load it (FORMATS.md 4)
 
 
@@ -78,7 +74,7 @@ class LayerPlan:
 # ---------------------------------------------------------------------------- marker resolution
 def _fields_or_error(raw) -> tuple[dict | None, dict | None, str | None]:
     try:
-        obj = _check_object(raw, "marker")
+        obj = check_marker_object(raw, "marker")
         return obj, effective_fields(obj), None
     except MarkerError as exc:
         return None, None, exc.reason
@@ -88,42 +84,17 @@ def logical_k(layer: Layer, fields: dict | None) -> int | None:
     w = layer.weight
     if w is None or len(w.shape) != 2:
         return None
-    return 2 * w.shape[1] if fields and fields.get("format") == W4A8 else w.shape[1]
+    return registry.logical_k(w.shape[1], fields)
 
 
 def fit_error(layer: Layer, f: dict) -> str | None:
     """Why the layer's tensors do not match marker fields ``f`` (None when they do)."""
-    w = layer.weight
-    fmt = f["format"]
-    if w is None:
+    if layer.weight is None:
         return "marker has no weight tensor beside it"
-    if fmt not in (INT8, W4A8):
+    codec = registry.get(f["format"])
+    if codec is None:
         return None  # unsupported formats are rejected only when the layer is converted
-    if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
-        return f"weight is {w.dtype} {list(w.shape)}, {fmt} stores a 2-D I8 weight"
-    n, k = w.shape[0], logical_k(layer, f)
-    cg = f.get("convrot_groupsize", 256)
-    t = layer.tensors
-    if fmt == INT8:
-        s = t.get("weight_scale")
-        if s is None or s.dtype != "F32" or s.numel not in (1, n) or len(s.shape) > 2:
-            return f"weight_scale must be F32 [N, 1], [N] or [] (N={n})"
-        if s.numel != n and s.numel == 1 and len(s.shape) == 2:
-            return f"weight_scale shape {list(s.shape)} is not [N, 1]"
-        if f.get("convrot") and (not is_valid_group_size(cg) or k % cg):
-            return f"ConvRot group size {cg} does not divide K={k} (or is not a power of 4)"
-        return None
-    g = f.get("group_size", 16)
-    if not isinstance(g, int) or g <= 0 or k % 16 or k % g or not is_valid_group_size(cg) or k % cg:
-        return f"K={k} does not fit group_size {g} / convrot_groupsize {cg}"
-    sr, sc, cb = t.get("weight_s_rel"), t.get("weight_s_channel"), t.get("weight_codebook")
-    if sr is None or sr.dtype not in ("F8_E4M3", "U8") or tuple(sr.shape) != (n, k // g):
-        return f"weight_s_rel must be F8_E4M3 [{n}, {k // g}]"
-    if sc is None or sc.dtype != "F32" or tuple(sc.shape) not in ((n,), (n, 1)):
-        return f"weight_s_channel must be F32 [{n}]"
-    if cb is not None and (cb.dtype != "F32" or tuple(cb.shape) != (16,)):
-        return "weight_codebook must be F32 [16]"
-    return None
+    return codec.fit_error(layer, f)
 
 
 @dataclass
@@ -177,7 +148,7 @@ def resolve_marker(layer: Layer, header: dict | None, read_bytes) -> Resolved:
             res = Resolved(raw, eff, src == "marker tensor", t_raw)
             _note_repairs(res, name, marker is not None, t_err, header, in_header, h_raw)
             return res
-        tried.append(f"{src} says {describe_fields(eff)} but {why}")
+        tried.append(f"{src} says {registry.describe(eff)} but {why}")
     raise FormatError("; ".join(tried), tensor=name)
 
 
@@ -203,15 +174,8 @@ def _json(obj) -> str:
 # ---------------------------------------------------------------------------- target matching
 def same_target(layer: Layer, f: dict, opts: ConvertOptions) -> bool:
     """The layer already stores exactly what the target would write (re-emit it)."""
-    n = layer.weight.shape[0]
-    if opts.kind == "int8":
-        return (f["format"] == INT8 and bool(f.get("convrot")) == opts.convrot
-                and (not opts.convrot or f.get("convrot_groupsize") == opts.group_size)
-                and layer.tensors["weight_scale"].numel == n)
-    if opts.kind == "w4a8":
-        return (f["format"] == W4A8 and f.get("group_size") == W4A8_GROUP
-                and f.get("convrot_groupsize") == opts.group_size)
-    return False
+    marker = opts.marker()
+    return marker is not None and opts.codec.same_target(layer, f, marker)
 
 
 def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str | None:
@@ -220,17 +184,10 @@ def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str 
         return f"weight is not 2-D (shape {list(w.shape)})"
     if fields is None and w.dtype not in FLOAT_DTYPES:
         return f"weight dtype {w.dtype} is not a float type"
-    k = logical_k(layer, fields)
-    g = opts.group_size
-    if opts.kind == "int8" and opts.convrot and k % g:
-        return f"K={k} is not divisible by the group size {g}"
-    if opts.kind == "w4a8" and (k % W4A8_GROUP or k % g):
-        return f"K={k} is not divisible by {W4A8_GROUP} and the group size {g}"
-    return None
+    marker = opts.marker()
+    return None if marker is None else opts.codec.skip_reason(logical_k(layer, fields), marker)
 
 
 def check_supported(layer: Layer, fields: dict | None) -> None:
-    if fields is not None and QuantFormat(fields["format"]) not in SUPPORTED_FORMATS:
-        raise UnsupportedError(f"layer is stored as {fields['format']}, which convert cannot "
-                               f"read (supported: int8_tensorwise, asym_w4a8_int8, float)",
-                               tensor=layer.name)
+    """UnsupportedError when the layer's format has no codec (convert cannot read it)."""
+    registry.codec_for(fields, tensor=layer.name)

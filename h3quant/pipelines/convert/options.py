@@ -9,17 +9,11 @@ from dataclasses import asdict, dataclass, field
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
+from h3quant.formats import registry
 from h3quant.formats.dtypes import FLOAT_DTYPES
 
-# target name -> (kind, convrot)
-TARGETS: dict[str, tuple[str, bool]] = {
-    "int8-convrot": ("int8", True),
-    "int8": ("int8", False),
-    "w4a8": ("w4a8", True),
-    "bf16": ("bf16", False),
-}
+TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
-W4A8_GROUP = 16
 REPORT_ROWS = 256  # rows sampled per layer for the error report
 REPORT_TOKENS = 64  # tokens of the seeded random activation
 REPORT_SEED = 0
@@ -77,12 +71,17 @@ class ConvertOptions:
         object.__setattr__(self, "_patterns", tuple(compiled))
 
     @property
-    def kind(self) -> str:
-        return TARGETS[self.target][0]
+    def codec(self) -> registry.Codec:
+        """The codec the target writes."""
+        return registry.target_codec(self.target)
 
     @property
     def convrot(self) -> bool:
-        return TARGETS[self.target][1]
+        return TARGETS[self.target].convrot
+
+    def marker(self) -> dict | None:
+        """The canonical marker object the target writes (None for a plain float target)."""
+        return self.codec.marker(TARGETS[self.target], self.group_size)
 
     def filtered(self, layer: str) -> bool:
         """True when ``--include``/``--exclude`` keep ``layer`` (``re.search`` on the name)."""
@@ -106,19 +105,6 @@ class ConvertOptions:
         return d
 
 
-def target_marker(options: ConvertOptions) -> dict | None:
-    """The canonical marker object the target writes (None for bf16)."""
-    if options.kind == "int8":
-        from h3quant.formats.int8 import int8_marker
-
-        return int8_marker(convrot=options.convrot, group_size=options.group_size)
-    if options.kind == "w4a8":
-        from h3quant.formats.w4a8 import w4a8_marker
-
-        return w4a8_marker(group_size=W4A8_GROUP, convrot_groupsize=options.group_size)
-    return None
-
-
 def is_h3(tensors: dict) -> bool:
     from h3quant.errors import H3QuantError
     from h3quant.formats.topology import detect
@@ -138,17 +124,3 @@ def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
         return is_h3_block_linear(layer)
     # all-linears: every 2-D float weight, and every already-quantized linear
     return weight_rank == 2 and (weight_dtype in FLOAT_DTYPES or quantized)
-
-
-def describe_fields(fields: dict | None, dtype: str | None = None) -> str:
-    """Short text for a layer's storage: ``BF16``, ``int8_tensorwise convrot g=256`` ..."""
-    if not fields:
-        return dtype or "float"
-    fmt = fields.get("format")
-    if fmt == "int8_tensorwise":
-        return (f"int8_tensorwise convrot g={fields.get('convrot_groupsize', 256)}"
-                if fields.get("convrot") else "int8_tensorwise")
-    if fmt == "asym_w4a8_int8":
-        return (f"asym_w4a8_int8 G={fields.get('group_size', 16)} "
-                f"g={fields.get('convrot_groupsize', 256)}")
-    return str(fmt)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from h3quant import __version__
 from h3quant.errors import ConvertError, MarkerError
+from h3quant.formats import registry
 from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint
 from h3quant.formats.layers import Layer, group_tensors
 from h3quant.formats.markers import (
@@ -31,14 +32,7 @@ from h3quant.pipelines.convert.layers import (
     same_target,
     skip_reason,
 )
-from h3quant.pipelines.convert.options import (
-    W4A8_GROUP,
-    ConvertOptions,
-    describe_fields,
-    is_h3,
-    preset_selects,
-    target_marker,
-)
+from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects
 
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
 PROVENANCE = ("h3quant.version", "h3quant.source", "h3quant.options")
@@ -189,7 +183,7 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
     if w is None:
         return None  # a stray bias etc.: plain copy
     quantized = res.fields is not None
-    if opts.kind == "bf16":
+    if not opts.codec.quantized:  # dequantizing: only quantized layers are candidates
         selected = quantized and opts.filtered(layer.name)
     else:
         selected = (preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
@@ -198,11 +192,11 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
         return None
     k = logical_k(layer, res.fields)
     shape = (w.shape[0], k) if k is not None else tuple(w.shape)
-    lp = LayerPlan(layer.name, "untouched", describe_fields(res.fields, w.dtype), None, shape,
+    lp = LayerPlan(layer.name, "untouched", registry.describe(res.fields, w.dtype), None, shape,
                    src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
     if selected:
         check_supported(layer, res.fields)
-        lp.reason = None if opts.kind == "bf16" else skip_reason(layer, res.fields, opts)
+        lp.reason = skip_reason(layer, res.fields, opts) if opts.codec.quantized else None
         if lp.reason:
             lp.action = "skip"
         elif quantized and same_target(layer, res.fields, opts):
@@ -224,21 +218,17 @@ def _keep_fpmm(fields: dict | None, marker: dict) -> dict:
 
 def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
     n, k, name = lp.n, lp.k, lp.name
-    if opts.kind == "bf16":
-        lp.target = "BF16"
-        lp.produced = {f"{name}.weight": Entry(f"{name}.weight", "BF16", (n, k))}
+    codec = opts.codec
+    marker = opts.marker()
+    specs = codec.planned(n, k, marker)
+    if marker is None:
+        lp.target = codec.describe(None)
     else:
-        lp.out_fields = _keep_fpmm(lp.src_fields, target_marker(opts))
-        lp.target = describe_fields(lp.out_fields)
+        lp.out_fields = _keep_fpmm(lp.src_fields, marker)
+        lp.target = registry.describe(lp.out_fields)
         lp.marker = marker_bytes(lp.out_fields)
-        if opts.kind == "int8":
-            specs = {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}
-        else:
-            specs = {"weight": ("I8", (n, k // 2)),
-                     "weight_s_rel": ("F8_E4M3", (n, k // W4A8_GROUP)),
-                     "weight_s_channel": ("F32", (n,)), "weight_codebook": ("F32", (16,))}
         specs["comfy_quant"] = ("U8", (len(lp.marker),))
-        lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
+    lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
     for suffix, info in lp.inputs.items():
         if suffix == "bias":
             lp.copies.append(CopyItem(info.name, info, Entry(info.name, info.dtype, info.shape)))
@@ -246,15 +236,12 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
             lp.dropped.append(info.name)
 
 
-_RETYPE = {("weight", "U8"): "I8", ("weight_s_rel", "U8"): "F8_E4M3"}
-
-
 def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None:
     """keep / skip / untouched: tensors copied; ``keep`` normalises marker and header shapes."""
     name, n = lp.name, lp.n
     if keep_opts is not None:
-        lp.out_fields = _keep_fpmm(lp.src_fields, target_marker(keep_opts))
-        lp.target = describe_fields(lp.out_fields)
+        lp.out_fields = _keep_fpmm(lp.src_fields, keep_opts.marker())
+        lp.target = registry.describe(lp.out_fields)
     elif lp.src_fields is not None:
         lp.out_fields = res.raw
         lp.target = lp.source
@@ -267,11 +254,7 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
             continue
         dtype, shape = info.dtype, tuple(info.shape)
         if keep_opts is not None:
-            dtype = _RETYPE.get((suffix, dtype), dtype)
-            if suffix == "weight_scale":
-                shape = (n, 1)
-            elif suffix == "weight_s_channel":
-                shape = (n,)
+            dtype, shape = keep_opts.codec.keep_declared(suffix, dtype, shape, n)
             if (dtype, shape) != (info.dtype, tuple(info.shape)):
                 lp.notes.append(f"{suffix} re-declared {dtype} {list(shape)} "
                                 f"(was {info.dtype} {list(info.shape)}; same bytes)")

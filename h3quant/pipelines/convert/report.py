@@ -42,34 +42,16 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, convrot: b
     return scale_accumulator(acc, s_x, s.reshape(-1), torch.float32)
 
 
-def layer_metrics(kind: str, lp, ref: torch.Tensor, out: dict, group_size: int) -> dict:
+def layer_metrics(codec, lp, ref: torch.Tensor, out: dict) -> dict:
     """Metrics of one converted layer from its sampled rows (see the module docstring)."""
-    k = lp.k
-    x = activation(k)
+    x = activation(lp.k)
     y_ref = x @ ref.t()
-    f = lp.out_fields or {}
-    if kind == "bf16":
-        w_hat = out["w"].float()
+    w_hat, grid = codec.report_grid(out, lp.out_fields or {})
+    if grid is None:
         y = x @ w_hat.t()
-    elif kind == "int8":
-        from h3quant.formats.int8 import decode_int8
-
-        convrot = bool(f.get("convrot"))
-        w_hat = decode_int8(out["q"], out["s"].reshape(-1, 1), convrot=convrot,
-                            group_size=group_size, dtype=torch.float32)
-        y = int8_linear(x, out["q"], out["s"], convrot=convrot, group_size=group_size)
     else:
-        from h3quant.formats.w4a8 import decode_w4a8, decode_w4a8_int8
-
-        local = {"weight": out["weight"], "weight_s_rel": out["weight_s_rel"],
-                 "weight_s_channel": out["weight_s_channel"]}
-        cb = out.get("weight_codebook")
-        if cb is not None:
-            local["weight_codebook"] = cb
-        g16 = f.get("group_size", 16)
-        w_hat = decode_w4a8(local, group_size=g16, convrot_groupsize=group_size)
-        w8 = decode_w4a8_int8(out["weight"], out["weight_s_rel"], group_size=g16, codebook=cb)
-        y = int8_linear(x, w8, out["weight_s_channel"], convrot=True, group_size=group_size)
+        q, s, convrot, g = grid
+        y = int8_linear(x, q, s, convrot=convrot, group_size=g)
     rel, sqnr, cos = error_metrics(w_hat, ref)
     return {"weight_rel_l2": rel, "sqnr_db": sqnr, "cosine": cos,
             "output_rel_l2": error_metrics(y, y_ref)[0], "rows_sampled": int(ref.shape[0])}

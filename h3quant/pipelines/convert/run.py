@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from h3quant.errors import ConvertError, H3QuantError
-from h3quant.pipelines.convert.compute import CONVERTERS, SourceRows, copy_tensor
+from h3quant.pipelines.convert.compute import SourceRows, copy_tensor, encode_layer
 from h3quant.pipelines.convert.io import OffsetWriter, Reader, StagedDir, fsync_dir
 from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
 from h3quant.pipelines.convert.plan import ConvertPlan
@@ -118,7 +118,7 @@ def run_plan(plan: ConvertPlan, ckpt, *, progress: bool = True) -> dict:
 def _convert_layers(layers, run, pool, opts, copying) -> None:
     """Layers one after another, their row chunks on the pool; W4A8 layers (one encoder call
     per layer: its codebook is fitted on the whole layer) run ``workers`` at a time instead."""
-    if pool is None or opts.kind != "w4a8":
+    if pool is None or opts.codec.chunked:
         for lp in layers:
             if copying.done() and copying.exception() is not None:
                 return
@@ -183,10 +183,10 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
     try:
         if lp.action == "convert":
             src = SourceRows(lp, reader)
-            samples = CONVERTERS[opts.kind](lp, src, opts, sinks, progress, opts.workers, pool)
+            samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool)
             if opts.report:  # on a worker when there are any: overlaps the next layer
                 ref, out = samples.cat()
-                args = (opts.kind, lp, ref, out, opts.group_size)
+                args = (opts.codec, lp, ref, out)
                 entry["metrics"] = (pool.submit(layer_metrics, *args) if pool
                                     else layer_metrics(*args))
         else:

@@ -1,0 +1,111 @@
+"""What every layer-format codec provides, and the defaults most of them share.
+
+A codec is the single place that knows one on-disk format: its marker name and defaults, its
+tensor set, how many logical input columns a stored column holds, the ``convert --to`` targets
+that write it, how to encode float rows into it and decode them back, what the runtime
+multiplies (the int8 grid), which tensors carry scales the deep check reads, and the limits
+``verify`` applies. Pipelines ask the registry for the codec of a layer instead of testing
+format names. Importing a codec never imports torch; its tensor methods do, on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ``convert --to`` choice: the codec that writes it and its fixed parameters."""
+
+    name: str
+    codec: str
+    convrot: bool
+    help: str
+
+
+@dataclass(frozen=True)
+class VerifyLimits:
+    """``verify`` limits for layers of a format (block limits apply to the loosest format present)."""
+
+    rel_err: float  # relative L2 error of the layer's output against the float reference
+    block_sqnr_db: float  # SQNR of an H3 block's residual update
+
+
+class Codec:
+    """Base codec: a plain float layer unless a subclass says otherwise."""
+
+    name: str = ""  # the marker's ``format`` value ("float" for the plain codec: no marker)
+    quantized: bool = True
+    description: str = ""
+    targets: tuple[Target, ...] = ()
+    verify: VerifyLimits | None = None
+    marker_defaults: dict[str, Any] = {}  # what ComfyUI assumes when a field is absent
+    runtime_tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
+    runtime_required: tuple[str, ...] = ()
+    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
+    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
+    always_convrot: bool = False  # the format rotates whatever its marker says
+
+    # ------------------------------------------------------------------ header-level knowledge
+    def logical_k(self, cols: int, fields: dict | None) -> int:
+        """Logical input width K of a stored weight with ``cols`` columns."""
+        return cols
+
+    def uses_convrot(self, fields: dict | None) -> bool:
+        return self.always_convrot or bool(fields and fields.get("convrot"))
+
+    def describe(self, fields: dict | None) -> str:
+        """Short text for a layer's storage (``int8_tensorwise convrot g=256`` ...)."""
+        return self.name
+
+    def marker(self, target: Target, group_size: int) -> dict | None:
+        """The canonical marker object ``target`` writes (None: a plain layer, no marker)."""
+        return None
+
+    def fit_error(self, layer, fields: dict) -> str | None:
+        """Why ``layer``'s header entries do not match marker ``fields`` (None when they do)."""
+        return None
+
+    def same_target(self, layer, fields: dict, marker: dict | None) -> bool:
+        """The layer already stores exactly what ``marker`` would be written as (re-emit it)."""
+        return False
+
+    def skip_reason(self, k: int, marker: dict | None) -> str | None:
+        """Why a layer of input width ``k`` cannot be written with ``marker`` (None: it can)."""
+        return None
+
+    def planned(self, n: int, k: int, marker: dict | None) -> dict[str, tuple[str, tuple]]:
+        """Output tensors ``{suffix: (dtype, shape)}`` of one layer (marker tensor aside)."""
+        return {"weight": ("BF16", (n, k))}
+
+    def keep_declared(self, suffix: str, dtype: str, shape: tuple, n: int) -> tuple[str, tuple]:
+        """How a kept (re-emitted) tensor is declared: same bytes, canonical dtype and shape."""
+        return dtype, shape
+
+    # ------------------------------------------------------------------ tensor work
+    def source_tensors(self, fields: dict | None, tensors: dict) -> tuple[list[str], list[str]]:
+        """(suffixes read row by row, suffixes read whole) to decode rows of a stored weight."""
+        return ["weight"], []
+
+    def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
+        """Rows of the weight in the original basis (fp32 for quantized formats)."""
+        return rows["weight"]
+
+    def encode(self, w: torch.Tensor, marker: dict | None, method: str) -> dict[str, torch.Tensor]:
+        """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside)."""
+        import torch
+
+        return {"weight": w.to(torch.bfloat16)}
+
+    def report_grid(self, out: dict, marker: dict | None):
+        """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""
+        return out["weight"].float(), None
+
+    def int8_grid(self, tensors: dict, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
+        raise NotImplementedError(f"{self.name} layers have no int8 grid")

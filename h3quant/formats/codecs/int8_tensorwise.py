@@ -1,0 +1,118 @@
+"""``int8_tensorwise``: int8 weight [N, K] with per-row (or one) fp32 scale, optionally ConvRot."""
+
+from __future__ import annotations
+
+from h3quant.convrot import is_valid_group_size
+from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+
+NAME = "int8_tensorwise"
+
+
+class Int8Tensorwise(Codec):
+    name = NAME
+    description = "int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot"
+    targets = (
+        Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
+        Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
+    )
+    verify = VerifyLimits(rel_err=0.05, block_sqnr_db=20.0)
+    marker_defaults = {"convrot": False, "convrot_groupsize": 256}
+    runtime_tensors = ("weight", "weight_scale")
+    runtime_required = ("weight", "weight_scale")
+    deep_scales = ("weight_scale", "input_scale")
+
+    def describe(self, fields):
+        if fields and fields.get("convrot"):
+            return f"{NAME} convrot g={fields.get('convrot_groupsize', 256)}"
+        return NAME
+
+    def marker(self, target, group_size):
+        from h3quant.formats.int8 import int8_marker
+
+        return int8_marker(convrot=target.convrot, group_size=group_size)
+
+    def fit_error(self, layer, fields):
+        w = layer.weight
+        if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
+            return f"weight is {w.dtype} {list(w.shape)}, {NAME} stores a 2-D I8 weight"
+        n, k = w.shape
+        s = layer.tensors.get("weight_scale")
+        if s is None or s.dtype != "F32" or s.numel not in (1, n) or len(s.shape) > 2:
+            return f"weight_scale must be F32 [N, 1], [N] or [] (N={n})"
+        if s.numel != n and s.numel == 1 and len(s.shape) == 2:
+            return f"weight_scale shape {list(s.shape)} is not [N, 1]"
+        cg = fields.get("convrot_groupsize", 256)
+        if fields.get("convrot") and (not is_valid_group_size(cg) or k % cg):
+            return f"ConvRot group size {cg} does not divide K={k} (or is not a power of 4)"
+        return None
+
+    def same_target(self, layer, fields, marker):
+        convrot = bool(marker.get("convrot"))
+        return (fields["format"] == NAME and bool(fields.get("convrot")) == convrot
+                and (not convrot or fields.get("convrot_groupsize") == marker["convrot_groupsize"])
+                and layer.tensors["weight_scale"].numel == layer.weight.shape[0])
+
+    def skip_reason(self, k, marker):
+        g = marker.get("convrot_groupsize")
+        if marker.get("convrot") and k % g:
+            return f"K={k} is not divisible by the group size {g}"
+        return None
+
+    def planned(self, n, k, marker):
+        return {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        if suffix == "weight" and dtype == "U8":
+            dtype = "I8"
+        if suffix == "weight_scale":
+            shape = (n, 1)
+        return dtype, shape
+
+    def source_tensors(self, fields, tensors):
+        if tensors["weight_scale"].numel == 1:
+            return ["weight"], ["weight_scale"]
+        return ["weight", "weight_scale"], []
+
+    def decode_rows(self, rows, whole, fields):
+        import torch
+
+        from h3quant.formats.int8 import decode_int8
+
+        q = rows["weight"]
+        if "weight_scale" in whole:
+            s = whole["weight_scale"].float().reshape(()).expand(q.shape[0], 1)
+        else:
+            s = rows["weight_scale"].reshape(-1, 1)
+        return decode_int8(q, s, convrot=bool(fields.get("convrot")),
+                           group_size=fields.get("convrot_groupsize", 256), dtype=torch.float32)
+
+    def encode(self, w, marker, method):
+        from h3quant.formats.int8 import encode_int8
+
+        q, s = encode_int8(w, convrot=bool(marker.get("convrot")),
+                           group_size=marker.get("convrot_groupsize", 256), per_row=True,
+                           method=method)
+        return {"weight": q, "weight_scale": s.reshape(-1, 1)}
+
+    def report_grid(self, out, marker):
+        import torch
+
+        from h3quant.formats.int8 import decode_int8
+
+        convrot, g = bool(marker.get("convrot")), marker.get("convrot_groupsize", 256)
+        q, s = out["weight"], out["weight_scale"]
+        w_hat = decode_int8(q, s.reshape(-1, 1), convrot=convrot, group_size=g,
+                            dtype=torch.float32)
+        return w_hat, (q, s, convrot, g)
+
+    def int8_grid(self, tensors, fields):
+        import torch
+
+        s = tensors["weight_scale"].to(torch.float32).reshape(-1)
+        q = tensors["weight"]
+        if s.numel() == 1:
+            s = s.expand(q.shape[0]).contiguous()
+        return q, s
+
+
+CODEC = Int8Tensorwise()
