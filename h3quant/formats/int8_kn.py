@@ -55,12 +55,15 @@ def nz_reason(n: int, k: int) -> str | None:
     return " and ".join(bad) or None
 
 
+MAX_TP_DEGREE = 64
+
+
 def tp_degree_for(n: int, limit: int = NPU_MAX_N) -> int | None:
-    """The smallest tensor-parallel degree (column split of N) giving every rank ``<= limit``
-    outputs with equal whole shards, or None when no divisor of N fits."""
+    """The smallest tensor-parallel degree (column split of N, at most MAX_TP_DEGREE ranks)
+    giving every rank ``<= limit`` outputs in equal whole shards, or None when none fits."""
     if n <= limit:
         return 1
-    for d in range(-(-n // limit), n + 1):
+    for d in range(-(-n // limit), MAX_TP_DEGREE + 1):
         if n % d == 0 and n // d <= limit:
             return d
     return None
