@@ -6,7 +6,21 @@ print a specific message and map it to an exit code without a traceback.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+# C0 controls except tab, DEL, C1 controls, and the Unicode bidi / line-separator controls that
+# can reorder or hide what a terminal shows.
+_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters become ``\\xNN``/``\\uNNNN``."""
+    def esc(m: re.Match) -> str:
+        c = ord(m.group())
+        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+    return _CONTROLS.sub(esc, text)
 
 
 class H3QuantError(Exception):
@@ -31,12 +45,13 @@ class H3QuantError(Exception):
     def __str__(self) -> str:
         parts = []
         if self.path:
-            parts.append(self.path)
+            parts.append(escape_controls(self.path))
         if self.tensor:
-            parts.append(f"tensor '{self.tensor}'")
+            parts.append(f"tensor '{escape_controls(self.tensor)}'")
         prefix = ": ".join(parts)
         code = f"[{self.code}] " if self.code else ""
-        return f"{prefix}: {code}{self.reason}" if prefix else f"{code}{self.reason}"
+        reason = escape_controls(self.reason)
+        return f"{prefix}: {code}{reason}" if prefix else f"{code}{reason}"
 
 
 class ContainerError(H3QuantError):
@@ -57,6 +72,15 @@ class UnsupportedError(H3QuantError):
 
 class ConvertError(H3QuantError):
     """A conversion cannot proceed (bad options, refused output path, failed layer)."""
+
+
+class OutputError(H3QuantError):
+    """An output path is refused (it is an input, another output, not a regular file, a foreign
+    directory, exists without --overwrite) or appeared while the command ran."""
+
+
+class UsageError(H3QuantError):
+    """An option value is out of range or unavailable (exit 2, before any work)."""
 
 
 class DeviceError(H3QuantError):

@@ -21,13 +21,7 @@ from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyErr
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 from h3quant.formats.writer import save_tensors
-from h3quant.runtime.block import (
-    attention,
-    reference_block,
-    rms_norm,
-    runtime_block,
-    seeded_inputs,
-)
+from h3quant.runtime.block import attention, reference_block, rms_norm, runtime_block
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, load_blocks, load_layer
 
@@ -291,46 +285,50 @@ def test_missing_block_is_a_verify_error(files):
 # ------------------------------------------------------------------------------------- block
 
 
-def _independent_block(src: dict, i: int, x, temb):
-    """The block of h3quant.runtime.block written again from FORMATS.md 5 with torch's SDPA."""
-    p = lambda k: src[f"blocks.{i}.{k}"].float()  # noqa: E731
-    hidden, hd = p("norm1.weight").shape[0], p("attn.q_norm.weight").shape[0]
-    mod = F.linear(F.silu(temb), p("adaln_proj.linear.weight"), p("adaln_proj.linear.bias"))
-    sh1, sc1, g1, sh2, sc2, g2 = (c[:, None, :] for c in mod.chunk(18, -1)[:6])
+def _inputs(path, rows: int, sigma: float, seed: int):
+    """Seeded hidden states, the runtime's conditioning and the independent implementation's
+    (time embedding, per-row adaLN row, positions) for a small packed layout."""
+    import independent_h3 as ind
 
-    def norm(z, w):
-        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    b, t, _ = x.shape
-    h = norm(x, p("norm1.weight")) * (1 + sc1) + sh1
-    q, k, v = F.linear(h, p("attn.qkv_proj.weight")).chunk(3, -1)
-    heads = q.shape[-1] // hd
-    q = norm(q.reshape(b, t, heads, hd), p("attn.q_norm.weight")).transpose(1, 2)
-    k = norm(k.reshape(b, t, heads, hd), p("attn.k_norm.weight")).transpose(1, 2)
-    v = v.reshape(b, t, heads, hd).transpose(1, 2)
-    a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
-    x = x + g1 * F.linear(a, p("attn.out_proj.weight"))
-    h = norm(x, p("norm2.weight")) * (1 + sc2) + sh2
-    gate, up = F.linear(h, p("mlp.fc1.weight")).chunk(2, -1)
-    return x + g2 * F.linear(F.silu(gate) * up, p("mlp.fc2.weight")), hidden
+    from h3quant.runtime.model.layout import Timesteps, layout_for_rows
+    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
+
+    lay = layout_for_rows(rows)
+    with Checkpoint(path) as ck:
+        cond = make_conditioning(lay, Timesteps.from_sigma(sigma), load_time_embedding(ck),
+                                 read_float(ck, "rope.inv_freq").clone(), torch.float32, "cpu")
+    src, _ = read_all(path)
+    tv, ta, values = ind.timesteps(sigma)
+    temb, silu = ind.time_embedding(src, values)
+    iv, ia = values.index(tv), values.index(ta)
+    row = torch.tensor([3 * iv + 1] * lay.text + [3 * ia + 2] * (2 * lay.audio_frames)
+                       + [3 * iv] * lay.video_rows)
+    pos = ind.positions(lay.text, lay.frames, lay.height, lay.width, lay.audio_frames)
+    hidden = src["blocks.0.norm1.weight"].shape[0]
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed))
+    return x, cond, (src, temb, silu, row, pos)
 
 
 def test_float_block_matches_an_independent_implementation(files):
-    src, _ = read_all(files["bf16"])
-    blk = load_blocks(files["bf16"], [0])[0]
-    rb = reference_block(blk)
-    x, temb = seeded_inputs(rb, 8, seed=3, batch=2)
+    import independent_h3 as ind
+
+    x, cond, (src, temb, silu, row, pos) = _inputs(files["bf16"], 24, 0.37, seed=3)
+    assert len({r for r in row.tolist()}) == 3  # text, audio and video rows use different rows
+    rb = reference_block(load_blocks(files["bf16"], [0])[0])
     with torch.no_grad():
-        y = rb(x, temb)
-        want, hidden = _independent_block(src, 0, x, temb)
-    assert y.shape == (2, 8, hidden)
-    assert torch.allclose(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        y = rb(x, cond)
+        want = ind.dit_block(src, 0, x, temb, silu, row, pos)
+    assert y.shape == x.shape
+    err = ((y - want).norm() / (want - x).norm()).item()
+    assert err < 1e-5, err  # fp32 rounding
     assert (y - x).norm() > 0.1 * x.norm()  # the block does change its input
 
 
 def test_attention_matches_sdpa_and_rms_norm_is_unit_rms():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 5, 16, generator=g) for _ in range(3))
-    assert torch.allclose(attention(q, k, v), F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+    q, k, v = (torch.randn(5, 3, 16, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    assert torch.allclose(attention(q, k, v), want.transpose(0, 1).reshape(5, 48), atol=1e-5)
     y = rms_norm(torch.randn(4, 64, generator=g) * 7, torch.ones(64))
     assert torch.allclose(y.pow(2).mean(-1), torch.ones(4), atol=1e-4)
 
@@ -338,9 +336,9 @@ def test_attention_matches_sdpa_and_rms_norm_is_unit_rms():
 def test_runtime_block_tracks_the_dequantized_reference(files):
     blk = load_blocks(files["int8"], [0])[0]
     rb, qb = reference_block(blk), runtime_block(blk, device="cpu")
-    x, temb = seeded_inputs(rb, 16, seed=1)
+    x, cond, _ = _inputs(files["int8"], 16, 0.6, seed=1)
     with torch.no_grad():
-        d_ref, d_q = rb(x, temb) - x, qb(x, temb) - x
+        d_ref, d_q = rb(x, cond) - x, qb(x, cond) - x
     rel = ((d_q - d_ref).norm() / d_ref.norm()).item()
     assert 0 < rel < 0.1  # activation quantization only; measured ~0.02
 

@@ -258,7 +258,7 @@ def test_no_report_skips_metrics(h3_file, tmp_path):
 
 
 def test_output_file_mode_follows_umask(h3_file, tmp_path):
-    from h3quant.pipelines.convert.io import default_mode
+    from h3quant.formats.writer import default_mode
 
     out = tmp_path / "o.safetensors"
     convert(h3_file, out, ConvertOptions(report=False))

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_convert import block_linears, read_all, sha, small_h3, write
 
-from h3quant.errors import FormatError, UnsupportedError
+from h3quant.errors import FormatError, OutputError, UnsupportedError
+from h3quant.formats.atomic import MANIFEST_NAME
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.markers import (
     HEADER_KEY,
@@ -19,7 +21,6 @@ from h3quant.formats.markers import (
 )
 from h3quant.formats.writer import save_tensors
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
-from test_convert import block_linears, read_all, sha, small_h3, write
 
 CANON = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
 
@@ -66,7 +67,7 @@ def test_sharded_input_gives_sharded_output(tmp_path):
     out = tmp_path / "out"
     convert(d, out, ConvertOptions())
     in_files = sorted(p.name for p in d.iterdir())
-    assert sorted(p.name for p in out.iterdir()) == in_files
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, *in_files])
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["note"] == "kept"
     with Checkpoint(out) as ck:
@@ -318,8 +319,19 @@ def test_tensorwise_int8_input_is_reencoded_per_row(tmp_path):
 def test_sharded_overwrite_replaces_the_directory(tmp_path):
     d = make_sharded(tmp_path / "in", small_h3(blocks=1))
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    convert(d, out, ConvertOptions(overwrite=True, report=False))
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in d.iterdir())
+    convert(d, out, ConvertOptions(report=False))
+    first = {p.name: p.stat().st_ino for p in out.iterdir()}
+    convert(d, out, ConvertOptions(overwrite=True, report=False))  # h3quant's own output
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME, *first_names(d)])
+    assert {p.name: p.stat().st_ino for p in out.iterdir()} != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+    # a directory holding anything h3quant did not write is never replaced
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="did not write"):
+        convert(d, out, ConvertOptions(overwrite=True, report=False))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+
+
+def first_names(d):
+    return [p.name for p in d.iterdir()]

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from h3quant.cli import main
-from h3quant.errors import ContainerError, ConvertError, FormatError
+from h3quant.errors import ContainerError, ConvertError, FormatError, OutputError
 from h3quant.pipelines.convert import ConvertOptions, LayerFailures, convert, plan_convert
 from test_convert import sha, small_h3, write
 
@@ -37,11 +37,11 @@ def run_cli(*args):
 def test_refuses_output_equal_to_input(src, tmp_path):
     before = sha(src)
     for dst in (src, tmp_path / "." / "in.safetensors"):
-        with pytest.raises(ConvertError, match="output is the input"):
+        with pytest.raises(OutputError, match="output is the input"):
             convert(src, dst, ConvertOptions(overwrite=True))
     link = tmp_path / "link.safetensors"
     os.link(src, link)  # a hard link is the same file under another name
-    with pytest.raises(ConvertError, match="output is the input"):
+    with pytest.raises(OutputError, match="output is the input"):
         convert(src, link, ConvertOptions(overwrite=True))
     assert sha(src) == before
     res = run_cli("convert", src, src, "--overwrite")
@@ -253,9 +253,9 @@ def test_refuses_sharded_output_over_the_input_dir_or_its_parent(tmp_path):
     from test_convert_formats import make_sharded
 
     d = make_sharded(tmp_path / "in", small_h3(blocks=1))
-    with pytest.raises(ConvertError, match="contains the input"):
+    with pytest.raises(OutputError, match="contains the input"):
         convert(d, tmp_path, ConvertOptions(overwrite=True))
-    with pytest.raises(ConvertError, match="output is the input"):
+    with pytest.raises(OutputError, match="output is the input"):
         convert(d, d, ConvertOptions(overwrite=True))
 
 

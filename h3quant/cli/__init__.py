@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -40,7 +41,41 @@ class _LazyGroup(click.Group):
             if exc.name == f"h3quant.cli.{module}":
                 return None  # command not built yet
             raise
-        return mod.command
+        cmd = mod.command
+        if not getattr(cmd, "_h3quant_epilog", False):
+            from h3quant.cli.common import EXIT_EPILOG
+
+            cmd.epilog = f"{cmd.epilog}\n\n{EXIT_EPILOG}" if cmd.epilog else EXIT_EPILOG
+            cmd._h3quant_epilog = True
+        return cmd
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Usage errors in h3quant's one error style (``h3quant: error: ...``, exit 2)."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            echo_click_error(exc)
+            sys.exit(exc.exit_code)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            click.echo("h3quant: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(0)
+
+
+def echo_click_error(exc: click.ClickException) -> None:
+    """One line in the style of every other h3quant error, plus where to find help."""
+    from h3quant.cli.common import printable
+
+    msg = printable(exc.format_message())
+    if msg.startswith("Invalid value"):
+        msg = "i" + msg[1:]
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    click.echo(f"h3quant: error: {msg}{hint}", err=True)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,4 +89,8 @@ def main() -> None:
       h3quant synth h3.safetensors      # a tiny synthetic H3-shaped checkpoint
       h3quant inspect h3.safetensors --layers
       h3quant validate h3.safetensors --deep
+
+    Exit status (every command): 0 ok, 1 the input is wrong (findings, failed check or layer),
+    2 usage or I/O error (nothing written), 3 internal error (a bug: please report it with the
+    output of H3QUANT_DEBUG=1), 128+N stopped by signal N (nothing left behind).
     """

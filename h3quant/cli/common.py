@@ -9,43 +9,104 @@ import sys
 
 import click
 
-from h3quant.errors import H3QuantError
+from h3quant.errors import H3QuantError, escape_controls
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # the command ran and found the input wrong (validate / verify failures)
 EXIT_USAGE = 2  # bad usage, unreadable input, refused output
+EXIT_INTERNAL = 3  # a bug in h3quant (an exception nobody expected)
+
+EXIT_CODES_HELP = ("Exit status: 0 ok, 1 the input is wrong, 2 usage or I/O error (nothing "
+                   "written), 3 internal error (a bug: please report it with the output of "
+                   "H3QUANT_DEBUG=1); 128+N killed by signal N (nothing left behind).")
+
+EXIT_EPILOG = ("Exit status 3: internal error (a bug: please report it with the output of "
+               "H3QUANT_DEBUG=1); 128+N: stopped by signal N, nothing left behind.")
+
+_DEBUG_OFF = {"", "0", "false", "no", "off"}
+
+
+def debug_enabled() -> bool:
+    """``H3QUANT_DEBUG`` set to anything but empty/0/false/no/off shows tracebacks."""
+    return os.environ.get("H3QUANT_DEBUG", "").strip().lower() not in _DEBUG_OFF
+
+
+def internal_error_line(exc: BaseException, what: str | None = None) -> str:
+    where = f" while {what}" if what else ""
+    return (f"h3quant: internal error{where}: {type(exc).__name__}: {printable(str(exc))}\n"
+            "h3quant: this is a bug in h3quant; please report it with the output of the same "
+            "command run with H3QUANT_DEBUG=1")
+
+
+class InternalError(Exception):
+    """An unexpected exception (a bug), already described; exits with ``EXIT_INTERNAL``."""
+
+    def __init__(self, exc: BaseException, what: str | None = None):
+        super().__init__(str(exc))
+        self.original = exc
+        self.what = what
 
 
 def handle_errors(func):
-    """Turn h3quant errors into one clear stderr line and an exit code, never a traceback."""
+    """Turn h3quant errors into one clear stderr line and an exit code, never a traceback.
+
+    SIGTERM and SIGHUP unwind like Ctrl-C while the command runs (``formats.atomic``), so its
+    temporary outputs are removed; the exit status is then 128 + the signal number."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        from h3quant.formats.atomic import terminate_on_signals
+
         try:
-            return func(*args, **kwargs)
+            with terminate_on_signals():
+                return func(*args, **kwargs)
         except H3QuantError as exc:
             click.echo(f"h3quant: error: {exc}", err=True)
             sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("h3quant: interrupted", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as exc:
+            code = getattr(exc, "exit_code", 130)
+            what = "interrupted" if code == 130 else f"terminated by signal {code - 128}"
+            click.echo(f"h3quant: {what} (nothing written)", err=True)
+            sys.exit(code)
         except MemoryError:
             click.echo("h3quant: error: out of memory", err=True)
             sys.exit(EXIT_USAGE)
+        except RecursionError as exc:  # nesting deeper than Python's stack: hostile input
+            click.echo(f"h3quant: error: input nested too deeply to read ({exc})", err=True)
+            sys.exit(EXIT_USAGE)
         except OSError as exc:
-            where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+            where = f" {printable(str(exc.filename))}" if getattr(exc, "filename", None) else ""
             click.echo(f"h3quant: error:{where}: {exc.strerror or exc}", err=True)
             sys.exit(EXIT_USAGE)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except Exception as exc:  # a bug: say so in one line, no traceback unless asked
-            if os.environ.get("H3QUANT_DEBUG"):
+        except InternalError as exc:
+            if debug_enabled():
+                raise exc.original from None
+            click.echo(internal_error_line(exc.original, exc.what), err=True)
+            sys.exit(EXIT_INTERNAL)
+        except Exception as exc:  # a bug: say so, no traceback unless asked
+            if debug_enabled():
                 raise
-            click.echo(f"h3quant: error: unexpected {type(exc).__name__}: {exc} "
-                       "(set H3QUANT_DEBUG=1 for a traceback)", err=True)
-            sys.exit(EXIT_USAGE)
+            click.echo(internal_error_line(exc), err=True)
+            sys.exit(EXIT_INTERNAL)
 
     return wrapper
+
+
+def printable(text: str) -> str:
+    """``text`` with terminal control characters escaped (tensor names come from the file)."""
+    return escape_controls(text)
+
+
+def progress_enabled(quiet: bool = False) -> bool:
+    """Progress bars only when stderr is a terminal (logs and pipes get none)."""
+    if quiet:
+        return False
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def emit_json(obj) -> None:
@@ -68,7 +129,8 @@ def mmap_option(func):
 
 def format_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
     """A plain text table; columns in ``right`` are right-aligned."""
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    cells = [[str(c) for c in headers]] + [["-" if c is None else printable(str(c)) for c in r]
+                                           for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(r):
@@ -80,13 +142,72 @@ def format_table(headers: list[str], rows: list[list], right: set[int] = frozens
 
 
 def guard(what: str, fn, *args, **kwargs):
-    """Run a pipeline; an unexpected exception becomes one clear error line (exit 2)."""
+    """Run a pipeline; an unexpected exception (a bug) becomes an ``InternalError`` (exit 3)."""
     try:
         return fn(*args, **kwargs)
-    except (H3QuantError, OSError, MemoryError, KeyboardInterrupt):
+    except (H3QuantError, OSError, MemoryError, KeyboardInterrupt, RecursionError):
         raise
     except Exception as exc:
-        if os.environ.get("H3QUANT_DEBUG"):
+        if debug_enabled():
             raise
-        raise H3QuantError(f"unexpected {type(exc).__name__} while {what}: {exc} "
-                           "(set H3QUANT_DEBUG=1 for a traceback)") from None
+        raise InternalError(exc, what) from None
+
+
+# -- option types shared by every command: bad values are usage errors (exit 2), before work --
+class _Finite(click.ParamType):
+    name = "number"
+
+    def __init__(self, lo: float | None = None, hi: float | None = None):
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        import math
+
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if (self.lo is not None and x < self.lo) or (self.hi is not None and x > self.hi):
+            self.fail(f"{x:g} is outside [{self.lo:g}, {self.hi:g}]", param, ctx)
+        return x
+
+
+def finite_float(lo: float | None = None, hi: float | None = None) -> click.ParamType:
+    return _Finite(lo, hi)
+
+
+MAX_BLOCKS = 1000  # H3 has 50; bounds the work any option value can ask for
+MAX_TOKENS = 16384  # verify activations: tokens x hidden floats per layer
+SEED = click.IntRange(0, 2**32 - 1)  # numpy and torch both take it; beyond is an error
+WORKERS = click.IntRange(1, 256)
+
+
+def check_device(spec: str, *, require_available: bool) -> str:
+    """Validate a ``--device`` value before any work; raises ``click.BadParameter``."""
+    from h3quant.errors import DeviceError
+    from h3quant.runtime.devices import parse_device
+
+    try:
+        dev = parse_device(spec)
+    except DeviceError as exc:
+        raise click.BadParameter(exc.reason, param_hint="'--device'") from None
+    if require_available:
+        from h3quant.runtime.capabilities import live_probe
+
+        probe = live_probe()
+        ok = {"cpu": lambda: True, "cuda": probe.cuda_available, "npu": probe.npu_available,
+              "xpu": probe.xpu_available, "mps": probe.mps_available}.get(dev.kind)
+        if ok is not None and not ok():
+            raise click.BadParameter(f"{spec!r}: no {dev.kind} device is available on this "
+                                     "machine (h3quant backends --device "
+                                     f"{dev.kind} says why)", param_hint="'--device'")
+    return spec
+
+
+def device_callback(require_available: bool):
+    def callback(ctx, param, value):
+        return None if value is None else check_device(value, require_available=require_available)
+
+    return callback

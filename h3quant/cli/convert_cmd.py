@@ -7,7 +7,14 @@ import sys
 
 import click
 
-from h3quant.cli.common import emit_json, guard, handle_errors, log, mmap_option
+from h3quant.cli.common import (
+    WORKERS,
+    emit_json,
+    guard,
+    handle_errors,
+    log,
+    mmap_option,
+)
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
 
@@ -18,7 +25,7 @@ def _group_size(ctx, param, value):
     from h3quant.convrot import is_valid_group_size
 
     if value is not None and not is_valid_group_size(value):
-        raise click.BadParameter(f"{value} is not a power of 4 (4, 16, 64, 256, 1024)")
+        raise click.BadParameter(f"{value} is not a power of 4 in 4..1024 (4, 16, 64, 256, 1024)")
     return value
 
 
@@ -55,7 +62,7 @@ def _group_size(ctx, param, value):
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=str),
               help="Write the per-layer error report (JSON) to this file.")
 @click.option("--no-report", is_flag=True, help="Skip the per-layer error measurement.")
-@click.option("--workers", type=int, default=None,
+@click.option("--workers", type=WORKERS, default=None,
               help="Threads encoding row chunks in parallel (default: one per CPU, at most 8; "
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
@@ -67,7 +74,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
     Nothing is left at OUT if anything fails; OUT == IN is refused. The output is written to a
     temporary file beside OUT and renamed when complete; the same input and options always give
-    the same bytes. Exit status: 0 ok, 1 a layer failed (nothing written), 2 usage or I/O error.
+    the same bytes. Exit status: 0 ok, 1 a layer failed or its source data breaks a rule (nothing
+    written), 2 usage or I/O error (nothing written).
 
     \b
     Examples:
@@ -84,7 +92,6 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
         plan_convert,
         render_plan,
         summary_line,
-        write_report,
     )
 
     if no_report and report_path:
@@ -103,7 +110,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
     say = (lambda msg: None) if quiet else log
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
-                       progress=not quiet, log=say)
+                       progress=not quiet and sys.stderr.isatty(), log=say,
+                       report_path=report_path)
     except KeyboardInterrupt:
         # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
         # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
@@ -111,8 +119,6 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-    if report_path:
-        write_report(report_path, report)
     if as_json:
         emit_json(report)
     if not quiet:

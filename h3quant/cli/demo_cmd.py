@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from h3quant.cli.common import handle_errors, log
+from h3quant.cli.common import MAX_BLOCKS, device_callback, handle_errors, log
 
 
 def _run(args: list[str]) -> int:
@@ -20,7 +20,10 @@ def _run(args: list[str]) -> int:
     try:
         main.main(args, prog_name="h3quant", standalone_mode=False)
     except SystemExit as exc:
-        return int(exc.code or 0)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code >= 128:  # a step was interrupted by a signal: stop the demo the same way
+            raise
+        return code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code or 0)
     return 0
@@ -31,21 +34,33 @@ def _run(args: list[str]) -> int:
               help="Keep the files in this directory (default: a temporary one, removed after).")
 @click.option("--preset", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True,
               help="Size of the synthetic H3 checkpoint.")
-@click.option("--blocks", type=int, default=2, show_default=True, help="DiT blocks to synthesise.")
-@click.option("--device", default="auto", show_default=True, help="Device for the verify step.")
+@click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=2, show_default=True,
+              help="DiT blocks to synthesise.")
+@click.option("--device", default="auto", show_default=True, callback=device_callback(True),
+              help="Device for the verify step (checked before any work).")
 @handle_errors
 def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None:
     """Run synth -> convert (int8-convrot and w4a8) -> inspect -> validate -> verify.
 
     Real H3 weights cannot be downloaded here, so the demo makes an H3-shaped bf16 checkpoint with
     the real key names and dtypes (widths scaled down with --preset tiny), then runs every step a
-    user runs on a real file. Exit 0 only when every step passed.
+    user runs on a real file. Exit status: 0 when every step passed, 1 a step failed, 2 usage
+    error or a --dir holding files the demo did not write.
 
     \b
     Examples:
       h3quant demo
       h3quant demo --dir ./demo --blocks 4
     """
+    from h3quant.errors import OutputError
+    from h3quant.formats.atomic import is_own_output_dir, write_manifest
+
+    if workdir is not None:
+        if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+            raise OutputError("--dir must be a directory", path=workdir)
+        if workdir.is_dir() and not is_own_output_dir(workdir):
+            raise OutputError("--dir holds files the demo did not write; choose a new or empty "
+                              "directory", path=workdir)
     with tempfile.TemporaryDirectory(prefix="h3quant-demo-") as tmp:
         root = workdir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -66,6 +81,8 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
         failed = []
         for args in steps:
             code = _run(args)
+            if workdir is not None:
+                write_manifest(root)  # marks the directory as the demo's own for the next run
             if code != 0:
                 failed.append((args[0], code))
                 log(f"h3quant demo: step '{args[0]}' exited {code}")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from h3quant.cli.common import emit_json, format_table, guard, handle_errors, mmap_option
+from h3quant.cli.common import (
+    emit_json,
+    format_table,
+    guard,
+    handle_errors,
+    mmap_option,
+)
 
 _UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 
@@ -94,6 +100,7 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
     (8 x bytes of weights and scales / logical weight count) and the detected MiniMax H3
     topology. Only the tiny .comfy_quant marker tensors are read, and only for layers the
     header's _quantization_metadata does not describe. Use `h3quant validate` to check rules.
+    Exit status: 0 summarised, 2 unreadable input or usage error.
     """
     from h3quant.pipelines.inspect import inspect_checkpoint
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
-from h3quant.cli.common import handle_errors, log
-from h3quant.errors import ConvertError
+from h3quant.cli.common import MAX_BLOCKS, SEED, handle_errors, log
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for outputs at least this big
 
@@ -24,13 +24,13 @@ def _size(n: int) -> str:
               help="Widths: 'tiny' (hidden 512, fast tests) or 'full' (the real H3 dims, "
                    "hidden 5376: ~0.77 GB per DiT block plus ~1.6 GB of token refiner and "
                    "other tensors; 50 blocks make ~40 GB).")
-@click.option("--blocks", type=click.IntRange(min=1), default=None,
+@click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=None,
               help="Number of DiT blocks (default: 2 for tiny, 50 for full).")
 @click.option("--form", type=click.Choice(["pruned", "full"]), default="pruned", show_default=True,
               help="'pruned': adaln_t_table [1025, 8] (the released form); 'full': "
                    "time_embedder.proj_in/proj_out.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Random seed; the same options and seed give byte-identical files.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @handle_errors
@@ -41,6 +41,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
     The file has the real H3 DiT tensor names, dtypes and shapes (FORMATS.md 5) with seeded
     random data: Gaussian linears with a few large-outlier input channels, norms near 1, small
     biases. Data is generated and streamed one chunk at a time, so memory stays small.
+    OUT appears only when complete. Exit status: 0 written, 2 usage or I/O error.
 
     \b
     Examples:
@@ -48,24 +49,22 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth h3_tiny_full.safetensors --form full --seed 7
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
     """
+    from h3quant.formats.atomic import Outputs
     from h3quant.formats.topology import config_for
     from h3quant.synth import synth_checkpoint
 
-    if out.is_dir():
-        raise ConvertError("output is a directory", path=out)
-    if out.exists() and not overwrite:
-        raise ConvertError("output exists; pass --overwrite to replace it", path=out)
-    if not out.parent.exists():
-        raise ConvertError("output directory does not exist", path=out.parent)
     cfg = config_for(preset, blocks=blocks, form=form)
     # Rough size for the progress decision: 2 bytes per element of the big 16-bit tensors.
     per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in
                         ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")))
     approx = per_block * (cfg.blocks + cfg.refiner_blocks)
-    result = synth_checkpoint(out, preset=preset, blocks=blocks, form=form, seed=seed,
-                              progress=not quiet and approx >= PROGRESS_MIN_BYTES)
+    with Outputs(overwrite=overwrite, log=log) as outs:
+        staged = outs.add(out)  # checked before any work; appears only when complete
+        result = synth_checkpoint(staged, preset=preset, blocks=blocks, form=form, seed=seed,
+                                  progress=not quiet and approx >= PROGRESS_MIN_BYTES
+                                  and sys.stderr.isatty())
     if not quiet:
         c = result.config
-        log(f"wrote {result.path} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
+        log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
             f"preset={preset} form={c.form} blocks={c.blocks} refiner_blocks={c.refiner_blocks} "
             f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}")

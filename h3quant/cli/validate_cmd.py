@@ -6,8 +6,15 @@ import sys
 
 import click
 
-from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, mmap_option
-from h3quant.cli.common import format_table, guard
+from h3quant.cli.common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    emit_json,
+    format_table,
+    guard,
+    handle_errors,
+    mmap_option,
+)
 
 
 def _codes(as_json: bool) -> None:

@@ -6,8 +6,21 @@ import sys
 
 import click
 
-from h3quant.cli.common import EXIT_FINDINGS, EXIT_OK, emit_json, handle_errors, log, mmap_option
-from h3quant.cli.common import format_table, guard
+from h3quant.cli.common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    MAX_BLOCKS,
+    MAX_TOKENS,
+    SEED,
+    device_callback,
+    emit_json,
+    finite_float,
+    format_table,
+    guard,
+    handle_errors,
+    log,
+    mmap_option,
+)
 
 _HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
 against a float reference, plus reference-free checks of the stored codes.
@@ -39,6 +52,14 @@ Examples:
   h3quant verify h3_int8.safetensors
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --blocks 4
   h3quant verify model.safetensors.index.json --device npu --no-mmap --json
+
+\b
+Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the
+sharded blocks compute what one device computes: bit-identical with --tp-scale shared (the
+default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
+  h3quant verify h3_int8.safetensors --tp 2
+  h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
+  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
 """
 
 
@@ -85,21 +106,36 @@ def render(res) -> str:
 @click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
-@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--device", default="auto", show_default=True, callback=device_callback(True),
+              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n] (checked before any work).")
+@click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=2, show_default=True,
               help="Verify the first N blocks.")
-@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Activation rows per layer and tokens per block input.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the random activations.")
-@click.option("--magnitude-factor", type=click.FloatRange(min=0), default=3.0, show_default=True,
+@click.option("--tokens", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True,
+              help=f"Activation rows per layer and tokens per block input (at most {MAX_TOKENS}).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random activations (0 .. 2^32-1).")
+@click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
               help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
                    "magnitude check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Tensor parallel over N ranks (spawned here, or torchrun's group): compare "
+                   "the sharded blocks with one device.")
+@click.option("--tp-scale", type=click.Choice(["shared", "per-rank"]), default="shared",
+              show_default=True, help="Row-parallel activation scale: one all_reduced scale "
+                                      "(bit-identical) or each rank its own.")
+@click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="Seconds any collective may wait before the run fails.")
 @mmap_option
 @handle_errors
-def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_json, no_mmap):
+def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_json, tp,
+            tp_scale, tp_timeout, no_mmap):
+    from h3quant.runtime.tp.launch import in_torchrun
+
+    if tp is not None or in_torchrun():
+        _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
+                         tp_timeout, no_mmap)
+        return
     from h3quant.pipelines.verify import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -110,4 +146,27 @@ def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_
         emit_json(res.to_dict())
     else:
         click.echo(render(res))
+    sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
+
+
+def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
+                     tp_timeout, no_mmap):
+    from h3quant.cli.common import EXIT_USAGE
+    from h3quant.cli.verify_tp_view import render_tp
+    from h3quant.pipelines.verify_tp import verify_tp
+
+    if reference is not None:
+        click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
+                   "run with one device); run it without --tp", err=True)
+        sys.exit(EXIT_USAGE)
+    log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {blocks} blocks, device {device})")
+    res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
+                device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
+                timeout_s=tp_timeout)
+    if res is None:  # a torchrun rank other than 0: rank 0 reports
+        sys.exit(EXIT_OK)
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        click.echo(render_tp(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)

@@ -5,7 +5,8 @@ Works on header information only (names, dtypes, shapes); it never reads tensor 
 Where FORMATS.md is silent the layout below is OUR ASSUMPTION, chosen to be plausible:
 - ``token_refiner.blocks.{j}`` hold the same sub-layers as a DiT block at hidden width
   (norm1, norm2, attn.qkv_proj, attn.out_proj, attn.q_norm, attn.k_norm, mlp.fc1, mlp.fc2, all
-  BF16, no bias) but no adaLN projection. Two such blocks (~1.54 GB BF16) make the 200-linear
+  BF16, no bias) but no adaLN projection, followed by ``token_refiner.final_norm`` (FORMATS.md 5).
+  Two such blocks (~1.54 GB BF16) make the 200-linear
   int8 pruned file come to ~20.96 GB, matching the ~20.97 GB FORMATS.md quotes.
 - ``time_embedder.proj_in`` is ``[t, 256]`` (256 sinusoidal frequencies) and ``proj_out`` is
   ``[t, t]``, both F32 with bias.
@@ -92,9 +93,10 @@ class H3Config:
 PRESETS: dict[str, H3Config] = {
     "full": H3Config(hidden=5376, blocks=50, refiner_blocks=2, heads=56, head_dim=128, ffn=14336,
                      video_patch=96, audio_patch=32, text_dim=5120, t_dim=8),
-    # Every quantizable K (hidden 512, attention 512, ffn 1024) is a multiple of 256.
+    # Every quantizable K (hidden 512, attention 512, ffn 1024) is a multiple of 256; the text
+    # width differs from hidden so the condition projection and the token refiner run.
     "tiny": H3Config(hidden=512, blocks=2, refiner_blocks=2, heads=4, head_dim=128, ffn=1024,
-                     video_patch=96, audio_patch=32, text_dim=512, t_dim=8),
+                     video_patch=96, audio_patch=32, text_dim=768, t_dim=8),
 }
 FULL_FORM_T_DIM = {"full": 2688, "tiny": 64}
 
@@ -143,6 +145,8 @@ def expected_tensors(cfg: H3Config, prefix: str = "") -> dict[str, tuple[str, tu
         put("adaln_t_table", "F32", cfg.t_table_rows, cfg.t_dim)
     for j in range(cfg.refiner_blocks):
         body(f"token_refiner.blocks.{j}")
+    if cfg.refiner_blocks:
+        put("token_refiner.final_norm.weight", "BF16", h)
     for i in range(cfg.blocks):
         body(f"blocks.{i}")
         put(f"blocks.{i}.adaln_proj.linear.weight", "BF16", cfg.adaln_out, cfg.t_dim)

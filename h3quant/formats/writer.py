@@ -14,13 +14,13 @@ import json
 import math
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from h3quant.errors import ContainerError
+from h3quant.formats.atomic import default_mode, open_temp, publish  # noqa: F401 (re-export)
 from h3quant.formats.dtypes import from_torch, itemsize, storage_key
 
 
@@ -85,13 +85,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def default_mode(directory: bool = False) -> int:
-    """Permissions a plain ``open``/``mkdir`` would give (mkstemp/mkdtemp make 0600/0700)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
-
-
 class StreamingWriter:
     """Write ``layout``'s tensors in order to ``path`` through a temporary file.
 
@@ -108,8 +101,7 @@ class StreamingWriter:
         self._tmp: Path | None = None
 
     def __enter__(self) -> "StreamingWriter":
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._tmp = Path(tmp)
+        fd, self._tmp = open_temp(self.path)
         self._fh = os.fdopen(fd, "wb", buffering=0)
         self._fh.write(self.layout.header)
         self._skip_empty()
@@ -158,10 +150,9 @@ class StreamingWriter:
                     raise ContainerError(f"output incomplete: {self.current.name} and later tensors "
                                          "were never written", path=self.path)
                 os.fsync(self._fh.fileno())
-                os.fchmod(self._fh.fileno(), default_mode())
             self._fh.close()
             if exc_type is None:
-                os.replace(self._tmp, self.path)
+                publish(self._tmp, self.path)
                 self._tmp = None
         finally:
             if self._tmp is not None:

@@ -15,7 +15,11 @@ layer  every quantized linear of the chosen blocks on ``tokens`` seeded rows (fc
        dequantized weights) it catches runtime defects only: an activation rotation or quantizer
        that differs from the weight's, a scale applied twice, a fused SwiGLU path that differs
        from the plain one, a backend that disagrees with the CPU reference.
-block  the residual update of the block (output - input) against the float reference block's:
+block  the real H3 block (h3quant.runtime.block: per-segment adaLN rows, RMSNorm eps 1e-5, q/k
+       norm + split-half RoPE, attention, fused SwiGLU MLP) on ``tokens`` seeded hidden states
+       packed as a small text | audio | video layout at ``sigma``, conditioned with the file's
+       own time embedding and RoPE frequencies: its residual update (output - input) against
+       the float reference block's:
        SQNR >= 20 dB when all its quantized linears are int8, >= 8 dB with W4A8 (the residual
        input itself is left out: it would hide any error). Catches what errors do when chained.
        Measured on the synthetic tiny preset against its BF16 source: int8 layers 0.009-0.012
@@ -59,17 +63,19 @@ from h3quant.errors import VerifyError
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats.markers import QuantFormat
-from h3quant.runtime.block import (
-    FloatLinear,
-    build_block,
-    quantized_linear,
-    seeded_inputs,
-    swiglu,
-)
 from h3quant.pipelines.metrics import error_metrics
-from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, LoadedLayer, block_indices, load_blocks
+from h3quant.runtime.block import FloatLinear, build_block, quantized_linear, reference_linear
+from h3quant.runtime.loader import (
+    BLOCK_LINEARS,
+    LoadedBlock,
+    LoadedLayer,
+    block_indices,
+    find_prefix,
+    load_blocks,
+)
 
 DEFAULT_BLOCKS = 2
+DEFAULT_SIGMA = 0.6
 
 
 @dataclass(frozen=True)
@@ -277,7 +283,7 @@ def _layer_inputs(layer: LoadedLayer, tokens: int, seed: int, salt: int):
     return plain, fused
 
 
-def _check_layer(layer, ref_w, ref_b, run_mod, tdev, dtype, tokens, seed, salt, th):
+def _check_layer(layer, ref_mod, run_mod, tdev, dtype, tokens, seed, salt, th):
     plain, fused = _layer_inputs(layer, tokens, seed, salt)
     limit = th.rel_err(layer.format)
     checks = []
@@ -288,7 +294,7 @@ def _check_layer(layer, ref_w, ref_b, run_mod, tdev, dtype, tokens, seed, salt, 
         x = x.to(dtype)  # the reference sees the same (rounded) activations as the device
         with torch.no_grad():
             y = (run_mod(x.to(tdev), input_act=act) if act else run_mod(x.to(tdev))).float().cpu()
-            ref = F.linear(swiglu(x.float()) if act else x.float(), ref_w, ref_b)
+            ref = ref_mod(x.float(), input_act=act)
         rel, sqnr, cos = error_metrics(y, ref)
         checks.append(LayerCheck(layer.name, layer.format.value, path,
                                  str(getattr(run_mod, "backend_name", "?")), rel, sqnr, cos, limit,
@@ -296,11 +302,12 @@ def _check_layer(layer, ref_w, ref_b, run_mod, tdev, dtype, tokens, seed, salt, 
     return checks
 
 
-def _reference_weights(qblock: LoadedBlock, rblock: LoadedBlock | None, name: str):
-    """fp32 (weight, bias) of the reference for one linear; shapes checked against the file."""
+def _reference_linear(qblock: LoadedBlock, rblock: LoadedBlock | None, name: str):
+    """The float reference module of one linear (stored float weights of the reference file,
+    else the float math of the file's own codes); shapes checked against the file."""
     layer = qblock.linear(name)
     if rblock is None:
-        return layer.dequantize(torch.float32), None if layer.bias is None else layer.bias.float()
+        return reference_linear(layer)
     ref = rblock.linear(name)
     if ref.is_quantized:
         raise VerifyError("the reference checkpoint must be a float checkpoint; this layer is "
@@ -308,7 +315,7 @@ def _reference_weights(qblock: LoadedBlock, rblock: LoadedBlock | None, name: st
     if tuple(ref.weight.shape) != (layer.out_features, layer.in_features):
         raise VerifyError(f"reference weight is {list(ref.weight.shape)}, the checkpoint's layer is "
                           f"[{layer.out_features}, {layer.in_features}]", tensor=ref.name)
-    return ref.weight.float(), None if ref.bias is None else ref.bias.float()
+    return FloatLinear(ref.weight, ref.bias)
 
 
 def verify_checkpoint(
@@ -319,6 +326,7 @@ def verify_checkpoint(
     blocks: int | list[int] | None = None,
     tokens: int = 64,
     seed: int = 0,
+    sigma: float = DEFAULT_SIGMA,
     mmap: bool = True,
     thresholds: Thresholds | None = None,
     backend: str | None = None,
@@ -344,15 +352,26 @@ def verify_checkpoint(
         if not have:
             raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
         idx = _choose_blocks(blocks, have, path)
-        qblocks = load_blocks(ckpt, idx, scan=scan)
-        if not any(lay.is_quantized for b in qblocks for lay in b.layers.values()):
+        if not _any_quantized(scan, ckpt, idx):
             raise VerifyError(f"blocks {idx} hold no quantized layer; nothing to verify", path=path)
         result = VerifyResult(str(path), str(reference) if reference else "dequantized",
                               str(dev), idx, tokens, seed, th)
         siblings = float_siblings(ckpt, scan)
-        rblocks = load_blocks(reference, idx, mmap=mmap) if reference else [None] * len(idx)
-        for qb, rb in zip(qblocks, rblocks):
-            _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings)
+        rck = Checkpoint(reference, mmap=mmap) if reference else None
+        try:
+            rscan = scan_checkpoint(rck) if rck is not None else None
+            for i in idx:  # one block at a time: memory stays flat in the block count
+                qb = load_blocks(ckpt, [i], scan=scan)[0]
+                rb = load_blocks(rck, [i], scan=rscan)[0] if rck is not None else None
+                _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings, ckpt,
+                              sigma)
+                del qb, rb
+                _release(ckpt, f"{find_prefix(ckpt.tensors)}blocks.{i}.")
+                if rck is not None:
+                    _release(rck, f"{find_prefix(rck.tensors)}blocks.{i}.")
+        finally:
+            if rck is not None:
+                rck.close()
         if not siblings:
             result.notes.append("magnitude check skipped: the file has no float linear of a block "
                                 "linear's role to compare scales with")
@@ -363,32 +382,63 @@ def verify_checkpoint(
     return result
 
 
-def _verify_block(qb, rb, result, run, siblings) -> None:
+def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: float,
+                  dtype: torch.dtype, compute: torch.dtype):
+    """Seeded hidden states [tokens, hidden] and the real conditioning of a small t2va layout of
+    ``tokens`` rows at ``sigma`` (the file's own time embedding and RoPE frequencies)."""
+    from h3quant.runtime.model.layout import Timesteps, layout_for_rows
+    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
+
+    prefix = find_prefix(ckpt.tensors)
+    layout = layout_for_rows(tokens)
+    cond = make_conditioning(layout, Timesteps.from_sigma(sigma),
+                             load_time_embedding(ckpt, prefix),
+                             read_float(ckpt, prefix + "rope.inv_freq"), compute, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hidden, generator=g).to(dtype).float(), cond
+
+
+def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
     dev, tdev, dtype, backend, probe = run
     th, seed, tokens = result.thresholds, result.seed, result.tokens
     refs, mods = {}, {}
     for salt, name in enumerate(BLOCK_LINEARS):
         layer = qb.linear(name)
-        refs[name] = _reference_weights(qb, rb, name)
-        mods[name] = quantized_linear(layer, device=dev, backend=backend, probe=probe)
+        refs[name] = _reference_linear(qb, rb, name)
+        mods[name] = quantized_linear(layer, device=dev, backend=backend, probe=probe,
+                                      compute_dtype=dtype)
         if layer.is_quantized:
             result.data.extend(data_checks(layer, th, siblings))
-            result.layers.extend(_check_layer(layer, *refs[name], mods[name], tdev, dtype, tokens,
+            result.layers.extend(_check_layer(layer, refs[name], mods[name], tdev, dtype, tokens,
                                               seed, qb.index * 16 + salt, th))
     qblock = build_block(qb, lambda lay: mods[lay.name[len(qb.prefix) + 1:]], device=tdev)
     src = rb if rb is not None else qb
-    rblock = build_block(src, lambda lay: FloatLinear(*refs[lay.name[len(src.prefix) + 1:]]),
-                         device="cpu")
-    x, temb = seeded_inputs(rblock, tokens, seed + qb.index, dtype=dtype)
-    x = x.float()  # the reference sees the activation-dtype values the device sees
+    rblock = build_block(src, lambda lay: refs[lay.name[len(src.prefix) + 1:]], device="cpu")
+    # the reference runs fp32 throughout; the device in its activation dtype
+    x, cond_ref = _block_inputs(ckpt, qblock.hidden, tokens, seed + qb.index, sigma, dtype,
+                                torch.float32)
+    _, cond = _block_inputs(ckpt, qblock.hidden, tokens, seed + qb.index, sigma, dtype, dtype)
     with torch.no_grad():
-        y_ref = rblock(x, temb)
-        y = qblock(x.to(dtype).to(tdev), temb.to(tdev)).float().cpu()
+        y_ref = rblock(x, cond_ref)
+        y = qblock(x.to(dtype).to(tdev), cond.to(tdev)).float().cpu()
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
     w4 = QuantFormat.ASYM_W4A8_INT8.value in fmts
     limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8
     result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
+
+
+def _any_quantized(scan, ckpt, idx) -> bool:
+    prefix = find_prefix(ckpt.tensors)
+    heads = tuple(f"{prefix}blocks.{i}." for i in idx)
+    return any(lay.fields is not None for n, lay in scan.layers.items() if n.startswith(heads))
+
+
+def _release(ckpt: Checkpoint, stem: str) -> None:
+    """Drop the mapped pages of a finished block (mmap mode; a no-op otherwise)."""
+    for n in ckpt.tensors:
+        if n.startswith(stem):
+            ckpt.file_of(n).release_pages(ckpt.info(n))
 
 
 def _choose_blocks(blocks, have: list[int], path) -> list[int]:

@@ -341,15 +341,19 @@ def _load(ckpt: Checkpoint, blocks, quantize_on_load: bool, scan) -> list[Loaded
     if missing:
         raise VerifyError(f"checkpoint has no blocks {missing} (it has {len(have)} blocks)",
                           path=ckpt.path)
-    out = []
-    for i in wanted:
-        prefix = f"{root}blocks.{i}"
-        lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
-        _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
-        layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
-                                                  quantize_on_load=quantize_on_load and
-                                                  n[len(prefix) + 1:] in BLOCK_LINEARS)
-                  for n in sorted(lnames)}
-        ignored = [n for n in scan.others if n.startswith(prefix + ".")]
-        out.append(LoadedBlock(i, prefix, layers, ignored))
-    return out
+    return [load_prefix(ckpt, scan, f"{root}blocks.{i}", i, quantize_on_load=quantize_on_load)
+            for i in wanted]
+
+
+def load_prefix(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, *,
+                quantize_on_load: bool = False) -> LoadedBlock:
+    """Every layer under ``prefix.`` (a DiT block ``blocks.{i}`` or a refiner block
+    ``token_refiner.blocks.{j}``) as a LoadedBlock."""
+    lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
+    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
+    layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
+                                              quantize_on_load=quantize_on_load and
+                                              n[len(prefix) + 1:] in BLOCK_LINEARS)
+              for n in sorted(lnames)}
+    ignored = [n for n in scan.others if n.startswith(prefix + ".")]
+    return LoadedBlock(index, prefix, layers, ignored)

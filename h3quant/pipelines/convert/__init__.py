@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.writer import default_mode
+from h3quant.formats.atomic import Outputs, write_bytes, write_file
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
-from h3quant.pipelines.convert.plan import ConvertPlan, build_plan
+from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
 from h3quant.pipelines.convert.report import summary_line
 from h3quant.pipelines.convert.run import LayerFailures, run_plan
 
@@ -41,37 +40,39 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOptions | None = None,
-            *, progress: bool = False, log=None) -> dict:
-    """Convert ``src`` to ``dst``; returns the report dict. Raises ``ConvertError`` (refused),
-    ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input."""
+            *, progress: bool = False, log=None,
+            report_path: str | os.PathLike | None = None) -> dict:
+    """Convert ``src`` to ``dst``; returns the report dict, also written to ``report_path`` when
+    given. Both outputs are checked before any work and appear together or not at all
+    (``formats.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
+    (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input."""
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         plan = build_plan(ckpt, src, dst, options)
-        for line in plan.repairs:
-            log(f"repair: {line}")
-        if plan.identity:
-            log("nothing to convert: every selected layer is already in the target format; "
-                "the output re-emits the input")
-        return run_plan(plan, ckpt, progress=progress)
+        with Outputs(inputs=input_paths(ckpt, src), overwrite=options.overwrite,
+                     log=log) as outs:
+            out = outs.add(dst, directory=plan.directory)
+            report_out = outs.add(report_path, what="report") if report_path else None
+            for line in plan.repairs:
+                log(f"repair: {line}")
+            if plan.identity:
+                log("nothing to convert: every selected layer is already in the target format; "
+                    "the output re-emits the input")
+            report = run_plan(plan, ckpt, out, progress=progress)
+            if report_out is not None:
+                write_file(report_out, report_bytes(report))
+        return report
 
 
-def write_report(path: str | os.PathLike, report: dict) -> None:
-    """Write ``report`` as JSON, atomically (temp file beside it, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, default_mode())
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def report_bytes(report: dict) -> bytes:
+    return (json.dumps(report, indent=2, default=str) + "\n").encode("utf-8")
+
+
+def write_report(path: str | os.PathLike, report: dict, *, overwrite: bool = True) -> None:
+    """Write ``report`` as JSON, atomically (``formats.atomic``)."""
+    write_bytes(path, report_bytes(report), overwrite=overwrite, what="report")
 
 
 def _mb(n: int) -> str:

@@ -1,4 +1,4 @@
-"""I/O for ``convert``: positional atomic writer, staged output directory, bounded-memory reads.
+"""I/O for ``convert``: positional atomic writer and bounded-memory reads.
 
 Why not ``StreamingWriter``: it requires layout order, and the safetensors layout puts every F32
 tensor (the per-row scales) before every I8 tensor (the codes). Writing in that order would mean
@@ -11,17 +11,16 @@ once.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from h3quant.errors import ContainerError
+from h3quant.formats.atomic import open_temp, publish
 from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
-from h3quant.formats.writer import Layout, default_mode
+from h3quant.formats.writer import Layout
 
 FLUSH_BYTES = 256 << 20  # start writeback after this many new bytes (overlaps the final fsync)
 
@@ -54,11 +53,9 @@ class OffsetWriter:
         self._flusher: threading.Thread | None = None
 
     def __enter__(self) -> "OffsetWriter":
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                   dir=self.path.parent)
-        self._fd, self._tmp = fd, Path(tmp)
+        self._fd, self._tmp = open_temp(self.path)
+        fd = self._fd
         try:
-            os.fchmod(fd, default_mode())
             os.ftruncate(fd, self.layout.file_bytes)
             os.pwrite(fd, self.layout.header, 0)
         except BaseException:
@@ -172,42 +169,10 @@ class OffsetWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            os.replace(self._tmp, self.path)
+            publish(self._tmp, self.path)
             self._tmp = None
         finally:
             self._abort()
-
-
-class StagedDir:
-    """A temporary directory beside ``target`` renamed into place on success (sharded output)."""
-
-    def __init__(self, target: str | os.PathLike, *, overwrite: bool = False):
-        self.target = Path(target)
-        self.overwrite = overwrite
-        self.path: Path | None = None
-
-    def __enter__(self) -> Path:
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp",
-                                          dir=self.target.parent))
-        os.chmod(self.path, default_mode(directory=True))
-        return self.path
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        try:
-            old = None
-            if self.target.exists() and self.overwrite:
-                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".old",
-                                            dir=self.target.parent))
-                os.replace(self.target, old / "x")
-            os.replace(self.path, self.target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise
 
 
 def fsync_dir(path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from h3quant import __version__
 from h3quant.errors import ConvertError, MarkerError
 from h3quant.formats import registry
+from h3quant.formats.atomic import check_output
 from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint
 from h3quant.formats.layers import Layer, group_tensors
 from h3quant.formats.markers import (
@@ -96,40 +97,24 @@ class ConvertPlan:
         }
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
+def input_paths(ckpt: Checkpoint, src: Path) -> list[Path]:
+    """Every path the conversion reads: the named input, its shards and its index."""
+    files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
+    return [src] + files
 
 
 def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwrite: bool,
                 dry_run: bool = False) -> list[str]:
-    """Refuse writing over the input and over an existing output without ``overwrite``.
+    """Refuse an output that is an input, not a regular file (or h3quant's own output
+    directory), or exists without ``overwrite`` (see ``formats.atomic.check_output``).
 
     In a dry run an existing output is only noted (returned), since nothing will be written."""
-    files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
-    inputs = [src] + files + ([p.parent for p in files] if directory else [])
-    rd = dst.resolve()
-    for p in inputs:
-        if rd == p.resolve() or _same_file(dst, p):
-            raise ConvertError("output is the input (same path or same file); choose another "
-                               "output path", path=dst)
-    if directory and any(rd in p.resolve().parents for p in inputs):
-        raise ConvertError("output directory contains the input; choose another path", path=dst)
-    if not dst.parent.is_dir():
-        raise ConvertError("the output's parent directory does not exist", path=dst)
-    if dst.exists() or dst.is_symlink():
-        if not overwrite:
-            if dry_run:
-                return [f"{dst} exists: the real run needs --overwrite"]
-            raise ConvertError("output exists; pass --overwrite to replace it", path=dst)
-        if dst.is_dir() and not directory:
-            raise ConvertError("output is an existing directory; a single file would be written",
-                               path=dst)
-        if directory and not dst.is_dir():
-            raise ConvertError("output is an existing file; sharded output is a directory",
-                               path=dst)
+    inputs = input_paths(ckpt, src)
+    check_output(dst, directory=directory, overwrite=True, inputs=inputs)
+    if os.path.lexists(dst) and not overwrite:
+        if dry_run:
+            return [f"{dst} exists: the real run needs --overwrite"]
+        check_output(dst, directory=directory, overwrite=False, inputs=inputs)
     return []
 
 

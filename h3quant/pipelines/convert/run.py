@@ -18,12 +18,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
 from h3quant.errors import ConvertError, H3QuantError
 from h3quant.pipelines.convert.compute import SourceRows, copy_tensor, encode_layer
-from h3quant.pipelines.convert.io import OffsetWriter, Reader, StagedDir, fsync_dir
+from h3quant.pipelines.convert.io import OffsetWriter, Reader, fsync_dir
 from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.relayout import run_via
@@ -60,8 +61,10 @@ def _copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
         copy_tensor(item, reader, sinks, progress)
 
 
-def run_plan(plan: ConvertPlan, ckpt, *, progress: bool = True) -> dict:
-    """Execute ``plan`` (from ``build_plan``) and return the report dict.
+def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> dict:
+    """Execute ``plan`` (from ``build_plan``), writing to ``out`` (the staged path
+    ``formats.atomic.Outputs`` gave for ``plan.dst``: a file, or an empty directory for sharded
+    output), and return the report dict.
 
     Two streams run at once: a copy thread writes every byte-for-byte tensor while the main
     thread converts the layers (their row chunks on ``workers`` threads). Both read the input in
@@ -87,7 +90,7 @@ def run_plan(plan: ConvertPlan, ckpt, *, progress: bool = True) -> dict:
     ok = False
     try:
         with contextlib.ExitStack() as stack:
-            writers = _open_writers(plan, stack)
+            writers = _open_writers(plan, stack, out)
             sinks = _Sinks(plan, writers)
             copying = io.submit(_copy_all, copies, reader, sinks, bar.update, stop)
             try:
@@ -111,8 +114,6 @@ def run_plan(plan: ConvertPlan, ckpt, *, progress: bool = True) -> dict:
         torch.set_num_threads(threads)
         bar.close()
     elapsed = time.perf_counter() - t0
-    if plan.directory:
-        fsync_dir(plan.dst.parent)
     return build_report(plan, results, elapsed)
 
 
@@ -138,13 +139,14 @@ def _convert_layers(layers, run, pool, opts, copying) -> None:
             fut.cancel()
 
 
-def _open_writers(plan: ConvertPlan, stack: contextlib.ExitStack) -> dict[str, OffsetWriter]:
-    """One writer per shard. Sharded output goes to a staging directory; on success the shards
-    are renamed (writers exit first), then the index is written, then the directory moves."""
+def _open_writers(plan: ConvertPlan, stack: contextlib.ExitStack, out) -> dict[str, OffsetWriter]:
+    """One writer per shard, writing into ``out`` (staged by the caller). Sharded output: on
+    success the shards are complete (writers exit first), then the index is written."""
+    out = Path(out)
     if not plan.directory:
         (name, shard), = plan.shards.items()
-        return {name: stack.enter_context(OffsetWriter(plan.dst, shard.layout))}
-    tmp = stack.enter_context(StagedDir(plan.dst, overwrite=plan.options.overwrite))
+        return {name: stack.enter_context(OffsetWriter(out, shard.layout))}
+    tmp = out
 
     def index_on_success(exc_type, exc, tb):
         if exc_type is None:
