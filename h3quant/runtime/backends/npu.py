@@ -63,7 +63,6 @@ def npu_call_reasons(x: torch.Tensor) -> list[str]:
     return out
 
 
-<<<<<<< HEAD
 def weight_operand(q: torch.Tensor, torch_npu) -> tuple[torch.Tensor, str]:
     """The ``[K, N]`` operand of ``npu_quant_matmul`` for int8 codes ``q`` seen as ``[N, K]``, and
     its storage format: no copy of a canonical weight (its ``.t()`` view, ND); a pre-transposed
@@ -75,7 +74,8 @@ def weight_operand(q: torch.Tensor, torch_npu) -> tuple[torch.Tensor, str]:
     if nz_eligible(n, k) and hasattr(torch_npu, "npu_format_cast"):
         return torch_npu.npu_format_cast(kn, NZ_FORMAT), "FRACTAL_NZ"
     return kn, "ND"
-=======
+
+
 def npu_int32_matmul(torch_npu, q_x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """``q_x [M, K] int8 @ w_t [K, N] int8`` -> the raw int32 accumulator, on the NPU.
 
@@ -86,7 +86,6 @@ def npu_int32_matmul(torch_npu, q_x: torch.Tensor, w_t: torch.Tensor) -> torch.T
     """
     ones = torch.ones(w_t.shape[1], dtype=torch.float32, device=w_t.device)
     return torch_npu.npu_quant_matmul(q_x.contiguous(), w_t, ones, output_dtype=torch.int32)
->>>>>>> main
 
 
 class _NpuRunner(Runner):
