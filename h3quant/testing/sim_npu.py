@@ -123,7 +123,7 @@ class SimulatedTorchNpu(types.ModuleType):
         if not t.is_contiguous():
             self._sim._log("copy", f"torch_npu.{op}:contiguous", True, nbytes)
         with self._sim.kernel(f"torch_npu.{op}"):
-            out = SimTensor(t.inner.contiguous(), t.device)
+            out = SimTensor(t.inner.contiguous().clone(), t.device)  # a new device buffer
         self._sim._log("format_cast", f"torch_npu.{op}", True, nbytes)
         out.npu_format = acl_format
         return out
