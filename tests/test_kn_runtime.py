@@ -83,14 +83,14 @@ def test_npu_load_of_a_kn_file_copies_nothing_and_casts_to_nz(files):
         assert [e for e in events if e.kind == "copy"] == []
         casts = [e for e in events if e.kind == "format_cast"]
         assert len(casts) == 4 and module.calls.count("npu_format_cast") == 4
-        for name, mod in mods.items():
+        assert len(nd_buffers) == len(mods)  # one cast per layer, in build order
+        for (name, mod), nd in zip(mods.items(), nd_buffers):
             assert mod.backend_name == "npu" and mod.runner.weight_format == "FRACTAL_NZ"
             assert module.get_npu_format(mod.runner.w_t) == 29
             # the layer keeps one device weight, the NZ one: the ND tensor is released
             held = {unwrap(t).data_ptr() for t in (mod.weight, mod._weights.q, mod.runner.w.q,
                                                    mod.runner.fallback.w.q)}
-            assert held == {unwrap(mod.runner.w_t).data_ptr()}
-            assert not held & set(nd_buffers)
+            assert held == {unwrap(mod.runner.w_t).data_ptr()} and nd not in held
         y = {n: sim.device.fetch(mods[n](sim.device.put(x))) for n in ("attn.qkv_proj",
                                                                          "attn.out_proj")}
     with simulated_npu() as sim:  # the canonical file: .t() view, ND, the same numbers
