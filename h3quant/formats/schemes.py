@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
 from h3quant.formats.dtypes import FLOAT_DTYPES
+from h3quant.formats.int8_kn import nz_eligible
 from h3quant.formats.markers import QuantFormat
 
 # Allowed shapes given (N, K, fields); None = any shape.
@@ -328,12 +329,15 @@ class LayerReport:
     quantized: bool = False
     params: int = 0  # logical weight elements (N*K, or the weight's numel)
     weight_bytes: int = 0  # bytes counted in bits_per_weight
+    layout: str | None = None  # quantized: "canonical" or "npu" (int8_tensorwise_kn, [K, N])
+    nz: bool | None = None  # npu layout: FRACTAL_NZ-eligible (K % 16 == 0 and N % 32 == 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("quantized", "params", "weight_bytes"):
             d.pop(k)
         d["bytes"] = d.pop("nbytes")
+        d["layout"], d["nz"] = d.pop("layout"), d.pop("nz")  # last, after bytes
         return d
 
 
@@ -357,4 +361,11 @@ def layer_report(layer) -> LayerReport:
         dtypes={s: t.dtype for s, t in sorted(layer.tensors.items())},
         nbytes=layer.nbytes, bits_per_weight=bpw, source=layer.source,
         quantized=quantized, params=params, weight_bytes=wbytes,
+        layout=_layout(layer.format) if quantized else None,
+        nz=(nz_eligible(n, k) if layer.format is QuantFormat.INT8_TENSORWISE_KN
+            and n is not None and k is not None else None),
     )
+
+
+def _layout(fmt: QuantFormat | None) -> str | None:
+    return "npu" if fmt is QuantFormat.INT8_TENSORWISE_KN else "canonical"
