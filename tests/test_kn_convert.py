@@ -59,7 +59,7 @@ def test_row_transposer_equals_transpose_for_any_chunking(rows, cols, buf, piece
 
 
 def test_row_transposer_refuses_extra_or_missing_rows():
-    out, _, write = _collect(4, 3)
+    _, _, write = _collect(4, 3)
     t = RowTransposer(4, 3, write)
     with pytest.raises(FormatError, match="rows given"):
         t.add(torch.zeros(5, 3, dtype=torch.int8))
@@ -136,7 +136,7 @@ def test_relayout_round_trip_is_byte_identical(files, tmp_path):
     assert filecmp.cmp(back, files["canon"], shallow=False)
     direct = tmp_path / "kn2c.safetensors"
     convert(files["kn"], direct, ConvertOptions(layout="canonical"))
-    assert subprocess.run(["cmp", str(direct), str(files["canon"])]).returncode == 0
+    assert subprocess.run(["cmp", str(direct), str(files["canon"])], check=False).returncode == 0
 
 
 def test_relayout_in_small_slabs_gives_the_same_bytes(files, tmp_path, monkeypatch):
@@ -196,7 +196,7 @@ def test_layout_npu_only_for_int8_targets(files, tmp_path):
         ConvertOptions(layout="nz")
     res = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(files["src"]),
                           str(tmp_path / "x.safetensors"), "--to", "bf16", "--layout", "npu"],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT, check=False)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--layout npu is not available" in res.stderr
     assert not (tmp_path / "x.safetensors").exists()
@@ -206,13 +206,13 @@ def test_cli_layout_npu_and_dry_run(files, tmp_path):
     out = tmp_path / "cli_kn.safetensors"
     res = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(files["canon"]),
                           str(out), "--layout", "npu", "--dry-run"],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT, check=False)
     assert res.returncode == 0, res.stderr
     assert "layout npu" in res.stdout and "pure relayout" in res.stdout
     assert not out.exists()
     res = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(files["canon"]),
                           str(out), "--layout", "npu", "-q"], capture_output=True, text=True,
-                         cwd=ROOT)
+                         cwd=ROOT, check=False)
     assert res.returncode == 0, res.stderr
     assert filecmp.cmp(out, files["kn"], shallow=False)
     # the kn file is already what --layout npu writes: kept, re-emitted unchanged

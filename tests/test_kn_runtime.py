@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 import torch
+from runtime_util import quantize_weight
 
-from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.container import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.verify import verify_checkpoint
@@ -19,7 +19,6 @@ from h3quant.runtime.loader import load_blocks
 from h3quant.synth import synth_checkpoint
 from h3quant.testing.sim_npu import simulated_npu
 from h3quant.testing.simdevice import simulated_mps, unwrap
-from runtime_util import quantize_weight
 
 if importlib.util.find_spec("torch_npu") is not None:  # pragma: no cover
     pytest.skip("a real torch_npu is installed; the simulation would shadow it",
@@ -112,7 +111,7 @@ def test_no_mmap_npu_load_reads_each_weight_once_into_one_buffer(files, monkeypa
 
     monkeypatch.setattr(SafetensorsFile, "read_bytes", counting)
     with simulated_npu() as sim:
-        block, mods, events = _npu_linears(files["kn"], sim, mmap=False)
+        block, _, events = _npu_linears(files["kn"], sim, mmap=False)
         for name in LINEARS:
             w = block.linear(name).weight
             mine = [r for r in reads if r[0] == f"blocks.0.{name}.weight"]

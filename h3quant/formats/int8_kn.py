@@ -184,6 +184,18 @@ def transpose_stream(read_rows: Callable[[int, int], torch.Tensor], rows: int, c
     t.finish()
 
 
-__all__ = ["CANONICAL", "check_kn", "FORMAT", "LAYOUTS", "NPU_MAX_N", "NZ_FORMAT", "RowTransposer",
-           "TRANSPOSE_BYTES", "kn_marker", "nz_eligible", "nz_reason", "tp_degree_for",
-           "transpose_stream"]
+__all__ = [
+    "CANONICAL",
+    "FORMAT",
+    "LAYOUTS",
+    "NPU_MAX_N",
+    "NZ_FORMAT",
+    "TRANSPOSE_BYTES",
+    "RowTransposer",
+    "check_kn",
+    "kn_marker",
+    "nz_eligible",
+    "nz_reason",
+    "tp_degree_for",
+    "transpose_stream",
+]

@@ -16,9 +16,9 @@ nothing moves to the CPU.
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from h3quant.formats.int8_kn import NPU_MAX_N, NZ_FORMAT, nz_eligible
 from h3quant.runtime.backends.base import (
