@@ -104,6 +104,20 @@ def test_npu_int32_matmul_in_the_simulation():
                                  pertoken_scale=torch.ones(5).to("npu"), output_dtype=torch.int32)
 
 
+@pytest.mark.parametrize("fmt,tp,mode", [("int8", 2, "shared"), ("w4a8", 4, "shared"),
+                                         ("int8", 4, "per-rank")])
+def test_whole_model_forward_with_sharded_blocks(files, fmt, tp, mode):
+    res = verify_tp(files[fmt], tp=tp, scale_mode=mode, device="cpu", model=True,
+                    start_method="fork", timeout_s=60)
+    assert res.passed, res.failures
+    whats = [c.what for c in res.checks]
+    assert whats == ["block 0 hidden", "video", "audio"]
+    if mode == "shared":  # the model's outputs equal the single-device H3Model bit for bit
+        assert all(c.identical for c in res.checks)
+    else:
+        assert all(0 < c.rel_l2 <= PER_RANK_TOLERANCE for c in res.checks)
+
+
 # ------------------------------------------------------------------------------- failures
 
 

@@ -59,6 +59,7 @@ sharded blocks compute what one device computes: bit-identical with --tp-scale s
 default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
   h3quant verify h3_int8.safetensors --tp 2
   h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
+  h3quant verify h3_int8.safetensors --tp 4 --model      # the whole forward, sharded blocks
   torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
 """
 
@@ -124,18 +125,26 @@ def render(res) -> str:
 @click.option("--tp-scale", type=click.Choice(["shared", "per-rank"]), default="shared",
               show_default=True, help="Row-parallel activation scale: one all_reduced scale "
                                       "(bit-identical) or each rank its own.")
+@click.option("--model", "whole_model", is_flag=True,
+              help="With --tp: run the whole H3 forward (every block, embeddings, refiner, final "
+                   "layer) with sharded blocks and compare each block's hidden state and the "
+                   "outputs with the single-device forward.")
 @click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
               show_default=True, help="Seconds any collective may wait before the run fails.")
 @mmap_option
 @handle_errors
 def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_json, tp,
-            tp_scale, tp_timeout, no_mmap):
+            tp_scale, whole_model, tp_timeout, no_mmap):
     from h3quant.runtime.tp.launch import in_torchrun
 
     if tp is not None or in_torchrun():
         _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                         tp_timeout, no_mmap)
+                         tp_timeout, no_mmap, whole_model)
         return
+    if whole_model:
+        click.echo("h3quant: error: --model needs --tp here (the tensor-parallel forward)",
+                   err=True)
+        sys.exit(2)
     from h3quant.pipelines.verify import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -150,7 +159,7 @@ def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_
 
 
 def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                     tp_timeout, no_mmap):
+                     tp_timeout, no_mmap, whole_model=False):
     from h3quant.cli.common import EXIT_USAGE
     from h3quant.cli.verify_tp_view import render_tp
     from h3quant.pipelines.verify_tp import verify_tp
@@ -162,7 +171,7 @@ def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp,
     log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {blocks} blocks, device {device})")
     res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
                 device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
-                timeout_s=tp_timeout)
+                timeout_s=tp_timeout, model=whole_model)
     if res is None:  # a torchrun rank other than 0: rank 0 reports
         sys.exit(EXIT_OK)
     if as_json:

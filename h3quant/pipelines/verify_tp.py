@@ -123,6 +123,7 @@ class TpSpec:
     mmap: bool
     backend: str | None = None  # runtime backend forced for the local layers
     sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
+    model: bool = False  # the whole forward (every block) instead of per-block checks
     rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
@@ -201,6 +202,8 @@ def _rank_body(ctx, spec: TpSpec, probe):
     tdev = dev.torch_device
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     comm = ctx.comm
+    if spec.model:
+        return _rank_model(ctx, spec, probe, dev, dtype)
     kept, infos, read, held = {}, {}, 0, 0
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
@@ -244,6 +247,53 @@ def _rank_body(ctx, spec: TpSpec, probe):
     return result
 
 
+def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
+    """``--model``: the whole forward with sharded blocks on every rank; rank 0 then runs the
+    runtime's single-device H3Model on the same inputs and compares every block's hidden state
+    and the final video / audio outputs."""
+    from h3quant.runtime.model.model import H3Model
+    from h3quant.runtime.tp.model import TpH3Model, model_inputs
+
+    comm = ctx.comm
+    with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
+        model = TpH3Model(ckpt, device=dev, comm=comm, mode=spec.mode, backend=spec.backend,
+                          probe=probe)
+        inputs = model_inputs(model, spec.seed, dtype)
+        hidden = {}
+        video, audio = model(*inputs, spec.sigma,
+                             on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
+        infos, held = model.infos, model.held
+        stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
+                             dtype=torch.int64)
+        every = comm.all_gather(stats, "per-rank memory figures")
+        if ctx.rank != 0:
+            return None
+        outs = {**{f"block {i} hidden": h for i, h in hidden.items()},
+                "video": video.float().cpu(), "audio": audio.float().cpu()}
+        del model
+        gc.collect()
+        ref_model = H3Model(ckpt, device=dev, backend=spec.backend, probe=probe)
+        ref_hidden = {}
+        rv, ra = ref_model(*inputs, spec.sigma,
+                           on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
+        ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()},
+               "video": rv.float().cpu(), "audio": ra.float().cpu()}
+    idx = [i.index for i in infos]
+    result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx, 0, spec.seed,
+                      "torchrun" if in_torchrun() else "spawn")
+    result.ranks = [RankStats(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
+    result.linear_bytes = sum(i.bytes_total for i in infos)
+    for info in infos[:1]:
+        result.notes.extend(f"every block: {n}" for n in info.notes)
+    for what, y in outs.items():
+        _append_check(result, -1 if what in ("video", "audio") else int(what.split()[1]),
+                      what, "model", "-", "-", y, ref[what])
+    result.notes.append("reference: the runtime's single-device H3Model forward on the same "
+                        "inputs (video, audio, text latents at sigma "
+                        f"{spec.sigma}); 'held' is the largest block's shard")
+    return result
+
+
 def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
     """Outputs of block ``i`` on one device, and the relative L2 difference of that block's
     output from the runtime's ordinary single-device block."""
@@ -267,7 +317,6 @@ def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
 
 
 def _compare(result: TpResult, i: int, info, backends, outs: dict, ref: dict) -> None:
-    shared = result.scale_mode == "shared"
     for what, y in outs.items():
         r = ref[what]
         role = what.split(" ")[0]
@@ -278,16 +327,21 @@ def _compare(result: TpResult, i: int, info, backends, outs: dict, ref: dict) ->
         else:
             parallel, strategy = "row", info.plan.rows[role].strategy
             backend = backends[role]
-        identical = bool(torch.equal(y, r))
-        diff = (y - r).abs()
-        max_abs = float(diff.max()) if diff.numel() else 0.0
-        rel = error_metrics(y, r)[0]
-        if shared:
-            limit, passed = "0 (bit-identical)", identical
-        else:
-            limit, passed = f"rel L2 <= {PER_RANK_TOLERANCE}", rel <= PER_RANK_TOLERANCE
-        result.checks.append(TpCheck(i, what, parallel, strategy, backend, identical, max_abs,
-                                     rel, limit, passed))
+        _append_check(result, i, what, parallel, strategy, backend, y, r)
+
+
+def _append_check(result: TpResult, i: int, what: str, parallel: str, strategy: str,
+                  backend: str, y: torch.Tensor, r: torch.Tensor) -> None:
+    identical = bool(torch.equal(y, r))
+    diff = (y - r).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    rel = error_metrics(y, r)[0]
+    if result.scale_mode == "shared":
+        limit, passed = "0 (bit-identical)", identical
+    else:
+        limit, passed = f"rel L2 <= {PER_RANK_TOLERANCE}", rel <= PER_RANK_TOLERANCE
+    result.checks.append(TpCheck(i, what, parallel, strategy, backend, identical, max_abs, rel,
+                                 limit, passed))
 
 
 def _peak_rss() -> int:
@@ -318,7 +372,8 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               blocks=None, tokens: int = 16, seed: int = 0, mmap: bool = True,
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
-              comm_cls=None, rank_setup=None, sigma: float = 0.6) -> TpResult:
+              comm_cls=None, rank_setup=None, sigma: float = 0.6,
+              model: bool = False) -> TpResult:
     """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
     may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
@@ -339,9 +394,9 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     backend_for(kind)
     if not os.path.exists(path):
         raise VerifyError("no such file or directory", path=path)
-    _precheck(path, tp, blocks, mmap)
+    _precheck(path, tp, None if model else blocks, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
-                  sigma=sigma, rank_setup=rank_setup)
+                  sigma=sigma, rank_setup=rank_setup, model=model)
     comm_cls = comm_cls or Collectives
     if in_torchrun():
         return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
