@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tp_util import tp_files
 
 from h3quant.pipelines.verify_tp import PER_RANK_TOLERANCE, verify_tp
 from h3quant.runtime.tp.launch import spawn_ranks
 from h3quant.runtime.tp.plan import TpError
-from tp_util import tp_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ def _mib(n: int) -> str:
 
 def render_tp(res) -> str:
     out = [f"checkpoint  {res.path}",
-           f"tensor parallel  tp={res.tp}   scale {res.scale_mode}   device {res.device}   "
-           f"backend {res.backend}   launched by {res.launched}",
+           (f"tensor parallel  tp={res.tp}   scale {res.scale_mode}   device {res.device}   "
+            f"backend {res.backend}   launched by {res.launched}"),
            (f"whole forward, blocks {res.blocks}   seed {res.seed}" if any(
                c.parallel == "model" for c in res.checks) else
             f"blocks {res.blocks}   tokens {res.tokens}   seed {res.seed}"), ""]

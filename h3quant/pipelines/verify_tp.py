@@ -140,7 +140,11 @@ def block_inputs(ckpt: Checkpoint, root: str, hidden: int, tokens: int, seed: in
     """Seeded hidden states [tokens, hidden] in ``dtype`` and the real conditioning of a small
     t2va layout of ``tokens`` rows at ``sigma`` (the file's time embedding and RoPE), on tdev."""
     from h3quant.runtime.model.layout import Timesteps, layout_for_rows
-    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
+    from h3quant.runtime.model.model import (
+        load_time_embedding,
+        make_conditioning,
+        read_float,
+    )
 
     cond = make_conditioning(layout_for_rows(tokens), Timesteps.from_sigma(sigma),
                              load_time_embedding(ckpt, root), read_float(ckpt, root + "rope.inv_freq"),
