@@ -44,6 +44,12 @@ from h3quant.runtime.tp.runner import (
 PER_RANK_TOLERANCE = 0.05
 
 
+def _small_model_inputs():
+    from h3quant.pipelines.verify_model import ModelInputs
+
+    return ModelInputs(frames=2, height=4, width=4, audio_frames=4, text_tokens=8)
+
+
 @dataclass
 class TpCheck:
     """One output compared with the single-device run (``what``: a layer path or ``block``)."""
@@ -124,6 +130,8 @@ class TpSpec:
     backend: str | None = None  # runtime backend forced for the local layers
     sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
     model: bool = False  # the whole forward (every block) instead of per-block checks
+    model_inputs: object = None  # pipelines.verify_model.ModelInputs (None: a small default)
+    depth: int | None = None  # --model: only the first N blocks
     rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
@@ -255,17 +263,23 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
     """``--model``: the whole forward with sharded blocks on every rank; rank 0 then runs the
     runtime's single-device H3Model on the same inputs and compares every block's hidden state
     and the final video / audio outputs."""
+    from h3quant.pipelines.verify_model import ModelInputs
     from h3quant.runtime.model.model import H3Model
-    from h3quant.runtime.tp.model import TpH3Model, model_inputs
+    from h3quant.runtime.tp.model import TpH3Model
 
     comm = ctx.comm
+    mi = spec.model_inputs or _small_model_inputs()
+    if not isinstance(mi, ModelInputs):
+        raise TpError(f"model inputs must be a ModelInputs, got {type(mi).__name__}")
+    sigma = mi.sigma
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         model = TpH3Model(ckpt, device=dev, comm=comm, mode=spec.mode, backend=spec.backend,
                           probe=probe)
-        inputs = model_inputs(model, spec.seed, dtype)
+        inputs = tuple(t.to(dtype) for t in mi.tensors(model.video_channels,
+                                                        model.audio_channels, model.text_dim))
         hidden = {}
-        video, audio = model(*inputs, spec.sigma,
-                             on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
+        outputs = model(*inputs, sigma, depth=spec.depth,
+                        on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
         infos, held = model.infos, model.held
         stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
                              dtype=torch.int64)
@@ -273,15 +287,14 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
         if ctx.rank != 0:
             return None
         outs = {**{f"block {i} hidden": h for i, h in hidden.items()},
-                "video": video.float().cpu(), "audio": audio.float().cpu()}
+                **_final(outputs)}
         del model
         gc.collect()
         ref_model = H3Model(ckpt, device=dev, backend=spec.backend, probe=probe)
         ref_hidden = {}
-        rv, ra = ref_model(*inputs, spec.sigma,
-                           on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
-        ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()},
-               "video": rv.float().cpu(), "audio": ra.float().cpu()}
+        ref_out = ref_model(*inputs, sigma, depth=spec.depth,
+                            on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
+        ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()}, **_final(ref_out)}
     idx = [i.index for i in infos]
     result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx, 0, spec.seed,
                       "torchrun" if in_torchrun() else "spawn")
@@ -293,9 +306,17 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
         _append_check(result, -1 if what in ("video", "audio") else int(what.split()[1]),
                       what, "model", "-", "-", y, ref[what])
     result.notes.append("reference: the runtime's single-device H3Model forward on the same "
-                        "inputs (video, audio, text latents at sigma "
-                        f"{spec.sigma}); 'held' is the largest block's shard")
+                        f"inputs ({mi}); 'held' is the largest block's shard")
     return result
+
+
+def _final(outputs) -> dict:
+    """The video / audio outputs of a full forward (none with ``depth``: the final layer is
+    then skipped)."""
+    if not isinstance(outputs, tuple) or len(outputs) != 2:
+        return {}
+    video, audio = outputs
+    return {"video": video.float().cpu(), "audio": audio.float().cpu()}
 
 
 def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
@@ -377,7 +398,7 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
               comm_cls=None, rank_setup=None, sigma: float = 0.6,
-              model: bool = False) -> TpResult:
+              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult:
     """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
     may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
@@ -400,7 +421,8 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
         raise VerifyError("no such file or directory", path=path)
     _precheck(path, tp, None if model else blocks, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
-                  sigma=sigma, rank_setup=rank_setup, model=model)
+                  sigma=sigma, rank_setup=rank_setup, model=model,
+                  model_inputs=model_inputs, depth=depth)
     comm_cls = comm_cls or Collectives
     if in_torchrun():
         return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,

@@ -36,13 +36,3 @@ class TpH3Model(H3Model):
         self.held = max(self.held, held_bytes(block))
         return block
 
-
-def model_inputs(model: H3Model, seed: int, dtype: torch.dtype, *, frames: int = 2,
-                 height: int = 4, width: int = 4, audio_len: int = 4, text_len: int = 8):
-    """Seeded (video, audio, text) latents of a small t2va call: the same values on every rank
-    and every device (a CPU generator)."""
-    g = torch.Generator().manual_seed(seed)
-    video = torch.randn(1, model.video_channels, frames, height, width, generator=g)
-    audio = torch.randn(1, model.audio_channels, 2, audio_len, generator=g)
-    text = torch.randn(1, text_len, model.text_dim, generator=g)
-    return video.to(dtype), audio.to(dtype), text.to(dtype)
