@@ -170,6 +170,14 @@ def test_cli_verify_tp_in_process(files):
                                   "--tokens", "8", "--json"])
     assert r.exit_code == 0, r.output
     assert '"passed": true' in r.output and '"scale_mode": "shared"' in r.output
+    m = CliRunner().invoke(main, ["verify", str(files["int8"]), "--tp", "2", "--model",
+                                  "--height", "4", "--width", "4", "--audio-frames", "4",
+                                  "--text-tokens", "8"])
+    assert m.exit_code == 0, m.output
+    assert "video" in m.output and "block 0 hidden" in m.output and "PASS" in m.output
+    clash = CliRunner().invoke(main, ["verify", str(files["int8"]), "--tp", "2", "--model",
+                                      "--blocks", "1"])
+    assert clash.exit_code == 2 and "--blocks cannot be used with --model --tp" in clash.output
     bad = CliRunner().invoke(main, ["verify", str(files["w4a8"]), "--tp", "3"])
     assert bad.exit_code == 2 and "does not divide the 4 attention heads" in bad.output
     assert "Traceback" not in bad.output
