@@ -36,6 +36,12 @@ class RowRange:
     high: int
     no_min128: bool  # the encoder never writes -128
     text: str
+    alt: RowRange | None = None  # accepted instead when every row fits it (a known other source)
+
+    def misses(self, peak, qmin):
+        """Rows (bool tensor) whose peak |q| or minimum code break the rule."""
+        bad = (peak < self.low) | (peak > self.high)
+        return bad | (qmin == -128) if self.no_min128 else bad
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,19 @@ class Codec:
     unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
     weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    layout: str = "canonical"  # "npu": a pre-transposed layout of the codec named ``canonical``
+    canonical: str | None = None  # for a layout variant: the codec it re-lays out
+    transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
+    column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
 
     # ------------------------------------------------------------------ header-level knowledge
     def logical_k(self, cols: int, fields: dict | None) -> int:
         """Logical input width K of a stored weight with ``cols`` columns."""
         return cols
+
+    def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
+        """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
+        return shape[0], self.logical_k(shape[1], fields)
 
     def uses_convrot(self, fields: dict | None) -> bool:
         return self.always_convrot or bool(fields and fields.get("convrot"))

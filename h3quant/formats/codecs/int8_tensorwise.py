@@ -125,7 +125,10 @@ class Int8Tensorwise(Codec):
     def row_range(self, tensors, th):
         if tensors["weight_scale"].numel() == 1:  # one scale: one peak for the whole tensor
             return RowRange(True, 127, 127, True, "max|q| = 127 per tensor")
-        return RowRange(False, 127, 127, True, "max|q| = 127 per row")
+        # int8 converted from W4A8 through its decoded grid (FORMATS.md 9) keeps W4A8's peaks
+        low = th.w4a8_row_peak_min
+        w4a8_grid = RowRange(False, low, 127, True, f"a W4A8 int8 grid: row peak in [{low}, 127]")
+        return RowRange(False, 127, 127, True, "max|q| = 127 per row", alt=w4a8_grid)
 
 
 CODEC = Int8Tensorwise()
