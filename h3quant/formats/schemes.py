@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
 from h3quant.formats.dtypes import FLOAT_DTYPES
-from h3quant.formats.int8_kn import nz_eligible
 from h3quant.formats.markers import QuantFormat
 
 # Allowed shapes given (N, K, fields); None = any shape.
@@ -356,14 +355,18 @@ def layer_report(layer) -> LayerReport:
         params = w.numel if w is not None else 0
     wbytes = sum(t.nbytes for s, t in layer.tensors.items() if s not in ("bias", "comfy_quant"))
     bpw = round(8 * wbytes / params, 4) if params else None
+    nz = None
+    if layer.format is QuantFormat.INT8_TENSORWISE_KN and n is not None and k is not None:
+        from h3quant.formats.int8_kn import nz_eligible  # imports torch: only for kn layers
+
+        nz = nz_eligible(n, k)
     return LayerReport(
         name=layer.name, format=fmt, N=n, K=k,
         dtypes={s: t.dtype for s, t in sorted(layer.tensors.items())},
         nbytes=layer.nbytes, bits_per_weight=bpw, source=layer.source,
         quantized=quantized, params=params, weight_bytes=wbytes,
         layout=_layout(layer.format) if quantized else None,
-        nz=(nz_eligible(n, k) if layer.format is QuantFormat.INT8_TENSORWISE_KN
-            and n is not None and k is not None else None),
+        nz=nz,
     )
 
 
