@@ -173,3 +173,35 @@ def test_verify_passes_on_kn_files_on_every_device(files, device):
     if device == "cpu":  # the same codes: the same numbers as the canonical file
         c = verify_checkpoint(files["canon"], reference=files["src"], device="cpu", tokens=TOKENS)
         assert [x.rel_err for x in r.layers] == [x.rel_err for x in c.layers]
+
+
+# ------------------------------------------------------------------------- verify --model
+
+
+def test_whole_model_on_a_kn_file_equals_the_canonical_file(files):
+    """The streamed H3 forward (verify --model) loads kn blocks as they are: on the CPU and on the
+    simulated NPU it computes exactly what it computes from the canonical file."""
+    from click.testing import CliRunner
+
+    from h3quant.cli import main
+    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+
+    small = ModelInputs(frames=1, height=4, width=4, audio_frames=4, text_tokens=6)
+    kn = verify_model(files["kn"], reference=files["src"], device="cpu", inputs=small)
+    canon = verify_model(files["canon"], reference=files["src"], device="cpu", inputs=small)
+    assert kn.passed, kn.failures
+    assert [o.sqnr_db for o in kn.outputs] == [o.sqnr_db for o in canon.outputs]
+    with simulated_npu() as sim:
+        npu = verify_model(files["kn"], reference=files["src"], device="npu", inputs=small,
+                           probe=sim.probe)
+        assert "npu_format_cast" in sim.extras["module"].calls
+        assert not sim.device.of_kind("cpu_fallback")
+    assert npu.passed, npu.failures
+    with simulated_npu() as sim:
+        npu_c = verify_model(files["canon"], reference=files["src"], device="npu", inputs=small,
+                             probe=sim.probe)
+    assert [o.sqnr_db for o in npu.outputs] == [o.sqnr_db for o in npu_c.outputs]
+    res = CliRunner().invoke(main, ["verify", str(files["kn"]), "--model", "--frames", "1",
+                                    "--height", "4", "--width", "4", "--audio-frames", "4",
+                                    "--text-tokens", "6"])
+    assert res.exit_code == 0, res.output
