@@ -205,3 +205,22 @@ def test_whole_model_on_a_kn_file_equals_the_canonical_file(files):
                                     "--height", "4", "--width", "4", "--audio-frames", "4",
                                     "--text-tokens", "6"])
     assert res.exit_code == 0, res.output
+
+
+def test_cuda_sends_kn_weights_to_torch_int8_not_to_kitchen():
+    """comfy-kitchen's CUDA kernels read a row-major [N, K]: a kn weight's view goes to
+    torch._int_mm (which takes the strides) instead, with the reason recorded."""
+    ck = pytest.importorskip("comfy_kitchen")
+    from h3quant.runtime.backends import select_backend
+    from h3quant.runtime.backends.base import Int8Weights
+    from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
+    from h3quant.runtime.devices import Device
+
+    q, s = quantize_weight(torch.randn(64, 256, generator=torch.Generator().manual_seed(3)))
+    probe = StaticProbe(cuda=True, cuda_cc=(8, 9), kitchen=ck,
+                        kernels=frozenset({(INT_MM_OP, "CUDA"), (INT_MM_OP, "CPU")}))
+    canon = Int8Weights(q, s, s.reshape(-1), None, True, 256)
+    kn = Int8Weights(q.t().contiguous().t(), s.reshape(-1), s.reshape(-1), None, True, 256)
+    assert select_backend(canon, Device("cuda"), probe).backend.name == "kitchen"
+    sel = select_backend(kn, Device("cuda"), probe)
+    assert sel.backend.name == "torch-int8" and "pre-transposed" in sel.rejected["kitchen"][0]
