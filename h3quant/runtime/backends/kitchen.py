@@ -61,8 +61,9 @@ class KitchenBackend(Backend):
         # kitchen's CUDA kernels take the weight's data pointer as a row-major [N, K]; the
         # transpose view of a pre-transposed [K, N] weight (int8_tensorwise_kn) would be misread.
         if not w.q.is_contiguous():
-            return ["weight is the [N, K] view of a pre-transposed [K, N] tensor "
-                    "(int8_tensorwise_kn); kitchen's kernels read a contiguous [N, K]"]
+            why = ("weight is the [N, K] view of a pre-transposed [K, N] tensor "
+                   "(int8_tensorwise_kn); kitchen's kernels read a contiguous [N, K]")
+            return [why]
         return []
 
     def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
