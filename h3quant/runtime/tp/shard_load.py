@@ -7,6 +7,9 @@ are released so they do not linger in the rank's RSS). Per-row tensors (scales, 
 the rows of a column shard and are read whole for a K shard; codebooks and scalar scales are
 read whole. ``ShardReader.bytes_read`` counts what was read, so a test can check 1/N.
 
+An ``int8_tensorwise_kn`` weight is stored ``[K, N]``: its column shard is a column range and its
+row (K) shard a single contiguous byte range.
+
 The shard becomes a ``LoadedLayer`` whose tensors are the slices (its ``out_features`` /
 ``in_features`` are the shard's), so the runtime's own ``quantized_linear`` and ``int8_grid``
 work on it unchanged. The layer's marker and tensor set are checked exactly as ``load_layer``
@@ -90,7 +93,7 @@ def layer_shape(layer: Layer, role: str) -> LayerShape:
     align = 1
     if fields is not None:
         codec = registry.codec_for(fields, tensor=layer.name)
-        k = codec.logical_k(k, fields)
+        n, k = codec.logical_shape((n, k), fields)  # a kn weight is stored [K, N]
         if codec.uses_convrot(fields):
             align = int(fields.get("convrot_groupsize", 256))
     return LayerShape(role, int(n), int(k), align)
@@ -102,10 +105,20 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     fields = layer.fields
     if fields is not None:
         check_quantized(layer, fields, path)
-    pack = registry.logical_k(1, fields)  # logical input columns per stored weight column
+    codec = registry.codec_for(fields, tensor=layer.name)
+    pack = codec.logical_k(1, fields)  # logical input columns per stored weight column
+    stored_kn = "weight" in codec.transposed_outputs  # the weight is stored [K, N]
     tensors = {}
     for suffix, info in layer.tensors.items():
         if suffix == "comfy_quant":
+            continue
+        if suffix == "weight" and stored_kn:
+            # stored [K, N]: a column shard is a column range, a row (K) shard one byte range
+            if isinstance(shard, ColumnShard):
+                parts = [reader.columns(info, r0, r1) for r0, r1 in shard.rows]
+                tensors[suffix] = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            else:
+                tensors[suffix] = reader.rows(info, ((shard.k0, shard.k1),))
             continue
         per_row = suffix in _ROW_TENSORS and len(info.shape) >= 1 and info.numel > 1
         if isinstance(shard, ColumnShard):
