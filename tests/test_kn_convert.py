@@ -255,7 +255,7 @@ def test_a_tensorwise_scale_is_repeated_per_column_for_kn(tmp_path):
     src = save(tmp_path / "tw.safetensors", t)
     out = tmp_path / "tw_kn.safetensors"
     report = convert(src, out, ConvertOptions(target="int8", layout="npu"))
-    assert report["layers"][0]["action"] == "convert"
+    assert report.layers[0]["action"] == "convert"
     got, meta, header = _layers(out)
     assert header["lin.weight"] == ("I8", (64, 48)) and header["lin.weight_scale"] == ("F32", (48,))
     assert torch.equal(got["lin.weight"], t["lin.weight"].t())
