@@ -28,12 +28,18 @@ from h3quant.formats.markers import QuantFormat
 from h3quant.formats.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
+_KN = QuantFormat.INT8_TENSORWISE_KN
+_INT8 = (QuantFormat.INT8_TENSORWISE, _KN)  # one math, two layouts
 
 
 
 @dataclass
 class LoadedLayer:
-    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged."""
+    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged.
+
+    An ``int8_tensorwise_kn`` layer keeps its ``[K, N]`` weight as stored; its int8 grid is the
+    ``[N, K]`` ``.t()`` view of it (no copy), so every consumer sees one int8 math.
+    """
 
     name: str
     tensors: dict[str, torch.Tensor]
@@ -63,12 +69,23 @@ class LoadedLayer:
         return self.tensors.get("bias")
 
     @property
+    def is_int8(self) -> bool:
+        """int8_tensorwise in either layout (canonical [N, K] or the NPU's [K, N])."""
+        return self.format in _INT8
+
+    @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return int(self._logical_shape()[0])
 
     @property
     def in_features(self) -> int:
-        return self.codec.logical_k(int(self.weight.shape[-1]), self.fields)
+        return int(self._logical_shape()[1])
+
+    def _logical_shape(self) -> tuple[int, int]:
+        shape = tuple(self.weight.shape)
+        if len(shape) != 2:
+            return shape[0], shape[-1]
+        return self.codec.logical_shape(shape, self.fields)
 
     @property
     def convrot(self) -> bool:
@@ -191,7 +208,13 @@ def _check_quantized(layer: Layer, fields: dict, path) -> None:
         bad("Q102", f"weight is {w.dtype} {list(w.shape)}, {fmt.value} needs a 2-D I8 weight",
             "weight")
     n, kw = w.shape
-    if fmt is QuantFormat.INT8_TENSORWISE:
+    if fmt is _KN:
+        k, n = n, kw  # stored [K, N]
+        s = t["weight_scale"]
+        if s.dtype not in FLOAT_DTYPES or list(s.shape) != [n]:
+            bad("Q109", f"weight_scale is {s.dtype} {list(s.shape)}, expected F32 [{n}] for a "
+                f"[K, N] = [{k}, {n}] kn weight", "weight_scale")
+    elif fmt is QuantFormat.INT8_TENSORWISE:
         k = kw
         s = t["weight_scale"]
         if s.dtype not in FLOAT_DTYPES:
