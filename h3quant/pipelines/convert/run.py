@@ -49,6 +49,9 @@ class _Sinks:
     def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
         self._by_name[name].write_tensor(name, tensor, start)
 
+    def copy_range(self, name: str, start: int, src_fd: int, src_pos: int, length: int) -> int:
+        return self._by_name[name].copy_range(name, start, src_fd, src_pos, length)
+
 
 def _by_input_offset(items, info_of) -> list:
     return sorted(items, key=lambda x: (str(info_of(x).file), info_of(x).begin))
