@@ -35,8 +35,7 @@ def _run(path, tp, mode="shared", **kw):
                      start_method="fork", timeout_s=60, **kw)
 
 
-@pytest.mark.parametrize("fmt,tp", [("int8", 2), ("int8", 4), ("w4a8", 2), ("w4a8", 4),
-                                    ("kn", 2), ("kn", 4)])
+@pytest.mark.parametrize("fmt,tp", [("int8", 2), ("int8", 4), ("w4a8", 2), ("w4a8", 4)])
 def test_shared_scale_is_bit_identical_to_one_device(files, fmt, tp):
     res = _run(files[fmt], tp)
     assert res.passed, res.failures

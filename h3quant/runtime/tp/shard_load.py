@@ -6,8 +6,9 @@ one ``pread``-style read each; mmap: a copy of just those bytes, after which the
 are released so they do not linger in the rank's RSS). Per-row tensors (scales, biases) follow
 the rows of a column shard and are read whole for a K shard; codebooks and scalar scales are
 read whole. ``ShardReader.bytes_read`` counts what was read, so a test can check 1/N.
-An ``int8_tensorwise_kn`` weight is stored ``[K, N]``: its K shard is contiguous rows (one
-read), its N shard the column range of every row.
+
+An ``int8_tensorwise_kn`` weight is stored ``[K, N]``: its column shard is a column range and its
+row (K) shard a single contiguous byte range.
 
 The shard becomes a ``LoadedLayer`` whose tensors are the slices (its ``out_features`` /
 ``in_features`` are the shard's), so the runtime's own ``quantized_linear`` and ``int8_grid``
@@ -28,11 +29,6 @@ from h3quant.runtime.loader import LoadedLayer, _check_quantized
 from h3quant.runtime.tp.plan import ColumnShard, LayerShape, RowShard, TpError
 
 _ROW_TENSORS = ("weight_scale", "weight_s_channel", "bias")  # one value per output row
-KN_FORMAT = "int8_tensorwise_kn"  # the NPU layout: weight stored [K, N]
-
-
-def is_kn(fields: dict | None) -> bool:
-    return bool(fields) and fields.get("format") == KN_FORMAT
 
 
 class ShardReader:
@@ -95,10 +91,10 @@ def layer_shape(layer: Layer, role: str) -> LayerShape:
     n, k = w.shape
     fields = layer.fields
     align = 1
-    if is_kn(fields):
-        k, n = n, k  # stored [K, N]
     if fields is not None:
         fmt = QuantFormat(fields["format"])
+        if fmt is QuantFormat.INT8_TENSORWISE_KN:
+            k, n = n, k  # stored [K, N]
         if fmt is QuantFormat.ASYM_W4A8_INT8:
             k *= 2
             align = int(fields.get("convrot_groupsize", 256))
@@ -113,20 +109,22 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     fields = layer.fields
     if fields is not None:
         _check_quantized(layer, fields, path)
-    w4 = fields is not None and fields.get("format") == QuantFormat.ASYM_W4A8_INT8.value
-    kn = is_kn(fields)
+    fmt = QuantFormat(fields["format"]) if fields is not None else None
+    w4 = fmt is QuantFormat.ASYM_W4A8_INT8
     tensors = {}
     for suffix, info in layer.tensors.items():
         if suffix == "comfy_quant":
             continue
-        per_row = suffix in _ROW_TENSORS and len(info.shape) >= 1 and info.numel > 1
-        if kn and suffix == "weight":  # [K, N]: N shards are columns, K shards contiguous rows
+        if suffix == "weight" and fmt is QuantFormat.INT8_TENSORWISE_KN:
+            # stored [K, N]: a column shard is a column range, a row (K) shard one byte range
             if isinstance(shard, ColumnShard):
                 parts = [reader.columns(info, r0, r1) for r0, r1 in shard.rows]
                 tensors[suffix] = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
             else:
                 tensors[suffix] = reader.rows(info, ((shard.k0, shard.k1),))
-        elif isinstance(shard, ColumnShard):
+            continue
+        per_row = suffix in _ROW_TENSORS and len(info.shape) >= 1 and info.numel > 1
+        if isinstance(shard, ColumnShard):
             if suffix in ("weight", "weight_s_rel") or per_row:
                 tensors[suffix] = reader.rows(info, shard.rows)
             else:
