@@ -55,18 +55,14 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from h3quant.errors import VerifyError
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats.markers import QuantFormat
 from h3quant.pipelines.metrics import error_metrics
-from h3quant.runtime.block import (
-    FloatLinear,
-    build_block,
-    quantized_linear,
-    reference_linear,
-)
+from h3quant.runtime.block import FloatLinear, build_block, quantized_linear, reference_linear
 from h3quant.runtime.loader import (
     BLOCK_LINEARS,
     LoadedBlock,
@@ -384,11 +380,7 @@ def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: 
     """Seeded hidden states [tokens, hidden] and the real conditioning of a small t2va layout of
     ``tokens`` rows at ``sigma`` (the file's own time embedding and RoPE frequencies)."""
     from h3quant.runtime.model.layout import Timesteps, layout_for_rows
-    from h3quant.runtime.model.model import (
-        load_time_embedding,
-        make_conditioning,
-        read_float,
-    )
+    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
 
     prefix = find_prefix(ckpt.tensors)
     layout = layout_for_rows(tokens)

@@ -29,12 +29,7 @@ from typing import Iterator
 import torch
 
 from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
-from h3quant.testing.simdevice import (
-    SimTensor,
-    SimulatedDevice,
-    Simulation,
-    live_torch_version,
-)
+from h3quant.testing.simdevice import SimulatedDevice, SimTensor, Simulation, live_torch_version
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from h3quant.errors import FormatError
+from h3quant.pipelines.convert.io import Reader
 from h3quant.formats import registry
 from h3quant.formats.dtypes import itemsize
-from h3quant.pipelines.convert.io import Reader
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 

@@ -17,11 +17,7 @@ import torch
 from h3quant.runtime.backends.base import Backend, Int8Weights, LinearOptions, Runner
 from h3quant.runtime.capabilities import Capability, Probe, device_capability
 from h3quant.runtime.devices import Device
-from h3quant.runtime.int8_math import (
-    quantize_activation,
-    rotate_activation,
-    scale_accumulator,
-)
+from h3quant.runtime.int8_math import quantize_activation, rotate_activation, scale_accumulator
 
 
 def reference_linear(

@@ -9,12 +9,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.runtime.backends.base import Backend, Int8Weights, LinearOptions, Runner
-from h3quant.runtime.capabilities import (
-    Capability,
-    Probe,
-    ShapeGate,
-    int8_mm_capability,
-)
+from h3quant.runtime.capabilities import Capability, Probe, ShapeGate, int8_mm_capability
 from h3quant.runtime.devices import Device
 from h3quant.runtime.int8_math import add_bias, quantize_activation, scale_accumulator
 
