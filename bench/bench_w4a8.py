@@ -1,32 +1,30 @@
-"""Benchmark the W4A8 encoder on full MiniMax H3 linear shapes, ours vs comfy-kitchen.
+"""Benchmark the W4A8 encoder on full MiniMax H3 linear shapes: before/after side by side.
 
-Each (shape, encoder) runs in its own subprocess so peak RSS is per run. The weight is a seeded
-bf16 Gaussian (std 0.02) with outlier input columns (1% of columns x 10..40) and a few hot rows
-(x 4). Printed per run: encode wall and CPU seconds, throughput in MB/s of bf16 input, peak RSS
-during the encode (input included), relative L2 error of decode(encode(W)) against W.
+Each (shape, encoder) run is its own subprocess (peak RSS per run, no shared caches). Encoders:
+``after`` (this checkout), ``before`` (the h3quant of ``--baseline``, an old checkout's root),
+``kitchen`` (comfy-kitchen's ``AsymW4A8Int8Layout``). The weight is a seeded bf16 Gaussian
+(std 0.02) with outlier input columns (1% of columns x 10..40) and a few hot rows (x 4).
+Encoders run alternately, ``--repeat`` rounds; the best round of each is printed: encode wall
+and CPU seconds, ns per weight (CPU), MB/s of bf16 input (wall), peak RSS, relative L2 error of
+decode(encode(W)) against W, and the before/after speed ratio. Prints numbers; asserts nothing.
 
-    python bench/bench_w4a8.py                      # all four shapes, ours and kitchen
-    python bench/bench_w4a8.py --shapes 5376x7168 --rows 1024 --threads 1
+    python bench/bench_w4a8.py --baseline /tmp/h3base --threads 1 --rows 2048
+    python bench/bench_w4a8.py --shapes 5376x7168 --threads 1 --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 H3_SHAPES = ["21504x5376", "5376x7168", "28672x5376", "5376x14336"]  # qkv, out_proj, fc1, fc2
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
+HERE = Path(__file__).resolve().parent.parent
 
 
 def make_weight(n: int, k: int, seed: int = 0):
@@ -46,13 +44,17 @@ def _worker(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from h3quant.formats.w4a8 import FROZEN_CODEBOOK, decode_w4a8, encode_w4a8, relative_l2
+    from h3quant.formats.w4a8 import (
+        FROZEN_CODEBOOK,
+        decode_w4a8,
+        encode_w4a8,
+        relative_l2,
+    )
 
     n, k = (int(v) for v in args.worker_shape.split("x"))
     w = make_weight(n, k)
-    rss_before = _rss_mib()
     t0, c0 = time.perf_counter(), time.process_time()
-    if args.worker_encoder == "ours":
+    if args.worker_encoder in ("before", "after"):
         tensors = encode_w4a8(w, codebook=args.codebook)
     else:
         import comfy_kitchen.tensor  # noqa: F401  (registers the layouts)
@@ -65,26 +67,34 @@ def _worker(args) -> None:
     cb = tensors.get("weight_codebook")
     fitted = cb is not None and not torch.equal(cb.float(), FROZEN_CODEBOOK)
     err = relative_l2(w.float(), decode_w4a8(tensors))
-    print(json.dumps({"wall": wall, "cpu": cpu, "peak_rss_mib": peak, "rss_before_mib": rss_before,
-                      "rel_l2": err, "fitted": fitted, "input_mib": n * k * 2 / 2**20}))
+    print(json.dumps({"wall": wall, "cpu": cpu, "peak_rss_mib": peak, "rel_l2": err,
+                      "fitted": fitted, "weights": n * k, "root": str(Path(
+                          sys.modules["h3quant"].__file__).resolve().parent.parent)}))
 
 
 def _run(shape: str, encoder: str, args) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker-shape", shape, "--worker-encoder", encoder,
-           "--threads", str(args.threads), "--codebook", args.codebook]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    root = args.baseline if encoder == "before" else HERE
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-shape", shape,
+           "--worker-encoder", encoder, "--threads", str(args.threads), "--codebook", args.codebook]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
         print(f"  {encoder} failed:\n{proc.stderr.strip()[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if encoder != "kitchen" and Path(r["root"]) != Path(root).resolve():
+        raise SystemExit(f"{encoder}: imported h3quant from {r['root']}, expected {root}")
+    return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=H3_SHAPES, help="NxK shapes (default: the four H3 block linears)")
     ap.add_argument("--rows", type=int, default=0, help="truncate N to this many rows (quick runs)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     ap.add_argument("--codebook", default="auto", choices=["auto", "frozen", "fit"])
+    ap.add_argument("--baseline", type=Path, help="root of an old checkout: adds the 'before' encoder")
+    ap.add_argument("--repeat", type=int, default=1, help="alternating rounds; the best is shown")
     ap.add_argument("--no-kitchen", action="store_true", help="skip comfy-kitchen")
     ap.add_argument("--worker-shape", help=argparse.SUPPRESS)
     ap.add_argument("--worker-encoder", help=argparse.SUPPRESS)
@@ -93,21 +103,31 @@ def main() -> None:
         _worker(args)
         return
 
-    encoders = ["ours"] if args.no_kitchen else ["ours", "kitchen"]
-    print(f"{'shape':>12} {'encoder':>8} {'wall s':>8} {'cpu s':>8} {'MB/s':>8} {'peak RSS MiB':>13} "
-          f"{'input MiB':>10} {'rel L2':>9} {'fitted':>6}")
+    encoders = (["before"] if args.baseline else []) + ["after"] + ([] if args.no_kitchen else ["kitchen"])
+    print(f"threads={args.threads} repeat={args.repeat} codebook={args.codebook}")
+    print(f"{'shape':>12} {'encoder':>8} {'wall s':>8} {'cpu s':>8} {'ns/weight':>10} {'MB/s':>8} "
+          f"{'peak RSS MiB':>13} {'rel L2':>10} {'fitted':>6} {'speedup':>8}")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         if args.rows:
             n = min(n, args.rows)
         shape = f"{n}x{k}"
+        best: dict[str, dict] = {}
+        for _ in range(args.repeat):
+            for enc in encoders:
+                r = _run(shape, enc, args)
+                if r is not None and (enc not in best or r["cpu"] < best[enc]["cpu"]):
+                    best[enc] = r
         for enc in encoders:
-            r = _run(shape, enc, args)
+            r = best.get(enc)
             if r is None:
                 continue
-            mbps = r["input_mib"] * 2**20 / 1e6 / r["wall"]
-            print(f"{shape:>12} {enc:>8} {r['wall']:8.2f} {r['cpu']:8.2f} {mbps:8.1f} {r['peak_rss_mib']:13.0f} "
-                  f"{r['input_mib']:10.0f} {r['rel_l2']:9.5f} {str(r['fitted']):>6}", flush=True)
+            mbps = r["weights"] * 2 / 1e6 / r["wall"]
+            ratio = (f"{best['before']['cpu'] / r['cpu']:7.2f}x" if "before" in best and enc == "after"
+                     else "")
+            print(f"{shape:>12} {enc:>8} {r['wall']:8.2f} {r['cpu']:8.2f} "
+                  f"{r['cpu'] / r['weights'] * 1e9:10.1f} {mbps:8.1f} {r['peak_rss_mib']:13.0f} "
+                  f"{r['rel_l2']:10.6f} {r['fitted']!s:>6} {ratio:>8}", flush=True)
 
 
 if __name__ == "__main__":

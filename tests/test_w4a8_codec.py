@@ -236,19 +236,6 @@ def test_level_index_matches_bucketize(table):
     assert torch.equal((u - table[got]).abs(), (u - table[ref]).abs())
 
 
-def test_nearest_decoded_matches_brute_force():
-    g = torch.Generator().manual_seed(6)
-    target = torch.randn(300, 4, 16, generator=g) * 60
-    s_rel = torch.rand(300, 4, 1, generator=g) * 150 + 0.01
-    for table in (FROZEN_CODEBOOK, torch.sort(torch.rand(16, generator=g) * 2 - 1).values):
-        codes, err = W._nearest_decoded(target, s_rel, CB.LevelIndex(table))
-        decoded = (table * s_rel).round().clamp(-127, 127)
-        brute = (target.unsqueeze(-1) - decoded.unsqueeze(-2)).square().min(-1).values.sum(-1, keepdim=True)
-        assert torch.allclose(err, brute, rtol=1e-6, atol=1e-4)
-        assert torch.allclose(torch.gather(decoded, 2, codes.long()).sub(target).square().sum(-1, keepdim=True), brute,
-                              rtol=1e-6, atol=1e-4)
-
-
 # ----------------------------------------------------------------------------- validation
 
 

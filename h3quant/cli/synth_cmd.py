@@ -50,13 +50,12 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
     """
     from h3quant.formats.atomic import Outputs
-    from h3quant.formats.topology import config_for
+    from h3quant.formats.topology import BLOCK_LINEARS, config_for
     from h3quant.synth import synth_checkpoint
 
     cfg = config_for(preset, blocks=blocks, form=form)
     # Rough size for the progress decision: 2 bytes per element of the big 16-bit tensors.
-    per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in
-                        ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")))
+    per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in BLOCK_LINEARS))
     approx = per_block * (cfg.blocks + cfg.refiner_blocks)
     with Outputs(overwrite=overwrite, log=log) as outs:
         staged = outs.add(out)  # checked before any work; appears only when complete

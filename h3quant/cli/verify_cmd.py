@@ -52,6 +52,14 @@ Examples:
   h3quant verify h3_int8.safetensors
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --blocks 4
   h3quant verify model.safetensors.index.json --device npu --no-mmap --json
+
+\b
+Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the
+sharded blocks compute what one device computes: bit-identical with --tp-scale shared (the
+default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
+  h3quant verify h3_int8.safetensors --tp 2
+  h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
+  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
 """
 
 
@@ -94,33 +102,146 @@ def render(res) -> str:
     return "\n".join(out)
 
 
+_MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot")
+_BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
+
+
+def _given(ctx, names) -> list[str]:
+    from click.core import ParameterSource
+
+    return ["--" + n.replace("_", "-") for n in names
+            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+
+
 @click.command("verify", help=_HELP, context_settings={"max_content_width": 100})
 @click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
 @click.option("--device", default="auto", show_default=True, callback=device_callback(True),
               help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n] (checked before any work).")
+@click.option("--model", "whole_model", is_flag=True,
+              help="Run the whole H3 forward (all blocks, streamed) instead of per-block checks.")
 @click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=2, show_default=True,
-              help="Verify the first N blocks.")
-@click.option("--tokens", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True,
-              help=f"Activation rows per layer and tokens per block input (at most {MAX_TOKENS}).")
+              help="Per-block mode: verify the first N blocks.")
+@click.option("--tokens", type=click.IntRange(4, MAX_TOKENS), default=64, show_default=True,
+              help=f"Per-block mode: activation rows per layer and packed rows per block input "
+                   f"(4 .. {MAX_TOKENS}).")
+@click.option("--frames", type=click.IntRange(1, 1024), default=2, show_default=True,
+              help="--model: latent video frames T.")
+@click.option("--height", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="--model: latent height H (odd sizes are padded to the 2x2 patch).")
+@click.option("--width", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="--model: latent width W.")
+@click.option("--audio-frames", type=click.IntRange(1, 65536), default=32, show_default=True,
+              help="--model: audio latent frames Ta (stereo: 2 x Ta rows).")
+@click.option("--text-tokens", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True,
+              help="--model: text tokens L.")
+@click.option("--sigma", type=click.FloatRange(min=0, max=1, min_open=True), default=0.6,
+              show_default=True, help="The sampler's video sigma (timesteps of adaLN).")
+@click.option("--depth", type=click.IntRange(1, MAX_BLOCKS), default=None,
+              help="--model: run only the first N blocks (the final layer is then skipped).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="--model: draw the drift against depth to this PNG (needs matplotlib).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
-              help="Seed of the random activations (0 .. 2^32-1).")
+              help="Seed of the random inputs (0 .. 2^32-1).")
 @click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
               help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
                    "magnitude check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Tensor parallel over N ranks (spawned here, or torchrun's group): compare "
+                   "the sharded blocks with one device.")
+@click.option("--tp-scale", type=click.Choice(["shared", "per-rank"]), default="shared",
+              show_default=True, help="Row-parallel activation scale: one all_reduced scale "
+                                      "(bit-identical) or each rank its own.")
+@click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="Seconds any collective may wait before the run fails.")
 @mmap_option
 @handle_errors
-def command(ckpt, reference, device, blocks, tokens, seed, magnitude_factor, as_json, no_mmap):
+def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
+            audio_frames, text_tokens, sigma, depth, plot, seed, magnitude_factor, as_json, tp,
+            tp_scale, tp_timeout, no_mmap):
+    from h3quant.runtime.tp.launch import in_torchrun
+
+    ctx = click.get_current_context()
+    wrong = _given(ctx, _BLOCK_ONLY + ("tp", "tp_scale", "tp_timeout") if whole_model
+                   else _MODEL_ONLY)
+    if wrong:
+        mode = "--model" if whole_model else "the per-block mode (add --model)"
+        raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
+    if whole_model:
+        _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
+                   sigma, depth, plot, seed, as_json, no_mmap)
+    if tp is not None or in_torchrun():
+        _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
+                         tp_timeout, no_mmap)
+        return
     from h3quant.pipelines.verify import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
     th = Thresholds(magnitude_factor=magnitude_factor)
     res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
-                blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap, thresholds=th)
+                blocks=blocks, tokens=tokens, seed=seed, sigma=sigma, mmap=not no_mmap,
+                thresholds=th)
     if as_json:
         emit_json(res.to_dict())
     else:
         click.echo(render(res))
+    sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
+
+
+def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
+               depth, plot, seed, as_json, no_mmap):
+    from tqdm import tqdm
+
+    from h3quant.cli import verify_model_view as view
+    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+
+    if plot:
+        view.require_matplotlib()
+    inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed)
+    log(f"verifying the whole model {ckpt} against "
+        f"{reference or 'its own weights in float math (no --reference)'} on device {device}")
+    bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False)
+
+    def on_block(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(1)
+
+    try:
+        res = guard("verifying the model", verify_model, ckpt, reference=reference,
+                    device=device, inputs=inputs, depth=depth, mmap=not no_mmap,
+                    on_block=on_block)
+    finally:
+        bar.close()
+    if plot:
+        view.plot(res, plot)
+        log(f"wrote {plot}")
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        click.echo(view.render(res))
+    sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
+
+
+def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
+                     tp_timeout, no_mmap):
+    from h3quant.cli.common import EXIT_USAGE
+    from h3quant.cli.verify_tp_view import render_tp
+    from h3quant.pipelines.verify_tp import verify_tp
+
+    if reference is not None:
+        click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
+                   "run with one device); run it without --tp", err=True)
+        sys.exit(EXIT_USAGE)
+    log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {blocks} blocks, device {device})")
+    res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
+                device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
+                timeout_s=tp_timeout)
+    if res is None:  # a torchrun rank other than 0: rank 0 reports
+        sys.exit(EXIT_OK)
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        click.echo(render_tp(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)

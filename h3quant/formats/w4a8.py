@@ -16,10 +16,13 @@ from h3quant.errors import FormatError, UnsupportedError
 from h3quant.formats.w4a8_codebook import (
     FROZEN_CODEBOOK,
     LevelIndex,
-    als_group_scales,
     choose_codebook,
     sample_rows,
     take,
+)
+from h3quant.formats.w4a8_encode import (
+    DecodedLevels,
+    encode_rows,
 )
 
 __all__ = [
@@ -35,9 +38,6 @@ __all__ = [
 ]
 
 FORMAT_NAME = "asym_w4a8_int8"
-E4M3_MAX = 448.0
-E4M3_MIN_SUBNORMAL = 2.0**-9
-_E4M3_MAX_BITS = 0x7E  # largest finite e4m3fn bit pattern (448); 0x7F is NaN
 # e4m3 neighbours of each group scale tried by the final assignment (one ulp is 6-12.5%).
 # Measured on [512, 5376] Gaussian: 0 -> 0.0730, 1 -> 0.0719, 2 -> 0.0714, 3 -> 0.0711.
 _SCALE_SEARCH_ULPS = 2
@@ -219,61 +219,10 @@ def decode_w4a8(
 # ----------------------------------------------------------------------------- encode
 
 
-def _nearest_decoded(target: torch.Tensor, s_rel: torch.Tensor, index: LevelIndex):
-    """Nearest decoded int8 level for groups ``target`` [n, g, G] (= w / s_channel) under float
-    scales ``s_rel`` [n, g, 1]. Returns (codes int32, squared error per group [n, g, 1]).
-
-    Exact without searching the 16 decoded levels: with ``j`` the nearest continuous level of
-    ``target / s_rel``, the nearest decoded one (``clamp(round(level * s_rel), +-127)``, monotone)
-    is ``j`` or its neighbour on the side of ``target`` (a farther index would have to cross
-    ``level[j +- 1] * s_rel``, which rounding moves by at most 1/2).
-    """
-    table = index.table
-    j = index.nearest(target / s_rel)
-    dj = take(table, j).mul_(s_rel).round_().clamp_(-127, 127)
-    # the neighbour on the side of target (+1 above, -1 below; 0 at the table ends)
-    j2 = torch.gt(target, dj).to(torch.int32).mul_(2).sub_(1).add_(j).clamp_(0, 15)
-    d2 = take(table, j2).mul_(s_rel).round_().clamp_(-127, 127)
-    e1 = (target - dj).abs_()
-    e2 = (target - d2).abs_()
-    # bool-mask kernels (where, masked_fill) are slow on CPU: select with integer arithmetic
-    codes = j.add_(torch.lt(e2, e1).to(torch.int32).mul_(j2.sub_(j)))
-    err = torch.minimum(e1, e2).square_().sum(-1, keepdim=True)
-    return codes, err
-
-
-def _encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int = _SCALE_SEARCH_ULPS):
+def _encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int = _SCALE_SEARCH_ULPS,
+                 levels: DecodedLevels | None = None):
     """Rotated fp32 rows [n, K] -> (codes uint8 [n, K], s_rel e4m3 [n, K/G], s_channel f32 [n])."""
-    n, k = x.shape
-    gx = x.view(n, k // group_size, group_size)
-
-    # 1. continuous group scales (nearest level + ALS), then the row scale
-    codes, scale, zero = als_group_scales(gx, index)
-    reach = (take(index.table, codes).abs_().amax(dim=-1, keepdim=True) * scale).masked_fill_(zero, 0.0)
-    s_channel = reach.amax(dim=(1, 2)) / 127.0
-    s_channel = torch.where(s_channel > 0, s_channel, torch.ones_like(s_channel))
-
-    # 2. e4m3 relative scales, finite and positive (zero groups get the smallest one: decode 0)
-    s_rel = (scale / s_channel.view(n, 1, 1)).masked_fill_(zero, 0.0)
-    s_rel = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-
-    # 3. nearest DECODED level per weight; per group also try the e4m3 neighbours of s_rel
-    #    (+-search ulps) and keep the scale whose decoded levels reconstruct the group best
-    target = gx / s_channel.view(n, 1, 1)
-    codes, err = _nearest_decoded(target, s_rel.float(), index)
-    if search > 0:
-        bits = s_rel.view(torch.uint8).to(torch.int16)
-        best_bits = bits.clone()
-        for d in [i for j in range(1, search + 1) for i in (-j, j)]:
-            cand = (bits + d).clamp_(1, _E4M3_MAX_BITS)
-            c_scale = cand.to(torch.uint8).view(torch.float8_e4m3fn).float()
-            c_codes, c_err = _nearest_decoded(target, c_scale, index)
-            better = c_err < err  # per group [n, g, 1]
-            err = torch.minimum(err, c_err)
-            best_bits = torch.where(better, cand, best_bits)
-            codes.add_(c_codes.sub_(codes).mul_(better.to(torch.int32)))
-        s_rel = best_bits.to(torch.uint8).view(torch.float8_e4m3fn)
-    return codes.view(n, k).to(torch.uint8), s_rel.view(n, -1).contiguous(), s_channel.contiguous()
+    return encode_rows(x, index, group_size, search, levels)
 
 
 def encode_w4a8(
@@ -313,6 +262,7 @@ def encode_w4a8(
     del sample
     table = table.to(weight.device)
     index = LevelIndex(table)
+    levels = DecodedLevels(table)
 
     packed = torch.empty(n, k // 2, dtype=torch.int8, device=weight.device)
     s_rel = torch.empty(n, k // group_size, dtype=torch.float8_e4m3fn, device=weight.device)
@@ -322,7 +272,7 @@ def encode_w4a8(
         rot = rotate(weight[r0:r0 + step].float(), convrot_groupsize)
         if not torch.isfinite(rot).all():
             raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{min(n, r0 + step) - 1})")
-        codes, sr, sc = _encode_rows(rot, index, group_size, scale_search)
+        codes, sr, sc = encode_rows(rot, index, group_size, scale_search, levels)
         packed[r0:r0 + step] = _pack(codes)
         s_rel[r0:r0 + step] = sr
         s_channel[r0:r0 + step] = sc

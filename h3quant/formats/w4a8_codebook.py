@@ -72,7 +72,7 @@ class LevelIndex:
         cell = u.mul(half).add_(half).clamp_(0, self.bins - 1).to(torch.int32)
         codes = take(self.lut, cell)
         for _ in range(self.steps):  # int arithmetic: bool-mask kernels are slow on CPU
-            codes.add_(torch.gt(u, take(self.mids_ext, codes)).to(torch.int32))
+            codes.add_(torch.gt(u, take(self.mids_ext, codes)))
         return codes
 
 
@@ -94,25 +94,36 @@ def normalise_groups(rotated: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g[keep] / amax[keep]).reshape(-1)
 
 
-def als_group_scales(gx: torch.Tensor, table, passes: int = ALS_PASSES):
+def als_group_scales(gx: torch.Tensor, table, passes: int = ALS_PASSES, *, codes: bool = True):
     """Continuous step for groups ``gx`` [..., G]: nearest level of the abs-max-normalised group,
     then ``passes`` alternating least-squares rounds (scale = <x, l> / <l, l>, reassign).
 
     ``table``: a sorted [16] tensor or its ``LevelIndex``.
     Returns (codes int32 [..., G], scale [..., 1] > 0, zero [..., 1] bool for all-zero groups).
+    With ``codes=False`` the last assignment is not made for every weight: the nearest level is
+    monotone in the value, so the group's largest ``|level|`` comes from its smallest and
+    largest values alone; returns (scale, zero, reach = largest |level| * scale [..., 1]).
     """
     index = table if isinstance(table, LevelIndex) else LevelIndex(table)
-    scale = gx.abs().amax(dim=-1, keepdim=True)
+    lo, hi = torch.aminmax(gx, dim=-1, keepdim=True)
+    scale = torch.maximum(lo.neg(), hi)
     zero = scale == 0
     scale = scale.masked_fill(zero, 1.0)
-    codes = index.nearest(gx / scale)
+    idx = index.nearest(gx / scale)
     tiny = torch.finfo(torch.float32).tiny
-    for _ in range(passes):
-        lv = take(index.table, codes)
-        new = (gx * lv).sum(-1, keepdim=True) / (lv * lv).sum(-1, keepdim=True).clamp(min=tiny)
+    for p in range(passes):
+        lv = take(index.table, idx)
+        num = (gx * lv).sum(-1, keepdim=True)
+        den = lv.mul_(lv).sum(-1, keepdim=True).clamp_(min=tiny)
+        new = num.div_(den)
         scale = torch.where((new > 0) & ~zero, new, scale)
-        codes = index.nearest(gx / scale)
-    return codes, scale, zero
+        if codes or p < passes - 1:
+            idx = index.nearest(gx / scale)
+    if codes:
+        return idx, scale, zero
+    ends = index.table.index_select(0, index.nearest(torch.cat([lo / scale, hi / scale], -1)).view(-1))
+    reach = ends.view(lo.shape[:-1] + (2,)).abs_().amax(-1, keepdim=True).mul_(scale)
+    return scale, zero, reach
 
 
 def als_error(rotated: torch.Tensor, group_size: int, table: torch.Tensor) -> float:

@@ -62,7 +62,13 @@ from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats.markers import QuantFormat
 from h3quant.pipelines.metrics import error_metrics
-from h3quant.runtime.block import FloatLinear, build_block, quantized_linear, reference_linear
+from h3quant.runtime.block import (
+    FloatLinear,
+    build_block,
+    quantized_linear,
+    reference_linear,
+    swiglu,
+)
 from h3quant.runtime.loader import (
     BLOCK_LINEARS,
     LoadedBlock,
@@ -186,22 +192,27 @@ def _role(name: str) -> str | None:
     return next((r for r in BLOCK_LINEARS if name.endswith("." + r)), None)
 
 
-def _float_row_rms(ckpt: Checkpoint, name: str, rows: int = 4096) -> float:
+SAMPLE_ROWS = 2048  # rows the magnitude heuristic reads per layer (evenly spaced)
+
+
+def _sample(n: int) -> slice:
+    return slice(None, None, max(1, -(-n // SAMPLE_ROWS)))
+
+
+def _float_row_rms(ckpt: Checkpoint, name: str) -> float:
+    """Row-norm RMS of a float weight, from up to SAMPLE_ROWS evenly spaced rows."""
     w = ckpt.read(name)
-    total = 0.0
-    for r0 in range(0, w.shape[0], rows):
-        total += w[r0:r0 + rows].double().pow(2).sum().item()
-    return math.sqrt(total / max(w.shape[0], 1))
+    rows = w[_sample(w.shape[0])].float()
+    return math.sqrt(rows.pow(2).sum().item() / max(rows.shape[0], 1))
 
 
-def _quant_row_rms(layer: LoadedLayer, rows: int = 4096) -> float:
-    """sqrt(mean_n s_n^2 |q_n|^2): the dequantized weight's row-norm RMS (H_g is orthogonal)."""
+def _quant_row_rms(layer: LoadedLayer) -> float:
+    """sqrt(mean_n s_n^2 |q_n|^2): the dequantized weight's row-norm RMS (H_g is orthogonal),
+    from up to SAMPLE_ROWS evenly spaced rows."""
     q, s = layer.int8_grid()
-    total = 0.0
-    for r0 in range(0, q.shape[0], rows):
-        sq = q[r0:r0 + rows].float().pow(2).sum(1).double()
-        total += (sq * s[r0:r0 + rows].double().pow(2)).sum().item()
-    return math.sqrt(total / max(q.shape[0], 1))
+    pick = _sample(q.shape[0])
+    sq = q[pick].float().pow(2).sum(1).double()
+    return math.sqrt((sq * s[pick].double().pow(2)).sum().item() / max(sq.shape[0], 1))
 
 
 def float_siblings(ckpt: Checkpoint, scan, limit: int = 4) -> dict[str, float]:
@@ -224,14 +235,17 @@ def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) 
     finite = bool(torch.isfinite(s).all()) and bool((s > 0).all())
     out.append(DataCheck(name, "scales", None, "finite, > 0", finite,
                          "" if finite else "a scale is zero, negative, NaN or inf"))
-    qa = q.to(torch.int16).abs()  # int8 abs(-128) would wrap
-    peak = qa.amax(1).to(torch.int32) if q.numel() else torch.zeros(0, dtype=torch.int32)
+    if q.numel():  # per-row max and min in int8 (no widened copy of the codes)
+        qmin = q.amin(1).to(torch.int32)
+        peak = torch.maximum(q.amax(1).to(torch.int32), -qmin)
+    else:
+        qmin = peak = torch.zeros(0, dtype=torch.int32)
     if layer.format is QuantFormat.INT8_TENSORWISE and layer.tensors["weight_scale"].numel() == 1:
         top = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
-        bad, lim = (top != 127) | (q == -128).any().reshape(1), "max|q| = 127 per tensor"
+        bad, lim = (top != 127) | (qmin == -128).any().reshape(1), "max|q| = 127 per tensor"
         peak = top
     elif layer.format is QuantFormat.INT8_TENSORWISE:
-        bad = (peak != 127) | (q == -128).any(1)
+        bad = (peak != 127) | (qmin == -128)
         lim = "max|q| = 127 per row"
     else:
         bad = (peak < th.w4a8_row_peak_min) | (peak > 127)
@@ -244,7 +258,9 @@ def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) 
                          "miss)", ok, "" if ok else f"{bad.sum().item()} of {rows} rows miss "
                          f"(peaks {peak.min().item()}..{peak.max().item()}): codes do not match "
                          "their scales"))
-    sat = ((qa >= 127).sum().item() - (peak >= 127).sum().item()) / max(q.numel(), 1)
+    hist = torch.bincount(q.reshape(-1).view(torch.uint8), minlength=256)  # one pass
+    at_max = int(hist[127] + hist[128] + hist[129])  # codes 127, -128, -127
+    sat = (at_max - (peak >= 127).sum().item()) / max(q.numel(), 1)
     ok = sat <= th.saturation_fraction
     out.append(DataCheck(name, "saturation", sat, f"<= {th.saturation_fraction:.0%} codes at "
                          "|q| >= 127 beyond the row peak", ok,
@@ -276,18 +292,37 @@ def _layer_inputs(layer: LoadedLayer, tokens: int, seed: int, salt: int):
     return plain, fused
 
 
-def _check_layer(layer, ref_mod, run_mod, tdev, dtype, tokens, seed, salt, th):
-    plain, fused = _layer_inputs(layer, tokens, seed, salt)
+class _SharedReference(torch.nn.Module):
+    """A reference linear that also computes the layer checks' rows in the block's call, so each
+    reference weight is streamed (converted chunk by chunk) once per block, not once per check."""
+
+    def __init__(self, mod):
+        super().__init__()
+        self.mod, self.extra, self.results = mod, [], []
+
+    def add(self, x: torch.Tensor, act: str | None) -> int:
+        self.extra.append((x, act))
+        return len(self.extra) - 1
+
+    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        parts = [swiglu(z) if act == "swiglu" else z
+                 for z, act in [(x, input_act)] + self.extra]
+        y = self.mod(torch.cat(parts) if len(parts) > 1 else parts[0])
+        sizes = [z.shape[0] for z in parts]
+        out = list(y.split(sizes))
+        self.results = out[1:]
+        return out[0]
+
+
+def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th):
+    """Layer checks from the reference outputs ``ref_out`` of the ``inputs`` (path, x)."""
     limit = th.rel_err(layer.format)
     checks = []
-    for path, x in (("plain", plain), ("swiglu", fused)):
-        if x is None:
-            continue
+    for (path, x), ref in zip(inputs, ref_out):
         act = "swiglu" if path == "swiglu" else None
-        x = x.to(dtype)  # the reference sees the same (rounded) activations as the device
         with torch.no_grad():
-            y = (run_mod(x.to(tdev), input_act=act) if act else run_mod(x.to(tdev))).float().cpu()
-            ref = ref_mod(x.float(), input_act=act)
+            xd = x.to(dtype).to(tdev)
+            y = (run_mod(xd, input_act=act) if act else run_mod(xd)).float().cpu()
         rel, sqnr, cos = error_metrics(y, ref)
         checks.append(LayerCheck(layer.name, layer.format.value, path,
                                  str(getattr(run_mod, "backend_name", "?")), rel, sqnr, cos, limit,
@@ -394,16 +429,20 @@ def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: 
 def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
     dev, tdev, dtype, backend, probe = run
     th, seed, tokens = result.thresholds, result.seed, result.tokens
-    refs, mods = {}, {}
+    refs, mods, inputs = {}, {}, {}
     for salt, name in enumerate(BLOCK_LINEARS):
         layer = qb.linear(name)
-        refs[name] = _reference_linear(qb, rb, name)
+        refs[name] = _SharedReference(_reference_linear(qb, rb, name))
         mods[name] = quantized_linear(layer, device=dev, backend=backend, probe=probe,
                                       compute_dtype=dtype)
         if layer.is_quantized:
-            result.data.extend(data_checks(layer, th, siblings))
-            result.layers.extend(_check_layer(layer, refs[name], mods[name], tdev, dtype, tokens,
-                                              seed, qb.index * 16 + salt, th))
+            plain, fused = _layer_inputs(layer, tokens, seed, qb.index * 16 + salt)
+            # the reference sees the same (rounded) activations as the device
+            inputs[name] = [(p, x.to(dtype).float()) for p, x in (("plain", plain),
+                                                                  ("swiglu", fused))
+                            if x is not None]
+            for path, x in inputs[name]:
+                refs[name].add(x, "swiglu" if path == "swiglu" else None)
     qblock = build_block(qb, lambda lay: mods[lay.name[len(qb.prefix) + 1:]], device=tdev)
     src = rb if rb is not None else qb
     rblock = build_block(src, lambda lay: refs[lay.name[len(src.prefix) + 1:]], device="cpu")
@@ -414,6 +453,12 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
     with torch.no_grad():
         y_ref = rblock(x, cond_ref)
         y = qblock(x.to(dtype).to(tdev), cond.to(tdev)).float().cpu()
+    for name in BLOCK_LINEARS:
+        layer = qb.linear(name)
+        if layer.is_quantized:
+            result.data.extend(data_checks(layer, th, siblings))
+            result.layers.extend(_check_layer(layer, mods[name], refs[name].results,
+                                              inputs[name], tdev, dtype, th))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
     w4 = QuantFormat.ASYM_W4A8_INT8.value in fmts

@@ -1,7 +1,7 @@
 """Device strings parsed once into a small closed type.
 
 ``parse_device`` accepts ``cpu``, ``cuda[:N]``, ``mps``, ``npu[:N]``, ``xpu[:N]`` and ``auto``.
-``auto`` asks a capability probe (see ``capabilities``) in this order: CUDA (only through
+``auto`` asks a probe (``h3quant.runtime.probe``) in this order: CUDA (only through
 ``torch.cuda.is_available()``), Ascend NPU (``torch_npu`` importable and ``torch.npu.is_available()``),
 XPU, MPS, CPU. ``torch.version.cuda`` is never consulted: NPU builds of torch carry one.
 """
@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from h3quant.errors import DeviceError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from h3quant.runtime.capabilities import Probe
+from h3quant.runtime.probe import Probe, live_probe
 
 DEVICE_KINDS = ("cpu", "cuda", "mps", "npu", "xpu")
 _INDEXED = frozenset({"cuda", "npu", "xpu"})
@@ -89,8 +85,6 @@ def parse_device(spec: str | Device | torch.device, *, probe: Probe | None = Non
 def resolve_auto(probe: Probe | None = None) -> Device:
     """The best available device, in the order CUDA, NPU, XPU, MPS, CPU."""
     if probe is None:
-        from h3quant.runtime.capabilities import live_probe
-
         probe = live_probe()
     if probe.cuda_available():
         return Device("cuda")

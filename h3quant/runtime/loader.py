@@ -23,21 +23,12 @@ from h3quant.findings import Severity
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.dtypes import FLOAT_DTYPES
 from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats.markers import SUPPORTED_FORMATS, QuantFormat
+from h3quant.formats import registry
+from h3quant.formats.markers import QuantFormat
+from h3quant.formats.topology import BLOCK_LINEARS
 
-BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
 
-# suffixes each supported format may hold (the marker is never loaded as a tensor)
-_ALLOWED = {
-    QuantFormat.INT8_TENSORWISE: {"weight", "weight_scale", "bias"},
-    QuantFormat.ASYM_W4A8_INT8: {"weight", "weight_s_rel", "weight_s_channel", "weight_codebook",
-                                 "bias"},
-}
-_REQUIRED = {
-    QuantFormat.INT8_TENSORWISE: ("weight", "weight_scale"),
-    QuantFormat.ASYM_W4A8_INT8: ("weight", "weight_s_rel", "weight_s_channel"),
-}
 
 
 @dataclass
@@ -53,6 +44,11 @@ class LoadedLayer:
     @property
     def format(self) -> QuantFormat | None:
         return QuantFormat(self.fields["format"]) if self.fields else None
+
+    @property
+    def codec(self) -> registry.Codec:
+        """The layer's codec (the plain codec for a float layer)."""
+        return registry.codec_for(self.fields, tensor=self.name)
 
     @property
     def is_quantized(self) -> bool:
@@ -72,12 +68,12 @@ class LoadedLayer:
 
     @property
     def in_features(self) -> int:
-        k = int(self.weight.shape[-1])
-        return 2 * k if self.format is QuantFormat.ASYM_W4A8_INT8 else k
+        return self.codec.logical_k(int(self.weight.shape[-1]), self.fields)
 
     @property
     def convrot(self) -> bool:
-        return bool(self.fields and self.fields.get("convrot", False))
+        """Whether the int8 grid is in the rotated basis (W4A8 always is)."""
+        return self.codec.uses_convrot(self.fields)
 
     @property
     def convrot_groupsize(self) -> int:
@@ -96,28 +92,14 @@ class LoadedLayer:
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
         if self._grid is None:
-            if self.format is QuantFormat.INT8_TENSORWISE:
-                s = self.tensors["weight_scale"].to(torch.float32).reshape(-1)
-                if s.numel() == 1:
-                    s = s.expand(self.out_features).contiguous()
-                self._grid = (self.weight, s)
-            else:
-                from h3quant.formats.w4a8 import decode_w4a8_int8
-                q = decode_w4a8_int8(self.weight, self.tensors["weight_s_rel"],
-                                     group_size=int(self.fields["group_size"]),
-                                     codebook=self.tensors.get("weight_codebook"))
-                self._grid = (q, self.tensors["weight_s_channel"].to(torch.float32).reshape(-1))
+            self._grid = self.codec.int8_grid(self.tensors, self.fields)
         return self._grid
 
     def runtime_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) to build the runtime layer from: int8 layers pass the stored
         scale tensor in its stored shape ([N, 1], [N] or []); W4A8 the decoded grid and
         ``weight_s_channel``."""
-        q, s = self.int8_grid()
-        if self.format is QuantFormat.INT8_TENSORWISE:
-            stored = self.tensors["weight_scale"]
-            return q, stored if stored.dtype == torch.float32 else stored.to(torch.float32)
-        return q, s
+        return self.codec.runtime_weights(self.tensors, self.int8_grid())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, or the float
@@ -187,19 +169,20 @@ def _check_quantized(layer: Layer, fields: dict, path) -> None:
     def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
         raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
 
-    if fmt not in SUPPORTED_FORMATS:
+    codec = registry.get(fmt)
+    if codec is None:
         bad("Q105", f"format {fmt.value!r} is not supported by the h3quant runtime (supported: "
-            f"{', '.join(sorted(f.value for f in SUPPORTED_FORMATS))})", cls=UnsupportedError)
+            f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
-    extra = sorted(set(layer.tensors) - _ALLOWED[fmt] - {"comfy_quant"})
+    extra = sorted(set(layer.tensors) - set(codec.runtime_tensors) - {"bias", "comfy_quant"})
     if "weight_correction" in extra:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)
     if extra:
         bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
             extra[0], cls=UnsupportedError)
-    for suffix in _REQUIRED[fmt]:
+    for suffix in codec.runtime_required:
         if suffix not in layer.tensors:
             bad("Q101", f"{fmt.value} layer has no {suffix}", suffix)
     t = layer.tensors

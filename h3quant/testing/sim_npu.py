@@ -14,6 +14,10 @@ Simulated, documented behaviour: ``npu_dynamic_quant(x)``: x fp16/bf16 with >= 2
 offset, pertoken_scale, bias, output_dtype)``: int8 ``x1 [M, K]``, ``x2 [K, N]``; ``scale`` fp32/bf16
 of 1 or N values; ``pertoken_scale`` fp32 ``[M]`` (then output fp16/bf16); ``out = acc * scale *
 pertoken_scale (+ float bias)``, or ``(acc + int32 bias) * ...``, cast to ``output_dtype``.
+``output_dtype=torch.int32`` (int8 x int8 only): the raw accumulator ``acc (+ int32 bias)``,
+no ``pertoken_scale`` and no ``offset`` allowed, ``scale`` still required (1-D float32 of 1 or N
+values) and NOT applied -- the rule as simulated here; callers pass ones so that the result
+is the exact int32 sum either way.
 Not simulated (raise NotImplementedError): batched (> 2-D) operands, int4/int32 packing, int64
 scales from ``npu_trans_quant_param``, ``group_index``, FRACTAL_NZ formats; hardware rounding
 details of the real kernels (e.g. reciprocal multiply) and the per-chip limits.
@@ -29,6 +33,7 @@ from typing import Iterator
 import torch
 
 from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
+from h3quant.runtime.tp.group import Collectives
 from h3quant.testing.simdevice import SimulatedDevice, SimTensor, Simulation, live_torch_version
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -94,8 +99,11 @@ class SimulatedTorchNpu(types.ModuleType):
         if k != k2:
             raise RuntimeError(f"{op}: x1 [{m}, {k}] and x2 [{k2}, {n}] disagree on K")
         out_dtype = torch.int8 if output_dtype is None else output_dtype
-        if out_dtype not in (torch.int8, torch.float16, torch.bfloat16):
-            raise RuntimeError(f"{op}: output_dtype must be int8, float16 or bfloat16, got {out_dtype}")
+        if out_dtype not in (torch.int8, torch.float16, torch.bfloat16, torch.int32):
+            raise RuntimeError(f"{op}: output_dtype must be int8, float16, bfloat16 or int32, "
+                               f"got {out_dtype}")
+        if out_dtype == torch.int32 and (pertoken_scale is not None or offset is not None):
+            raise RuntimeError(f"{op}: int32 output takes no pertoken_scale and no offset")
         if scale.dtype == torch.int64:
             raise NotImplementedError(f"{op}: int64 scales (npu_trans_quant_param) are not simulated")
         if scale.dtype not in (torch.float32, torch.bfloat16) or scale.dim() != 1 \
@@ -123,6 +131,10 @@ class SimulatedTorchNpu(types.ModuleType):
             acc = x1.inner.to(torch.float64) @ x2.inner.to(torch.float64)  # exact int32 sums
             if bias is not None and bias.dtype == torch.int32:
                 acc = acc + bias.inner.to(torch.float64)
+            if out_dtype == torch.int32:
+                if acc.abs().max().item() >= 2**31:  # hardware would wrap: refuse loudly
+                    raise RuntimeError(f"{op}: int32 accumulator overflow")
+                return SimTensor(acc.to(torch.int32), x1.device)
             y = acc.to(torch.float32) * scale.inner.to(torch.float32).reshape(1, -1)
             if pertoken_scale is not None:
                 y = y * pertoken_scale.inner.reshape(-1, 1)
@@ -162,3 +174,16 @@ def simulated_npu(cuda_version: str | None = "12.1") -> Iterator[Simulation]:
         else:
             sys.modules["torch_npu"] = old_mod
         torch.version.cuda = old_cuda
+
+
+class SimNpuCollectives(Collectives):
+    """SIMULATED hccl transport for tensor-parallel tests: the collectives of
+    ``h3quant.runtime.tp.group`` on simulated-NPU tensors, carried by the CPU process group
+    (gloo) on their CPU data and handed back as simulated-NPU tensors. On Ascend, hccl moves
+    device memory directly; nothing here is a device-to-host copy of the runtime."""
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.inner.contiguous() if isinstance(t, SimTensor) else t
+
+    def _unwire(self, wire: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return SimTensor(wire, like.device) if isinstance(like, SimTensor) else wire

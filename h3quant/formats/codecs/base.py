@@ -109,3 +109,7 @@ class Codec:
     def int8_grid(self, tensors: dict, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
         raise NotImplementedError(f"{self.name} layers have no int8 grid")
+
+    def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
+        return grid

@@ -114,5 +114,12 @@ class Int8Tensorwise(Codec):
             s = s.expand(q.shape[0]).contiguous()
         return q, s
 
+    def runtime_weights(self, tensors, grid):
+        """The stored codes and the stored scale tensor in its stored shape ([N, 1], [N] or [])."""
+        import torch
+
+        stored = tensors["weight_scale"]
+        return grid[0], stored if stored.dtype == torch.float32 else stored.to(torch.float32)
+
 
 CODEC = Int8Tensorwise()

@@ -54,6 +54,18 @@ def npu_call_reasons(x: torch.Tensor) -> list[str]:
     return out
 
 
+def npu_int32_matmul(torch_npu, q_x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """``q_x [M, K] int8 @ w_t [K, N] int8`` -> the raw int32 accumulator, on the NPU.
+
+    ``npu_quant_matmul(..., output_dtype=torch.int32)``: no per-token scale, no offset, no bias;
+    the ``scale`` operand the op requires is all ones, so the result is the exact int32 sum
+    whether or not a kernel applies it. Tensor parallel's shared-scale mode sums these partials
+    across ranks (all_reduce SUM in int32) and scales once afterwards.
+    """
+    ones = torch.ones(w_t.shape[1], dtype=torch.float32, device=w_t.device)
+    return torch_npu.npu_quant_matmul(q_x.contiguous(), w_t, ones, output_dtype=torch.int32)
+
+
 class _NpuRunner(Runner):
     name = "npu"
 

@@ -68,7 +68,7 @@ def patchify_video(video: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, i
     ph, pw = (-h) % PATCH[1], (-w) % PATCH[2]
     x = video.to(torch.float32)
     if ph or pw:
-        x = F.pad(x, (0, pw, 0, ph), mode="circular")
+        x = F.pad(x, (0, pw, 0, ph, 0, 0), mode="circular")
     h2, w2 = (h + ph) // 2, (w + pw) // 2
     x = x.reshape(c, t, h2, 2, w2, 2).permute(1, 2, 4, 0, 3, 5)  # t, h, w, c, ph, pw
     return x.reshape(t * h2 * w2, c * 4), (t, h + ph, w + pw)

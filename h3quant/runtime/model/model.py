@@ -84,8 +84,8 @@ def make_conditioning(layout: PackedLayout, ts: Timesteps, time_emb: TimeEmbeddi
     """The per-call inputs every block shares (time embeddings, adaLN rows, RoPE tables)."""
     t_emb = time_emb(ts.values, device=device)
     adaln_dtype = torch.float32 if time_emb.curve else dtype
-    rope = RopeTable.from_angles(rope_angles(layout.positions.to(device), inv_freq.to(device)),
-                                 dtype)
+    pos = layout.positions.to(torch.float32).to(device)  # fp32 positions, as the reference
+    rope = RopeTable.from_angles(rope_angles(pos, inv_freq.to(device)), dtype)
     return Conditioning(t_emb.to(adaln_dtype), segments or layout.mod_segments(ts), rope,
                         adaln_silu=not time_emb.curve, adaln_dtype=adaln_dtype)
 

@@ -1,0 +1,125 @@
+"""The fast W4A8 encoder (decoded-level table, group-major chunks) against a brute-force one.
+
+The reference below is the encoder's specification written plainly: ALS group scales, the row
+scale from the largest reconstructed value, e4m3 group scales, then per group the scale among
+``s_rel`` and its +-search e4m3 neighbours whose nearest decoded levels (searched over all 16)
+give the smallest squared error, the first best in the order 0, -1, +1, -2, +2. The fast
+encoder must choose the same scales and the same decoded int8 weights (a weight exactly between
+two decoded levels may take either: same error), and its error must not be larger.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3quant.convrot import rotate
+from h3quant.formats import w4a8 as W
+from h3quant.formats import w4a8_codebook as CB
+from h3quant.formats.w4a8 import (
+    FROZEN_CODEBOOK,
+    decode_w4a8_int8,
+    encode_w4a8,
+    pack_nibbles,
+)
+from h3quant.formats.w4a8_encode import (
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    DecodedLevels,
+    encode_rows,
+)
+
+
+def _weights(seed, n=24, k=512, kind="outliers"):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    if kind == "outliers":
+        cols = torch.randperm(k, generator=g)[: k // 50]
+        w[:, cols] *= 30.0
+        w[: n // 10] *= 8.0
+    elif kind == "heavy":
+        w = w / torch.randn(n, k, generator=g).abs().clamp(min=0.05)
+    elif kind == "zeros":
+        w[::3] = 0.0
+        w[1, :256] = 0.0
+    return w
+
+
+def _reference_rows(x, table, group_size=16, search=2):
+    """Brute force: every decoded level of every candidate scale, all in float64-free fp32."""
+    n, k = x.shape
+    gx = x.view(n, k // group_size, group_size)
+    codes, scale, zero = CB.als_group_scales(gx, table)
+    reach = (table[codes.long()].abs().amax(-1, keepdim=True) * scale).masked_fill(zero, 0.0)
+    s_ch = reach.amax(dim=(1, 2)) / 127.0
+    s_ch = torch.where(s_ch > 0, s_ch, torch.ones_like(s_ch))
+    s_rel = (scale / s_ch.view(n, 1, 1)).masked_fill(zero, 0.0)
+    bits = s_rel.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).long()
+    target = gx / s_ch.view(n, 1, 1)
+    best_err = best_bits = None
+    for d in [0] + [i for j in range(1, search + 1) for i in (-j, j)]:
+        cand = (bits + d).clamp(1, 0x7E)
+        s = cand.to(torch.uint8).view(torch.float8_e4m3fn).float()  # [n, g, 1]
+        dec = (table * s).round().clamp(-127, 127)  # [n, g, 16 levels]
+        err = (target.unsqueeze(-1) - dec.unsqueeze(-2)).square().min(-1).values.sum(-1, keepdim=True)
+        if best_err is None:
+            best_err, best_bits = err, cand
+        else:
+            better = err < best_err
+            best_err = torch.minimum(best_err, err)
+            best_bits = torch.where(better, cand, best_bits)
+    s = best_bits.to(torch.uint8).view(torch.float8_e4m3fn)
+    dec = (table * s.float()).round().clamp(-127, 127)
+    pick = (target.unsqueeze(-1) - dec.unsqueeze(-2)).abs().argmin(-1)
+    w8 = torch.gather(dec, 2, pick)
+    return s.view(n, -1), s_ch, w8.view(n, k), target.view(n, k)
+
+
+TABLES = {
+    "frozen": FROZEN_CODEBOOK,
+    "uniform": torch.linspace(-1, 1, 16),
+    "random": torch.sort(torch.rand(16, generator=torch.Generator().manual_seed(3)) * 2 - 1).values,
+}
+
+
+@pytest.mark.parametrize("kind", ["outliers", "heavy", "zeros"])
+@pytest.mark.parametrize("table", sorted(TABLES))
+@pytest.mark.parametrize("search", [0, 3])
+def test_fast_rows_choose_the_reference_scales_and_int8_weights(kind, table, search):
+    tab = TABLES[table]
+    x = rotate(_weights(7, kind=kind), 256)
+    codes, s_rel, s_ch = encode_rows(x, CB.LevelIndex(tab), 16, search)
+    ref_s, ref_ch, ref_w8, target = _reference_rows(x, tab, search=search)
+    assert torch.equal(s_ch, ref_ch)
+    assert torch.equal(s_rel.view(torch.uint8), ref_s.view(torch.uint8))
+    w8 = decode_w4a8_int8(pack_nibbles(codes), s_rel, codebook=tab).float()
+    # identical except where the target lies exactly between two decoded levels
+    assert torch.equal((target - w8).abs(), (target - ref_w8).abs())
+
+
+def test_decoded_levels_table_is_the_nearest_decoded_level():
+    g = torch.Generator().manual_seed(6)
+    for table in TABLES.values():
+        lv = DecodedLevels(table)
+        t = torch.cat([torch.randn(4000, generator=g) * 60, torch.arange(-130, 130, 0.5),
+                       torch.tensor([-1e6, 1e6, 127.75, -127.75])])
+        for bits in (1, 2, 17, 56, 100, 0x7E):
+            s = torch.tensor([bits], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            dec = (table * s).round().clamp(-127, 127)
+            idx = DecodedLevels.bins(t) + DecodedLevels.offsets(torch.tensor(bits))
+            got_v, got_c = lv.value[idx.long()], lv.code[idx.long()]
+            best = (t.unsqueeze(-1) - dec).abs().min(-1).values
+            assert torch.equal((t - got_v).abs(), best)
+            assert torch.equal(dec[got_c.long()], got_v)  # the code decodes to that value
+
+
+def test_encoder_matches_reference_error_on_a_layer(monkeypatch):
+    w = _weights(11, n=32, k=1024)
+    t = encode_w4a8(w, codebook="frozen")
+    x = rotate(w, 256)
+    _, _, ref_w8, target = _reference_rows(x, FROZEN_CODEBOOK)
+    w8 = decode_w4a8_int8(t["weight"], t["weight_s_rel"], codebook=t["weight_codebook"]).float()
+    assert torch.equal((target - w8).abs(), (target - ref_w8).abs())
+    monkeypatch.setattr(W, "_ROW_ELEM_BUDGET", 5 * 1024)  # chunking changes nothing
+    again = encode_w4a8(w, codebook="frozen")
+    assert torch.equal(again["weight"], t["weight"])
