@@ -84,7 +84,7 @@ TABLES = {
 
 @pytest.mark.parametrize("kind", ["outliers", "heavy", "zeros"])
 @pytest.mark.parametrize("table", sorted(TABLES))
-@pytest.mark.parametrize("search", [0, 3])
+@pytest.mark.parametrize("search", [0, 1, 2, 3])
 def test_fast_rows_choose_the_reference_scales_and_int8_weights(kind, table, search):
     tab = TABLES[table]
     x = rotate(_weights(7, kind=kind), 256)
@@ -123,3 +123,20 @@ def test_encoder_matches_reference_error_on_a_layer(monkeypatch):
     monkeypatch.setattr(W, "_ROW_ELEM_BUDGET", 5 * 1024)  # chunking changes nothing
     again = encode_w4a8(w, codebook="frozen")
     assert torch.equal(again["weight"], t["weight"])
+
+
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_ambiguous_cells_are_redone_exactly(table):
+    """A coarse grid puts many values in cells holding a midpoint: those groups are redone."""
+    from h3quant.formats.w4a8_encode import FineLevels
+
+    tab = TABLES[table]
+    x = rotate(_weights(5, kind="heavy"), 256)
+    index = CB.LevelIndex(tab)
+    levels = DecodedLevels(tab)
+    levels._fine = FineLevels(index, bins=32)
+    assert torch.isnan(levels._fine.lut).float().mean() > 0.3
+    codes, s_rel, s_ch = encode_rows(x, index, 16, 2, levels)
+    ref_s, ref_ch, ref_w8, target = _reference_rows(x, tab, search=2)
+    assert torch.equal(s_ch, ref_ch)
+    assert torch.equal(s_rel.view(torch.uint8), ref_s.view(torch.uint8))

@@ -141,7 +141,7 @@ def fit_codebook(u: torch.Tensor, iters: int = _KMEANS_ITERS) -> torch.Tensor:
     The values are sorted once, so each round is 15 binary searches plus prefix-sum differences.
     Returns a sorted float32 table clamped to [-1, 1]; an empty level keeps its previous value.
     """
-    u = u.reshape(-1).double().sort().values
+    u = u.reshape(-1).float().sort().values.double()  # same order as a float64 sort, faster
     if u.numel() == 0:
         return FROZEN_CODEBOOK.to(u.device)
     csum = torch.cat([torch.zeros(1, dtype=torch.float64, device=u.device), u.cumsum(0)])

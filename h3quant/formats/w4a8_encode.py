@@ -12,23 +12,31 @@ the assignment needs is a table indexed by (scale bits, half-unit bin of the tar
 - a candidate scale then costs one add and one table read per weight, instead of a nearest-level
   search, two decodes and a comparison.
 
-The table is 126 x 512 entries (256 KB of fp32, cache-resident). The group error is summed in
-the same fp32 order as before, so the scale chosen per group, the row scales and the decoded
-int8 weights equal the previous encoder's; only the code chosen among codes that decode to the
-same int8 value may differ (the decoded weight is the same).
+The table is 512 x 128 entries (bin-major, so the candidates of one weight share a cache
+line). The ALS rounds read the nearest level VALUE from a fine grid over [-1, 1] (``FineLevels``)
+and redo exactly the few groups that touch a cell holding a level midpoint. Chunks are
+processed group-major (``[G, groups]``) so per-group sums are contiguous row adds, in the same
+rounding order as the reference's ``sum(-1)``.
+
+The scale chosen per group, the row scales and the decoded int8 weights equal the previous
+(row-major, search-based) encoder's; only the code chosen among codes that decode to the same
+int8 value may differ (the decoded weight is the same).
 """
 
 from __future__ import annotations
 
 import torch
 
-from h3quant.formats.w4a8_codebook import LevelIndex, als_group_scales, take
+from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 E4M3_MAX_BITS = 0x7E  # largest finite e4m3fn bit pattern (448); 0x7F is NaN
 _BINS = 512  # half-unit bins of t over [-128, 128)
 _HALF_BINS = _BINS // 2
+_ROWS = E4M3_MAX_BITS + 2  # e4m3 bit patterns 0..0x7F
+_TINY = torch.finfo(torch.float32).tiny
+_F_CAP = 2.0**100  # cell factor cap: x * f stays finite (|x| < 2**27 after the checks)
 
 
 class DecodedLevels:
@@ -36,7 +44,7 @@ class DecodedLevels:
 
     def __init__(self, table: torch.Tensor):
         table = table.float().cpu()
-        bits = torch.arange(E4M3_MAX_BITS + 2, dtype=torch.uint8)
+        bits = torch.arange(_ROWS, dtype=torch.uint8)
         s = bits.view(torch.float8_e4m3fn).float()
         s[-1] = 0.0  # 0x7F is NaN: never a candidate (bits are clamped to 1..0x7E)
         # exactly the decoder's arithmetic: fp32 product, round half to even, clamp
@@ -47,18 +55,71 @@ class DecodedLevels:
         mids = ((dec[:, 1:] + dec[:, :-1]) * 0.5).contiguous()
         centre = (torch.arange(-_HALF_BINS, _HALF_BINS, dtype=torch.float32) * 2 + 1) / 4
         code = torch.searchsorted(mids, centre.expand(dec.shape[0], -1).contiguous())  # [128, 512]
-        self.value = torch.gather(dec, 1, code).reshape(-1).contiguous().to(table.device)
-        self.code = code.to(torch.int32).reshape(-1).contiguous().to(table.device)
+        value = torch.gather(dec, 1, code)  # [128, 512]
+        # stored bin-major ([512, 128]): the candidate scales of one weight are neighbours
+        self.value = value.t().reshape(-1).contiguous().to(table.device)
+        self.code = code.to(torch.int32).t().reshape(-1).contiguous().to(table.device)
+
+    def fine(self, index: LevelIndex) -> FineLevels:
+        if getattr(self, "_fine", None) is None:
+            self._fine = FineLevels(index)
+        return self._fine
 
     @staticmethod
     def bins(t: torch.Tensor) -> torch.Tensor:
-        """int32 ``floor(2 t)`` clamped to [-256, 255] (``t`` finite)."""
-        return t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1).to(torch.int32)
+        """Table offset (int32) of the bin ``floor(2 t)``, clamped to [-256, 255] (``t`` finite)."""
+        q = t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1)
+        return q.add_(_HALF_BINS).mul_(_ROWS).to(torch.int32)
 
     @staticmethod
     def offsets(bits: torch.Tensor) -> torch.Tensor:
-        """Table row offsets (int32) for scale bit patterns ``bits``."""
-        return bits.to(torch.int32) * _BINS + _HALF_BINS
+        """Table offset (int32) of scale bit patterns ``bits`` (add to ``bins``)."""
+        return bits.to(torch.int32)
+
+
+class FineLevels:
+    """The nearest level VALUE of ``u = x / scale`` in one table read, for the ALS rounds.
+
+    A grid of ``bins`` cells over [-1, 1] (values beyond land in the end cells): a cell whose
+    range, widened by a guard margin for the fp32 rounding of the cell index, holds no midpoint
+    between levels stores its level; the few cells that do hold one store NaN, which makes the
+    group's sums NaN, and those groups are redone with the exact search (``LevelIndex``).
+    """
+
+    def __init__(self, index: LevelIndex, bins: int = 1 << 16):
+        self.index = index
+        self.bins = bins
+        table = index.table
+        mids = ((table[1:].double() + table[:-1].double()) * 0.5)
+        edges = torch.linspace(-1.0, 1.0, bins + 1, dtype=torch.float64)
+        margin = 0.125 * 2.0 / bins
+        lo, hi = edges[:-1] - margin, edges[1:] + margin
+        lo[0], hi[-1] = -float("inf"), float("inf")
+        a, b = torch.searchsorted(mids, lo), torch.searchsorted(mids, hi)
+        lut = table[a.clamp(max=15)].clone()
+        lut[a != b] = float("nan")
+        self.lut = lut.float().contiguous()
+        self._half = torch.tensor(bins * 0.5, dtype=torch.float32)
+
+    def levels(self, xt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Level values for ``xt / scale`` ([G, m] / [m]); NaN where a cell is ambiguous.
+
+        The cell index is ``x * (half / scale) + half``: a few ulps from ``x / scale * half +
+        half``, far inside the guard margin; the factor is capped so that it stays finite.
+        """
+        half = self.bins * 0.5
+        f = torch.reciprocal(scale).mul_(half).clamp_(max=_F_CAP)
+        cell = torch.addcmul(self._half, xt, f).clamp_(0, self.bins - 1).to(torch.int32)
+        return take(self.lut, cell)
+
+    def fix_ambiguous(self, xt, scale, num, den) -> None:
+        """Redo, exactly, the groups whose sums met an ambiguous cell (NaN)."""
+        bad = torch.isnan(num).nonzero().view(-1)
+        if bad.numel():
+            x = xt.index_select(1, bad)
+            lv = take(self.index.table, self.index.nearest(x / scale[bad]))
+            num[bad] = _group_sum(lv * x)
+            den[bad] = _group_sum(lv.mul_(lv))
 
 
 def search_order(search: int) -> list[int]:
@@ -66,37 +127,92 @@ def search_order(search: int) -> list[int]:
     return [0] + [i for j in range(1, search + 1) for i in (-j, j)]
 
 
+_SUM_ORDER_OK: dict[int, bool] = {}
+
+
+def _group_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over dim -2 of a group-major ``[..., G, M]`` tensor, rounded like ``sum(-1)`` of the
+    row-major ``[M, G]`` layout (the reference encoder's order), so both choose the same scales.
+
+    For G = 16 torch's vectorised inner reduction adds the two halves, then the eight partial
+    sums in order; that order is reproduced with contiguous row adds (much faster than a
+    reduction over 16 contiguous values) after a one-time self-check, else a transpose + sum.
+    """
+    g = v.shape[-2]
+    if g == 16 and _sum_order_ok(g):
+        a = v[..., :8, :] + v[..., 8:, :]
+        out = a[..., 0, :] + a[..., 1, :]
+        for j in range(2, 8):
+            out.add_(a[..., j, :])
+        return out
+    return v.transpose(-1, -2).contiguous().sum(-1)
+
+
+def _sum_order_ok(g: int) -> bool:
+    if g not in _SUM_ORDER_OK:
+        gen = torch.Generator().manual_seed(g)
+        x = torch.randn(4096, g, generator=gen) * torch.exp(torch.randn(4096, g, generator=gen) * 3)
+        a = x.t()[:8] + x.t()[8:]
+        got = a[0] + a[1]
+        for j in range(2, 8):
+            got = got + a[j]
+        _SUM_ORDER_OK[g] = torch.equal(got, x.sum(-1))
+    return _SUM_ORDER_OK[g]
+
+
 def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int,
-                levels: DecodedLevels | None = None):
-    """Rotated fp32 rows [n, K] -> (codes uint8 [n, K], s_rel e4m3 [n, K/G], s_channel f32 [n])."""
+                levels: DecodedLevels | None = None, passes: int = ALS_PASSES):
+    """Rotated fp32 rows [n, K] -> (codes uint8 [n, K], s_rel e4m3 [n, K/G], s_channel f32 [n]).
+
+    Works group-major (``[G, groups]``): per-group sums and maxima become adds of contiguous
+    rows and per-group scalars broadcast along rows.
+    """
     if levels is None:
         levels = DecodedLevels(index.table)
     n, k = x.shape
     g = k // group_size
-    gx = x.view(n, g, group_size)
+    m = n * g
+    xt = x.reshape(m, group_size).t().contiguous()  # [G, m]
+    table = index.table
 
-    # 1. continuous group scales (nearest level + ALS) and each group's largest |level| * scale
-    scale, zero, reach = als_group_scales(gx, index, codes=False)
-    reach.masked_fill_(zero, 0.0)
-    s_channel = reach.amax(dim=(1, 2)) / 127.0
+    # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
+    #    rounds (scale = <x, l> / <l, l>, reassign); the last assignment only for the extremes
+    lo, hi = xt.amin(0), xt.amax(0)
+    scale = torch.maximum(lo.neg(), hi)
+    zero = scale == 0
+    scale.masked_fill_(zero, 1.0)
+    fine = levels.fine(index)
+    for _ in range(passes):
+        lv = fine.levels(xt, scale)
+        num = _group_sum(lv * xt)
+        den = _group_sum(lv.mul_(lv))
+        fine.fix_ambiguous(xt, scale, num, den)
+        new = num.div_(den.clamp_(min=_TINY))
+        scale = torch.where((new > 0) & ~zero, new, scale)
+    ends = table.index_select(0, index.nearest(torch.stack([lo / scale, hi / scale])).view(-1))
+    reach = ends.view(2, m).abs_().amax(0).mul_(scale).masked_fill_(zero, 0.0)
+    s_channel = reach.view(n, g).amax(1) / 127.0
     s_channel = torch.where(s_channel > 0, s_channel, torch.ones_like(s_channel))
+    s_ch_g = s_channel.repeat_interleave(g)  # per group
 
     # 2. e4m3 relative scales, finite and positive (zero groups get the smallest one: decode 0)
-    s_rel = (scale / s_channel.view(n, 1, 1)).masked_fill_(zero, 0.0)
-    s_rel = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    s_rel = (scale / s_ch_g).masked_fill_(zero, 0.0)
+    bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
     # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
-    #    decoded levels reconstruct the group best; all candidates in one pass over the table
-    target = gx / s_channel.view(n, 1, 1)
-    q = DecodedLevels.bins(target)
-    bits = s_rel.view(torch.uint8).to(torch.int32)  # [n, g, 1]
-    cand = torch.cat([(bits + d).clamp_(1, E4M3_MAX_BITS) for d in search_order(search)], dim=2)
-    off = DecodedLevels.offsets(cand)  # [n, g, C]
-    idx = q.unsqueeze(2) + off.unsqueeze(3)  # [n, g, C, G]
-    dec = take(levels.value, idx)
-    err = dec.neg_().add_(target.unsqueeze(2)).square_().sum(-1)  # [n, g, C]
-    pick = err.argmin(dim=2, keepdim=True)  # the first of equal errors, as in search_order
-    best = torch.gather(cand, 2, pick)  # [n, g, 1]
-    codes = take(levels.code, q.add_(DecodedLevels.offsets(best)))
+    #    decoded levels reconstruct the group best (the first best in search order)
+    target = xt / s_ch_g
+    q = DecodedLevels.bins(target)  # [G, m]
+    bits = bits.to(torch.int32)
+    cand = torch.stack([(bits + d).clamp_(1, E4M3_MAX_BITS) for d in search_order(search)])
+    dec = take(levels.value, q.unsqueeze(0) + DecodedLevels.offsets(cand).unsqueeze(1))  # [C, G, m]
+    err = _group_sum(torch.sub(target, dec, out=dec).square_())  # [C, m]
+    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32)
+    for c in range(1, err.shape[0]):
+        better = err[c] < best_err
+        best_err = torch.minimum(best_err, err[c])
+        pick.masked_fill_(better, c)
+    best = torch.gather(cand, 0, pick.long().unsqueeze(0)).squeeze(0)
+    codes = take(levels.code, q.add_(DecodedLevels.offsets(best))).to(torch.uint8)
     s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)
-    return codes.view(n, k).to(torch.uint8), s_rel.view(n, g).contiguous(), s_channel.contiguous()
+    return codes.t().reshape(n, k), s_rel.view(n, g), s_channel.contiguous()
