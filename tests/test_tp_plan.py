@@ -1,11 +1,15 @@
 """Tensor parallel without processes: the sharding plan, per-rank reads, int32 edges, the
 row-parallel arithmetic against the single-device runtime layer (FORMATS.md 7)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
+from tp_util import tp_files
 
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
+from h3quant.runtime.devices import parse_device
 from h3quant.runtime.linear import QuantizedLinear
 from h3quant.runtime.loader import LoadedLayer, load_blocks
 from h3quant.runtime.tp.group import LocalCollectives
@@ -21,8 +25,6 @@ from h3quant.runtime.tp.plan import (
 )
 from h3quant.runtime.tp.runner import block_layers
 from h3quant.runtime.tp.shard_load import ShardReader, layer_shape, read_shard
-from h3quant.runtime.devices import parse_device
-from tp_util import tp_files
 
 H3 = {"attn.qkv_proj": LayerShape("attn.qkv_proj", 3 * 7168, 5376, 256),
       "attn.out_proj": LayerShape("attn.out_proj", 5376, 7168, 256),
@@ -39,12 +41,12 @@ def test_h3_plan_covers_every_row_and_column_once(world):
         # each rank: one equal slice of EACH stacked part (its heads of q, k and v)
         assert all(len(p.columns[role].rows) == parts for p in plans)
         assert rows[0][0] == 0 and rows[-1][1] == H3[role].out_features
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        assert all(a[1] == b[0] for a, b in pairwise(rows))
         assert all(r1 - r0 == height // world for r0, r1 in rows)
     for role in ("attn.out_proj", "mlp.fc2"):
         shards = [p.rows[role] for p in plans]
         assert shards[0].k0 == 0 and shards[-1].k1 == H3[role].in_features
-        assert all(a.k1 == b.k0 for a, b in zip(shards, shards[1:]))
+        assert all(a.k1 == b.k0 for a, b in pairwise(shards))
         assert all(s.k0 % 256 == 0 and s.k1 % 256 == 0 for s in shards)  # whole rotation groups
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tp_util import tp_files
 
 from h3quant.pipelines.verify_tp import PER_RANK_TOLERANCE, verify_tp
 from h3quant.runtime.tp.launch import spawn_ranks
 from h3quant.runtime.tp.plan import TpError
-from tp_util import tp_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,6 +104,20 @@ def test_npu_int32_matmul_in_the_simulation():
                                  pertoken_scale=torch.ones(5).to("npu"), output_dtype=torch.int32)
 
 
+@pytest.mark.parametrize("fmt,tp,mode", [("int8", 2, "shared"), ("w4a8", 4, "shared"),
+                                         ("int8", 4, "per-rank")])
+def test_whole_model_forward_with_sharded_blocks(files, fmt, tp, mode):
+    res = verify_tp(files[fmt], tp=tp, scale_mode=mode, device="cpu", model=True,
+                    start_method="fork", timeout_s=60)
+    assert res.passed, res.failures
+    whats = [c.what for c in res.checks]
+    assert whats == ["block 0 hidden", "video", "audio"]
+    if mode == "shared":  # the model's outputs equal the single-device H3Model bit for bit
+        assert all(c.identical for c in res.checks)
+    else:
+        assert all(0 < c.rel_l2 <= PER_RANK_TOLERANCE for c in res.checks)
+
+
 # ------------------------------------------------------------------------------- failures
 
 
@@ -156,6 +170,14 @@ def test_cli_verify_tp_in_process(files):
                                   "--tokens", "8", "--json"])
     assert r.exit_code == 0, r.output
     assert '"passed": true' in r.output and '"scale_mode": "shared"' in r.output
+    m = CliRunner().invoke(main, ["verify", str(files["int8"]), "--tp", "2", "--model",
+                                  "--height", "4", "--width", "4", "--audio-frames", "4",
+                                  "--text-tokens", "8"])
+    assert m.exit_code == 0, m.output
+    assert "video" in m.output and "block 0 hidden" in m.output and "PASS" in m.output
+    clash = CliRunner().invoke(main, ["verify", str(files["int8"]), "--tp", "2", "--model",
+                                      "--blocks", "1"])
+    assert clash.exit_code == 2 and "--blocks cannot be used with --model --tp" in clash.output
     bad = CliRunner().invoke(main, ["verify", str(files["w4a8"]), "--tp", "3"])
     assert bad.exit_code == 2 and "does not divide the 4 attention heads" in bad.output
     assert "Traceback" not in bad.output

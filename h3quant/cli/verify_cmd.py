@@ -59,6 +59,7 @@ sharded blocks compute what one device computes: bit-identical with --tp-scale s
 default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
   h3quant verify h3_int8.safetensors --tp 2
   h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
+  h3quant verify h3_int8.safetensors --tp 4 --model      # the whole forward, sharded blocks
   torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
 """
 
@@ -164,18 +165,26 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     from h3quant.runtime.tp.launch import in_torchrun
 
     ctx = click.get_current_context()
-    wrong = _given(ctx, _BLOCK_ONLY + ("tp", "tp_scale", "tp_timeout") if whole_model
-                   else _MODEL_ONLY)
+    parallel = tp is not None or in_torchrun()
+    if whole_model:
+        wrong = _given(ctx, _BLOCK_ONLY + (("plot",) if parallel else ("tp_scale", "tp_timeout")))
+        mode = "--model --tp" if parallel else "--model"
+    else:
+        wrong = _given(ctx, _MODEL_ONLY + (() if parallel else ("tp_scale", "tp_timeout")))
+        mode = "the per-block mode (add --model)" + ("" if parallel else " without --tp")
     if wrong:
-        mode = "--model" if whole_model else "the per-block mode (add --model)"
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
+    if parallel:
+        from h3quant.pipelines.verify_model import ModelInputs
+
+        inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed) \
+            if whole_model else None
+        _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
+                         tp_timeout, no_mmap, inputs, depth, sigma)
+        return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
                    sigma, depth, plot, seed, as_json, no_mmap)
-    if tp is not None or in_torchrun():
-        _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                         tp_timeout, no_mmap)
-        return
     from h3quant.pipelines.verify import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -225,7 +234,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
 
 
 def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                     tp_timeout, no_mmap):
+                     tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6):
     from h3quant.cli.common import EXIT_USAGE
     from h3quant.cli.verify_tp_view import render_tp
     from h3quant.pipelines.verify_tp import verify_tp
@@ -234,10 +243,12 @@ def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp,
         click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
                    "run with one device); run it without --tp", err=True)
         sys.exit(EXIT_USAGE)
-    log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {blocks} blocks, device {device})")
+    what = "the whole model" if model_inputs else f"{blocks} blocks"
+    log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {what}, device {device})")
     res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
                 device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
-                timeout_s=tp_timeout)
+                timeout_s=tp_timeout, sigma=sigma, model=model_inputs is not None,
+                model_inputs=model_inputs, depth=depth)
     if res is None:  # a torchrun rank other than 0: rank 0 reports
         sys.exit(EXIT_OK)
     if as_json:

@@ -11,10 +11,12 @@ def _mib(n: int) -> str:
 
 def render_tp(res) -> str:
     out = [f"checkpoint  {res.path}",
-           f"tensor parallel  tp={res.tp}   scale {res.scale_mode}   device {res.device}   "
-           f"backend {res.backend}   launched by {res.launched}",
-           f"blocks {res.blocks}   tokens {res.tokens}   seed {res.seed}", ""]
-    rows = [[c.block, c.what, c.parallel, c.strategy, c.backend,
+           (f"tensor parallel  tp={res.tp}   scale {res.scale_mode}   device {res.device}   "
+            f"backend {res.backend}   launched by {res.launched}"),
+           (f"whole forward, blocks {res.blocks}   seed {res.seed}" if any(
+               c.parallel == "model" for c in res.checks) else
+            f"blocks {res.blocks}   tokens {res.tokens}   seed {res.seed}"), ""]
+    rows = [["-" if c.block < 0 else c.block, c.what, c.parallel, c.strategy, c.backend,
              "yes" if c.identical else "no", f"{c.max_abs:.3g}", f"{c.rel_l2:.3g}", c.limit,
              "ok" if c.passed else "FAIL"] for c in res.checks]
     out.append(format_table(["block", "output", "parallel", "split", "backend", "identical",

@@ -44,6 +44,12 @@ from h3quant.runtime.tp.runner import (
 PER_RANK_TOLERANCE = 0.05
 
 
+def _small_model_inputs():
+    from h3quant.pipelines.verify_model import ModelInputs
+
+    return ModelInputs(frames=2, height=4, width=4, audio_frames=4, text_tokens=8)
+
+
 @dataclass
 class TpCheck:
     """One output compared with the single-device run (``what``: a layer path or ``block``)."""
@@ -123,6 +129,9 @@ class TpSpec:
     mmap: bool
     backend: str | None = None  # runtime backend forced for the local layers
     sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
+    model: bool = False  # the whole forward (every block) instead of per-block checks
+    model_inputs: object = None  # pipelines.verify_model.ModelInputs (None: a small default)
+    depth: int | None = None  # --model: only the first N blocks
     rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
@@ -139,7 +148,11 @@ def block_inputs(ckpt: Checkpoint, root: str, hidden: int, tokens: int, seed: in
     """Seeded hidden states [tokens, hidden] in ``dtype`` and the real conditioning of a small
     t2va layout of ``tokens`` rows at ``sigma`` (the file's time embedding and RoPE), on tdev."""
     from h3quant.runtime.model.layout import Timesteps, layout_for_rows
-    from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
+    from h3quant.runtime.model.model import (
+        load_time_embedding,
+        make_conditioning,
+        read_float,
+    )
 
     cond = make_conditioning(layout_for_rows(tokens), Timesteps.from_sigma(sigma),
                              load_time_embedding(ckpt, root), read_float(ckpt, root + "rope.inv_freq"),
@@ -201,6 +214,8 @@ def _rank_body(ctx, spec: TpSpec, probe):
     tdev = dev.torch_device
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     comm = ctx.comm
+    if spec.model:
+        return _rank_model(ctx, spec, probe, dev, dtype)
     kept, infos, read, held = {}, {}, 0, 0
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
@@ -244,6 +259,66 @@ def _rank_body(ctx, spec: TpSpec, probe):
     return result
 
 
+def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
+    """``--model``: the whole forward with sharded blocks on every rank; rank 0 then runs the
+    runtime's single-device H3Model on the same inputs and compares every block's hidden state
+    and the final video / audio outputs."""
+    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.runtime.model.model import H3Model
+    from h3quant.runtime.tp.model import TpH3Model
+
+    comm = ctx.comm
+    mi = spec.model_inputs or _small_model_inputs()
+    if not isinstance(mi, ModelInputs):
+        raise TpError(f"model inputs must be a ModelInputs, got {type(mi).__name__}")
+    sigma = mi.sigma
+    with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
+        model = TpH3Model(ckpt, device=dev, comm=comm, mode=spec.mode, backend=spec.backend,
+                          probe=probe)
+        inputs = tuple(t.to(dtype) for t in mi.tensors(model.video_channels,
+                                                        model.audio_channels, model.text_dim))
+        hidden = {}
+        outputs = model(*inputs, sigma, depth=spec.depth,
+                        on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
+        infos, held = model.infos, model.held
+        stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
+                             dtype=torch.int64)
+        every = comm.all_gather(stats, "per-rank memory figures")
+        if ctx.rank != 0:
+            return None
+        outs = {**{f"block {i} hidden": h for i, h in hidden.items()},
+                **_final(outputs)}
+        del model
+        gc.collect()
+        ref_model = H3Model(ckpt, device=dev, backend=spec.backend, probe=probe)
+        ref_hidden = {}
+        ref_out = ref_model(*inputs, sigma, depth=spec.depth,
+                            on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
+        ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()}, **_final(ref_out)}
+    idx = [i.index for i in infos]
+    result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx, 0, spec.seed,
+                      "torchrun" if in_torchrun() else "spawn")
+    result.ranks = [RankStats(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
+    result.linear_bytes = sum(i.bytes_total for i in infos)
+    for info in infos[:1]:
+        result.notes.extend(f"every block: {n}" for n in info.notes)
+    for what, y in outs.items():
+        _append_check(result, -1 if what in ("video", "audio") else int(what.split()[1]),
+                      what, "model", "-", "-", y, ref[what])
+    result.notes.append("reference: the runtime's single-device H3Model forward on the same "
+                        f"inputs ({mi}); 'held' is the largest block's shard")
+    return result
+
+
+def _final(outputs) -> dict:
+    """The video / audio outputs of a full forward (none with ``depth``: the final layer is
+    then skipped)."""
+    if not isinstance(outputs, tuple) or len(outputs) != 2:
+        return {}
+    video, audio = outputs
+    return {"video": video.float().cpu(), "audio": audio.float().cpu()}
+
+
 def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
     """Outputs of block ``i`` on one device, and the relative L2 difference of that block's
     output from the runtime's ordinary single-device block."""
@@ -267,7 +342,6 @@ def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
 
 
 def _compare(result: TpResult, i: int, info, backends, outs: dict, ref: dict) -> None:
-    shared = result.scale_mode == "shared"
     for what, y in outs.items():
         r = ref[what]
         role = what.split(" ")[0]
@@ -278,16 +352,21 @@ def _compare(result: TpResult, i: int, info, backends, outs: dict, ref: dict) ->
         else:
             parallel, strategy = "row", info.plan.rows[role].strategy
             backend = backends[role]
-        identical = bool(torch.equal(y, r))
-        diff = (y - r).abs()
-        max_abs = float(diff.max()) if diff.numel() else 0.0
-        rel = error_metrics(y, r)[0]
-        if shared:
-            limit, passed = "0 (bit-identical)", identical
-        else:
-            limit, passed = f"rel L2 <= {PER_RANK_TOLERANCE}", rel <= PER_RANK_TOLERANCE
-        result.checks.append(TpCheck(i, what, parallel, strategy, backend, identical, max_abs,
-                                     rel, limit, passed))
+        _append_check(result, i, what, parallel, strategy, backend, y, r)
+
+
+def _append_check(result: TpResult, i: int, what: str, parallel: str, strategy: str,
+                  backend: str, y: torch.Tensor, r: torch.Tensor) -> None:
+    identical = bool(torch.equal(y, r))
+    diff = (y - r).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    rel = error_metrics(y, r)[0]
+    if result.scale_mode == "shared":
+        limit, passed = "0 (bit-identical)", identical
+    else:
+        limit, passed = f"rel L2 <= {PER_RANK_TOLERANCE}", rel <= PER_RANK_TOLERANCE
+    result.checks.append(TpCheck(i, what, parallel, strategy, backend, identical, max_abs, rel,
+                                 limit, passed))
 
 
 def _peak_rss() -> int:
@@ -318,7 +397,8 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               blocks=None, tokens: int = 16, seed: int = 0, mmap: bool = True,
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
-              comm_cls=None, rank_setup=None, sigma: float = 0.6) -> TpResult:
+              comm_cls=None, rank_setup=None, sigma: float = 0.6,
+              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult:
     """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
     may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
@@ -339,9 +419,10 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     backend_for(kind)
     if not os.path.exists(path):
         raise VerifyError("no such file or directory", path=path)
-    _precheck(path, tp, blocks, mmap)
+    _precheck(path, tp, None if model else blocks, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
-                  sigma=sigma, rank_setup=rank_setup)
+                  sigma=sigma, rank_setup=rank_setup, model=model,
+                  model_inputs=model_inputs, depth=depth)
     comm_cls = comm_cls or Collectives
     if in_torchrun():
         return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,

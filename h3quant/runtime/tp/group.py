@@ -109,7 +109,7 @@ class Collectives:
                 raise RuntimeError(f"timed out after {self.timeout_s:g} s")
         except TpError:
             raise
-        except Exception as exc:  # DistBackendError, RuntimeError: a dead or stuck peer
+        except Exception as exc:  # noqa: BLE001 (DistBackendError, RuntimeError...: a dead or stuck peer)
             raise TpError(f"rank {self.rank}: {what} failed after at most {self.timeout_s:g} s "
                           f"(a peer rank died, hung or diverged): {_first_line(exc)}") from None
 

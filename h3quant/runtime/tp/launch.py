@@ -87,7 +87,7 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
         ctx = RankContext(rank, world, rank, rank_device(kind, rank), backend,
                           comm_cls(rank, world, timeout_s), timeout_s)
         result = fn(ctx, *args)
-    except BaseException as exc:  # report, then exit at once: the parent stops the others
+    except BaseException as exc:  # noqa: BLE001 (report anything, then exit: the parent stops the others)
         msg = str(exc) if isinstance(exc, H3QuantError) else f"unexpected {type(exc).__name__}: {exc}"
         (out / f"rank{rank}.err").write_text(msg, encoding="utf-8")
         os._exit(_RANK_FAILED)
@@ -153,20 +153,25 @@ def _kill(ctx) -> None:
 def _failure_summary(ctx, outdir: Path, world: int) -> str:
     """One line per failed rank; the root cause (an error that is not a collective failure, or a
     rank that died) first."""
-    own, died, follow = [], [], []
+    own: dict[str, list[int]] = {}
+    died, follow = [], []
     for r, p in enumerate(ctx.processes):
         p.join(timeout=5)
         err = outdir / f"rank{r}.err"
         if err.exists():
             msg = err.read_text(encoding="utf-8").strip()
-            (follow if "failed after at most" in msg else own).append(msg)
+            if "failed after at most" in msg:
+                follow.append(msg)
+            else:
+                own.setdefault(msg, []).append(r)
         elif p.exitcode not in (0, None):
             how = (f"killed by signal {-p.exitcode}" if p.exitcode < 0
                    else f"exit code {p.exitcode}")
             died.append(f"rank {r} died ({how})")
-    parts = own + died + follow
-    stopped = "" if len(parts) >= world else "; the other ranks were stopped"
-    return "tensor-parallel run failed: " + " | ".join(parts or ["a rank failed"]) + stopped
+    mine = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+            for msg, rs in own.items()]
+    parts = mine + died + follow
+    return "tensor-parallel run failed: " + " | ".join(parts or ["a rank failed"])
 
 
 def join_torchrun(fn, world: int | None, args: tuple = (), *, device_kind: str = "cpu",

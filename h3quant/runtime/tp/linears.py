@@ -40,7 +40,13 @@ from h3quant.runtime.int8_math import (
 )
 from h3quant.runtime.loader import LoadedLayer
 from h3quant.runtime.tp.group import Collectives
-from h3quant.runtime.tp.plan import MAX_INT32_K, SCALE_MODES, ColumnShard, RowShard, TpError
+from h3quant.runtime.tp.plan import (
+    MAX_INT32_K,
+    SCALE_MODES,
+    ColumnShard,
+    RowShard,
+    TpError,
+)
 
 SCALE_MIN = 1e-30  # the int8 codec's floor for activation scales
 
