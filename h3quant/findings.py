@@ -83,6 +83,12 @@ _r("Q106", "tensor-unexpected", W, "a quantized layer holds no tensors its forma
 _r("Q107", "correction-tensor", W, "weight_correction is not loaded by ComfyUI")
 _r("Q108", "k-divisibility", E, "W4A8: group_size is >= 4 and divides 16 or is a multiple of 16; "
    "K is divisible by 16 and by group_size")
+_r("Q109", "kn-scale-shape", E, "int8_tensorwise_kn: weight I8 [K, N] and weight_scale F32 [N] "
+   "agree on N")
+_r("Q110", "kn-nz-ineligible", I, "int8_tensorwise_kn: K % 16 == 0 and N % 32 == 0, else the NPU "
+   "keeps the weight ND (no FRACTAL_NZ cast)")
+_r("Q111", "kn-npu-n-limit", W, "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
+   "limit), else the layer needs tensor parallelism")
 # Data rules (--deep).
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")

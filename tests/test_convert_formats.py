@@ -244,9 +244,11 @@ def test_w4a8_output_tensor_set_and_error(tmp_path):
     assert sha(out1) == sha(out)
 
 
-def test_int8_to_w4a8_and_back_dequantize_then_reencode(int8_file, tmp_path):
-    from h3quant.formats.int8 import decode_int8, encode_int8
-    from h3quant.formats.w4a8 import decode_w4a8
+def test_int8_to_w4a8_and_back_through_the_int8_grid(int8_file, tmp_path):
+    """int8 -> W4A8 re-encodes; W4A8 -> int8 ConvRot (same group) takes the decoded int8 grid
+    the runtime multiplies (codes w8, scale s_channel: FORMATS.md 9), no requantization."""
+    from h3quant.formats.int8 import decode_int8
+    from h3quant.formats.w4a8 import decode_w4a8, decode_w4a8_int8
 
     w4 = tmp_path / "w4.safetensors"
     convert(int8_file, w4, ConvertOptions(target="w4a8"))
@@ -257,9 +259,10 @@ def test_int8_to_w4a8_and_back_dequantize_then_reencode(int8_file, tmp_path):
     final, _, _ = read_all(back)
     name = "blocks.1.attn.qkv_proj"
     local = {s: got[f"{name}.{s}"] for s in W4A8_SET - {"comfy_quant"}}
-    q, s = encode_int8(decode_w4a8(local), convrot=True, group_size=256)
+    q = decode_w4a8_int8(local["weight"], local["weight_s_rel"], group_size=16,
+                         codebook=local["weight_codebook"])
     assert torch.equal(final[name + ".weight"], q)
-    assert torch.equal(final[name + ".weight_scale"], s.reshape(-1, 1))
+    assert torch.equal(final[name + ".weight_scale"], local["weight_s_channel"].reshape(-1, 1))
     i8, _, _ = read_all(int8_file)
     ref = decode_int8(i8[name + ".weight"], i8[name + ".weight_scale"], convrot=True)
     w4_hat = decode_w4a8(local)

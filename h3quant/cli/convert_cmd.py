@@ -49,6 +49,12 @@ def _group_size(ctx, param, value):
               help="int8 ConvRot rotation: 'exact' gives codes bit-identical to comfy-kitchen; "
                    "'fast' (butterfly) is ~1.7x faster to encode, equal to fp32 rounding "
                    "(a few codes per million differ by 1).")
+@click.option("--layout", type=click.Choice(["canonical", "npu"]), default="canonical",
+              show_default=True,
+              help="int8 weight layout: canonical = int8_tensorwise [N, K] (ComfyUI, kitchen); "
+                   "npu = int8_tensorwise_kn, pre-transposed [K, N] with an [N] scale, which "
+                   "Ascend's npu_quant_matmul takes as is (ComfyUI does not load it). From an "
+                   "int8 file the change of layout only moves the codes (no requantization).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -61,8 +67,8 @@ def _group_size(ctx, param, value):
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
 @handle_errors
-def command(src, dst, target, preset, include, exclude, group_size, rotation, overwrite, dry_run,
-            as_json, quiet, report_path, no_report, workers, no_mmap):
+def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, overwrite,
+            dry_run, as_json, quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
@@ -76,6 +82,7 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
       h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
       h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
+      h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
       h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
     """
@@ -92,7 +99,7 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, ov
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
                              exclude=tuple(exclude), group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
-                             overwrite=overwrite, rotation=rotation)
+                             overwrite=overwrite, rotation=rotation, layout=layout)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

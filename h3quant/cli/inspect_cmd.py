@@ -65,10 +65,11 @@ def render(res) -> str:
                                   for k, v in res.formats.items()], {1, 2})]
     if res.layers is not None:
         rows = [[r["name"], r["format"], r["N"], r["K"], human_bytes(r["bytes"]),
-                 fmt_bpw(r["bits_per_weight"]), r["source"] or "-",
+                 fmt_bpw(r["bits_per_weight"]), r["source"] or "-", r.get("layout") or "-",
+                 {True: "yes", False: "no (ND)"}.get(r.get("nz"), "-"),
                  " ".join(f"{s}:{d}" for s, d in r["dtypes"].items())] for r in res.layers]
-        out += ["", format_table(["layer", "format", "N", "K", "size", "bpw", "marker", "dtypes"],
-                                 rows, {2, 3, 4, 5})]
+        out += ["", format_table(["layer", "format", "N", "K", "size", "bpw", "marker", "layout",
+                                  "NZ", "dtypes"], rows, {2, 3, 4, 5})]
     return "\n".join(out)
 
 

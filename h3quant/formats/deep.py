@@ -146,7 +146,8 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
         w = t.get("weight")
-        if fmt is QuantFormat.INT8_TENSORWISE and w is not None and w.dtype == "I8":
+        if fmt in (QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN) \
+                and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
         cb = t.get("weight_codebook")
         if fmt is QuantFormat.ASYM_W4A8_INT8 and cb is not None and cb.dtype in FLOAT_DTYPES:

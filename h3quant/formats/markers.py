@@ -23,9 +23,11 @@ HEADER_VERSION = "1.0"
 
 
 class QuantFormat(str, Enum):
-    """Every format ComfyUI knows, by its wire name."""
+    """Every format ComfyUI knows, by its wire name, plus h3quant's NPU layout (FORMATS.md 9),
+    which ComfyUI does not know (so it refuses such files instead of mis-reading them)."""
 
     INT8_TENSORWISE = "int8_tensorwise"
+    INT8_TENSORWISE_KN = "int8_tensorwise_kn"
     ASYM_W4A8_INT8 = "asym_w4a8_int8"
     CONVROT_W4A4 = "convrot_w4a4"
     FLOAT8_E4M3FN = "float8_e4m3fn"
@@ -38,6 +40,10 @@ class QuantFormat(str, Enum):
 # The formats h3quant reads, converts and runs: those with a codec in the registry.
 SUPPORTED_FORMATS = frozenset(QuantFormat(n) for n in registry.supported_names()
                               if n in QuantFormat._value2member_map_)
+
+
+# The format names ComfyUI itself knows (FORMATS.md 2); int8_tensorwise_kn is not one of them.
+COMFY_FORMATS = frozenset(f for f in QuantFormat if f is not QuantFormat.INT8_TENSORWISE_KN)
 
 
 def known_format_names() -> frozenset[str]:

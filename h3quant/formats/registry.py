@@ -18,6 +18,7 @@ from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
 # Registration order is the order of ``convert --to`` choices and of listings.
 _MODULES = (
     "h3quant.formats.codecs.int8_tensorwise",
+    "h3quant.formats.codecs.int8_tensorwise_kn",
     "h3quant.formats.codecs.asym_w4a8_int8",
     "h3quant.formats.codecs.plain",
 )
@@ -110,6 +111,27 @@ def logical_k(cols: int, fields: dict | None) -> int:
     return codec.logical_k(cols, fields) if codec is not None else cols
 
 
+def logical_shape(shape, fields: dict | None) -> tuple[int, int]:
+    """Logical ``(N, K)`` of a stored 2-D weight under marker ``fields`` (a kn weight is [K, N])."""
+    codec = get(fields["format"]) if fields else PLAIN
+    return (codec or PLAIN).logical_shape(tuple(shape), fields)
+
+
+def with_layout(codec: Codec, layout: str) -> Codec | None:
+    """The codec storing ``codec``'s math in ``layout`` ("canonical" or "npu"); None if none."""
+    base = codec.canonical or codec.name
+    for c in _CODECS.values():
+        if (c.canonical or c.name) == base and c.layout == layout:
+            return c
+    return None
+
+
+def layouts_of(codec: Codec) -> tuple[str, ...]:
+    """The layouts ``codec``'s math can be written in."""
+    base = codec.canonical or codec.name
+    return tuple(c.layout for c in _CODECS.values() if (c.canonical or c.name) == base)
+
+
 def verify_limits(name: str | None) -> VerifyLimits:
     """``verify`` limits of a format (a float layer uses int8's: the tightest)."""
     codec = get(name) if name else None
@@ -117,5 +139,5 @@ def verify_limits(name: str | None) -> VerifyLimits:
 
 
 __all__ = ["PLAIN", "Codec", "Target", "VerifyLimits", "codec_for", "codecs", "describe", "get",
-           "logical_k", "marker_defaults", "quantized_codecs", "register", "supported_names",
+           "layouts_of", "logical_k", "logical_shape", "with_layout", "marker_defaults", "quantized_codecs", "register", "supported_names",
            "target", "target_codec", "targets", "verify_limits"]

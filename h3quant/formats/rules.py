@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 INT8 = "int8_tensorwise"
+INT8_KN = "int8_tensorwise_kn"  # the same math, weight stored transposed [K, N]
 W4A8 = "asym_w4a8_int8"
 
 SCALE_DTYPES = ("F32",)
@@ -83,7 +84,18 @@ def layer_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
         return [Violation("Q102", f"weight is {w.dtype} {list(_shape(w))}, {fmt} needs a 2-D I8 "
                           "weight")]
     n, cols = _shape(w)
-    if fmt == INT8:
+    if fmt == INT8_KN:
+        k, n = n, cols
+        s = tensors.get("weight_scale")
+        if s is None:
+            out.append(Violation("Q101", f"{fmt} layer has no weight_scale", "weight_scale"))
+        elif s.dtype not in SCALE_DTYPES:
+            out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32",
+                                 "weight_scale"))
+        elif _shape(s) != (n,):
+            out.append(Violation("Q109", f"weight_scale is {list(_shape(s))}, expected F32 [{n}] "
+                                 f"for a [K, N] = [{k}, {n}] kn weight", "weight_scale"))
+    elif fmt == INT8:
         k = cols
         s = tensors.get("weight_scale")
         if s is None:
@@ -124,7 +136,7 @@ def layer_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
     else:
         return out
     out.extend(combination_violations(fmt, fields, tensors))
-    if fields.get("convrot") or fmt == W4A8:
+    if fields.get("convrot") or fmt == W4A8:  # (kn: k is the stored row count)
         g = fields.get("convrot_groupsize", 256)
         if not is_valid_group_size(g) or k % g:
             out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 dividing "

@@ -15,6 +15,7 @@ from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
 from h3quant.formats import rules
 from h3quant.formats.dtypes import FLOAT_DTYPES
+from h3quant.formats.int8_kn import nz_eligible
 from h3quant.formats.markers import QuantFormat
 
 # Allowed shapes given (N, K, fields); None = any shape.
@@ -83,6 +84,15 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
             TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
         ),
         True, "int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
+    ),
+    QuantFormat.INT8_TENSORWISE_KN: SchemeSpec(
+        "int8_tensorwise_kn", QuantFormat.INT8_TENSORWISE_KN, True,
+        (
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(k, n)], "[K, N]"),
+            TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,)], "[N]"),
+            _BIAS,
+        ),
+        True, "int8_tensorwise pre-transposed for the NPU: weight [K, N], scale [N] (FORMATS.md 9)",
     ),
     QuantFormat.ASYM_W4A8_INT8: SchemeSpec(
         "asym_w4a8_int8", QuantFormat.ASYM_W4A8_INT8, True,
@@ -169,6 +179,8 @@ def logical_shape(layer) -> tuple[int | None, int | None]:
         return n, 2 * cols
     if fmt in (QuantFormat.CONVROT_W4A4, QuantFormat.AWQ_W4A16):
         return None, None
+    if fmt is QuantFormat.INT8_TENSORWISE_KN:
+        return cols, n  # stored [K, N]
     return n, cols
 
 
@@ -210,6 +222,10 @@ def check_layer(layer) -> list[Finding]:
             f"{spec.tensors[0].describe()}")
     if spec.format is QuantFormat.ASYM_W4A8_INT8:
         _w4a8_geometry(layer, n, k, add)
+    if spec.format is QuantFormat.INT8_TENSORWISE_KN:
+        from h3quant.formats.int8_kn import check_kn
+
+        out.extend(check_kn(layer, n, k, file=str(layer.weight.file)))
     for ts in spec.tensors:
         info = layer.tensors.get(ts.suffix)
         if info is None:
@@ -245,7 +261,10 @@ def check_layer(layer) -> list[Finding]:
 
 
 def _skip_shape(spec: SchemeSpec, ts: TensorSpec, layer, n: int, k: int) -> bool:
-    """W4A8 weight width and s_rel columns are judged by ``_w4a8_geometry`` instead."""
+    """W4A8 weight width and s_rel columns are judged by ``_w4a8_geometry`` instead; the kn
+    scale against the weight by ``kn_rules.check_kn`` (Q109)."""
+    if spec.format is QuantFormat.INT8_TENSORWISE_KN:
+        return ts.suffix == "weight_scale"
     if spec.format is not QuantFormat.ASYM_W4A8_INT8:
         return False
     g = layer.fields.get("group_size")
@@ -277,7 +296,8 @@ def _w4a8_geometry(layer, n, k, add) -> None:
 def _constraints(spec: SchemeSpec, layer, k: int, add) -> None:
     f = layer.fields
     convrot = f.get("convrot", False) or spec.format is QuantFormat.ASYM_W4A8_INT8
-    if spec.format not in (QuantFormat.INT8_TENSORWISE, QuantFormat.ASYM_W4A8_INT8):
+    if spec.format not in (QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN,
+                           QuantFormat.ASYM_W4A8_INT8):
         return
     if convrot:
         g = f.get("convrot_groupsize", 256)
@@ -316,12 +336,15 @@ class LayerReport:
     quantized: bool = False
     params: int = 0  # logical weight elements (N*K, or the weight's numel)
     weight_bytes: int = 0  # bytes counted in bits_per_weight
+    layout: str | None = None  # quantized: "canonical" or "npu" (int8_tensorwise_kn, [K, N])
+    nz: bool | None = None  # npu layout: FRACTAL_NZ-eligible (K % 16 == 0 and N % 32 == 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("quantized", "params", "weight_bytes"):
             d.pop(k)
         d["bytes"] = d.pop("nbytes")
+        d["layout"], d["nz"] = d.pop("layout"), d.pop("nz")  # last, after bytes
         return d
 
 
@@ -345,4 +368,11 @@ def layer_report(layer) -> LayerReport:
         dtypes={s: t.dtype for s, t in sorted(layer.tensors.items())},
         nbytes=layer.nbytes, bits_per_weight=bpw, source=layer.source,
         quantized=quantized, params=params, weight_bytes=wbytes,
+        layout=_layout(layer.format) if quantized else None,
+        nz=(nz_eligible(n, k) if layer.format is QuantFormat.INT8_TENSORWISE_KN
+            and n is not None and k is not None else None),
     )
+
+
+def _layout(fmt: QuantFormat | None) -> str | None:
+    return "npu" if fmt is QuantFormat.INT8_TENSORWISE_KN else "canonical"

@@ -189,7 +189,19 @@ def logical_shape(tensors: dict, name: str, fmt=None) -> tuple[int, ...] | None:
         packed = fmt in _PACKED_FORMATS if fmt else f"{layer}.weight_s_rel" in tensors
         if packed:
             return (shape[0], 2 * shape[1])
+        if _stored_kn(tensors, layer, shape, fmt):
+            return (shape[1], shape[0])
     return shape
+
+
+def _stored_kn(tensors: dict, layer: str, shape: tuple[int, ...], fmt: str | None) -> bool:
+    """An int8_tensorwise_kn weight (stored [K, N], FORMATS.md 9): told by its format, or
+    without one by its 1-D scale holding one value per stored column."""
+    if fmt:
+        return fmt == "int8_tensorwise_kn"
+    scale = tensors.get(f"{layer}.weight_scale")
+    return (scale is not None and getattr(tensors[f"{layer}.weight"], "dtype", None) == "I8"
+            and len(scale.shape) == 1 and scale.shape[0] == shape[1] != shape[0])
 
 
 @dataclass(frozen=True)

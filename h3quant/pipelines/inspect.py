@@ -94,7 +94,8 @@ class InspectResult:
 
 
 INSPECT_KEYS = tuple(f.name for f in fields(InspectResult))
-LAYER_KEYS = ("name", "format", "N", "K", "dtypes", "bits_per_weight", "source", "bytes")
+LAYER_KEYS = ("name", "format", "N", "K", "dtypes", "bits_per_weight", "source", "bytes",
+              "layout", "nz")
 
 
 def _bpw(nbytes: int, params: int) -> float | None:

@@ -46,6 +46,15 @@ def _check_tensors(q, scale, bias, convrot: bool, group_size: int) -> None:
             raise FormatError(f"ConvRot group size {group_size} does not divide K={k}")
 
 
+def _to_device(q: torch.Tensor, tdev: torch.device) -> torch.Tensor:
+    """``q`` on ``tdev`` in one move, keeping its memory layout: the ``[N, K]`` transpose view of
+    a pre-transposed ``[K, N]`` weight (int8_tensorwise_kn) moves as that contiguous ``[K, N]``
+    tensor and stays a view, so the NPU can take it as is."""
+    if not q.is_contiguous() and q.t().is_contiguous():
+        return q.t().to(tdev).t()
+    return q.to(tdev)
+
+
 def _desc(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {list(t.shape)}"
@@ -65,17 +74,20 @@ class QuantizedLinear(torch.nn.Module):
         full_precision: bool,
     ) -> None:
         super().__init__()
-        self.register_buffer("weight", weights.q)
-        self.register_buffer("weight_scale", weights.scale)
-        self.register_buffer("bias", weights.bias)
         self.convrot = weights.convrot
         self.group_size = weights.group_size
         self.full_precision = full_precision
         self.device = device
         self.selection = selection
         self.options = options
-        self._weights = weights
         self._runner = bind_backend(weights, selection, probe, options)
+        # A runner may hold the weight in a device format of its own (the NPU's FRACTAL_NZ cast
+        # of a pre-transposed weight): keep only its tensors, so no second copy stays alive.
+        weights = getattr(self._runner, "w", weights)
+        self._weights = weights
+        self.register_buffer("weight", weights.q)
+        self.register_buffer("weight_scale", weights.scale)
+        self.register_buffer("bias", weights.bias)
 
     @classmethod
     def from_int8(
@@ -93,6 +105,8 @@ class QuantizedLinear(torch.nn.Module):
         options: LinearOptions | None = None,
     ) -> "QuantizedLinear":
         """Build from exact tensors: int8 ``q [N, K]``, fp32 ``scale`` ``[N, 1]``/``[N]``/``[]``.
+        ``q`` may be the ``.t()`` view of a pre-transposed ``[K, N]`` weight (int8_tensorwise_kn):
+        it then moves to the device as that contiguous tensor, still without a copy on the device.
 
         Bytes and scales are copied to ``device`` unchanged (no re-quantization). ``backend``
         forces one backend (``DeviceError`` if it cannot run there); ``probe`` injects the facts
@@ -102,7 +116,7 @@ class QuantizedLinear(torch.nn.Module):
         _check_tensors(q, scale, bias, convrot, group_size)
         dev = parse_device(device, probe=probe)
         tdev = dev.torch_device
-        q_d = q.to(tdev)
+        q_d = _to_device(q, tdev)
         s_d = scale.to(tdev)
         b_d = None if bias is None else bias.to(tdev)
         w = Int8Weights(q_d, s_d, row_scales(s_d, q.shape[0]), b_d, bool(convrot), int(group_size))

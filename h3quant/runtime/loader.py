@@ -19,20 +19,26 @@ import torch
 
 from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
 from h3quant.findings import Severity
+from h3quant.formats import registry, rules
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.dtypes import FLOAT_DTYPES
 from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats import registry, rules
 from h3quant.formats.markers import QuantFormat
 from h3quant.formats.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
+_KN = QuantFormat.INT8_TENSORWISE_KN
+_INT8 = (QuantFormat.INT8_TENSORWISE, _KN)  # one math, two layouts
 
 
 
 @dataclass
 class LoadedLayer:
-    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged."""
+    """One layer as stored: ``tensors`` are the file's tensors (marker excluded), unchanged.
+
+    An ``int8_tensorwise_kn`` layer keeps its ``[K, N]`` weight as stored; its int8 grid is the
+    ``[N, K]`` ``.t()`` view of it (no copy), so every consumer sees one int8 math.
+    """
 
     name: str
     tensors: dict[str, torch.Tensor]
@@ -62,12 +68,23 @@ class LoadedLayer:
         return self.tensors.get("bias")
 
     @property
+    def is_int8(self) -> bool:
+        """int8_tensorwise in either layout (canonical [N, K] or the NPU's [K, N])."""
+        return self.format in _INT8
+
+    @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return int(self._logical_shape()[0])
 
     @property
     def in_features(self) -> int:
-        return self.codec.logical_k(int(self.weight.shape[-1]), self.fields)
+        return int(self._logical_shape()[1])
+
+    def _logical_shape(self) -> tuple[int, int]:
+        shape = tuple(self.weight.shape)
+        if len(shape) != 2:
+            return shape[0], shape[-1]
+        return self.codec.logical_shape(shape, self.fields)
 
     @property
     def convrot(self) -> bool:

@@ -18,9 +18,17 @@ pertoken_scale (+ float bias)``, or ``(acc + int32 bias) * ...``, cast to ``outp
 no ``pertoken_scale`` and no ``offset`` allowed, ``scale`` still required (1-D float32 of 1 or N
 values) and NOT applied -- the rule as simulated here; callers pass ones so that the result
 is the exact int32 sum either way.
+``npu_format_cast(t, acl_format)``: ND (2) <-> FRACTAL_NZ (29) of a 2-D tensor on the NPU; for
+int8 NZ the last two dims must be multiples of 16 and 32 (h3quant's contract: an unaligned weight
+stays ND, so the simulation refuses instead of padding as the real op does); a non-contiguous
+input is first made contiguous (logged as a copy, as the real op does internally); the result is
+a new tensor tagged ``npu_format = 29`` (logged as a ``format_cast`` of its bytes) holding the
+same values: the real op reorders them into 16 x 32 fractal tiles, which only the device sees.
+``get_npu_format(t)`` returns that tag (2 = ND). ``npu_quant_matmul`` takes ``x2`` in either
+format, as the real op does.
 Not simulated (raise NotImplementedError): batched (> 2-D) operands, int4/int32 packing, int64
-scales from ``npu_trans_quant_param``, ``group_index``, FRACTAL_NZ formats; hardware rounding
-details of the real kernels (e.g. reciprocal multiply) and the per-chip limits.
+scales from ``npu_trans_quant_param``, ``group_index``, formats other than ND / FRACTAL_NZ;
+hardware rounding details of the real kernels (e.g. reciprocal multiply) and the per-chip limits.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ from h3quant.runtime.tp.group import Collectives
 from h3quant.testing.simdevice import SimulatedDevice, SimTensor, Simulation, live_torch_version
 
 _HALF = (torch.float16, torch.bfloat16)
+ACL_FORMAT_ND = 2
+ACL_FORMAT_FRACTAL_NZ = 29
+# FRACTAL_NZ tile (rows, cols) of the last two dims, per dtype (int8 tiles are 16 x 32).
+_NZ_TILE = {torch.int8: (16, 32), torch.float16: (16, 16), torch.bfloat16: (16, 16)}
 
 
 class SimulatedTorchNpu(types.ModuleType):
@@ -82,6 +94,39 @@ class SimulatedTorchNpu(types.ModuleType):
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             y = torch.round(xf / safe.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
         return SimTensor(y, x.device), SimTensor(scale, x.device)
+
+    def get_npu_format(self, t) -> int:
+        """The storage format of a tensor on the NPU (2 = ND, 29 = FRACTAL_NZ)."""
+        self._on_npu("get_npu_format", t=t)
+        return getattr(t, "npu_format", ACL_FORMAT_ND)
+
+    def npu_format_cast(self, t, acl_format: int):
+        """A copy of ``t`` in storage format ``acl_format`` (ND or FRACTAL_NZ); see the module
+        docstring for the simulated alignment rules."""
+        op = "npu_format_cast"
+        self._on_npu(op, t=t)
+        if acl_format not in (ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ):
+            raise NotImplementedError(f"{op}: format {acl_format} is not simulated (2 ND, 29 NZ)")
+        if acl_format == getattr(t, "npu_format", ACL_FORMAT_ND):
+            return t
+        if acl_format == ACL_FORMAT_FRACTAL_NZ:
+            if t.dim() != 2:
+                raise NotImplementedError(f"{op}: only 2-D tensors are simulated for FRACTAL_NZ")
+            tile = _NZ_TILE.get(t.dtype)
+            if tile is None:
+                raise RuntimeError(f"{op}: FRACTAL_NZ of {t.dtype} is not supported")
+            if t.shape[0] % tile[0] or t.shape[1] % tile[1]:
+                raise RuntimeError(f"{op}: {t.dtype} [{t.shape[0]}, {t.shape[1]}] is not aligned "
+                                   f"to the FRACTAL_NZ tile {tile[0]} x {tile[1]}")
+        self.calls.append(op)
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous():
+            self._sim._log("copy", f"torch_npu.{op}:contiguous", True, nbytes)
+        with self._sim.kernel(f"torch_npu.{op}"):
+            out = SimTensor(t.inner.contiguous().clone(), t.device)  # a new device buffer
+        self._sim._log("format_cast", f"torch_npu.{op}", True, nbytes)
+        out.npu_format = acl_format
+        return out
 
     def npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
                          output_dtype=None):

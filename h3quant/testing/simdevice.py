@@ -67,9 +67,19 @@ def unwrap(t):
 
 @dataclass(frozen=True)
 class SimEvent:
-    kind: str  # "op", "to_device", "to_cpu", "cpu_fallback", "kernel"
+    kind: str  # "op", "to_device", "to_cpu", "cpu_fallback", "kernel", "copy", "format_cast"
     name: str
     on_device: bool = False
+    nbytes: int = 0  # bytes moved or copied (copy events: to_device, to_cpu, copy, format_cast)
+
+
+# aten ops that copy tensor data on the device (logged as "copy" events besides "op").
+COPY_OPS = frozenset({"aten::clone", "aten::_to_copy", "aten::copy_", "aten::contiguous"})
+COPY_KINDS = ("to_device", "to_cpu", "copy", "format_cast")
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _as_device(d) -> torch.device | None:
@@ -153,6 +163,11 @@ class SimulatedDevice:
     def of_kind(self, kind: str) -> list[SimEvent]:
         return [e for e in self.events if e.kind == kind]
 
+    def copies(self, min_bytes: int = 0) -> list[SimEvent]:
+        """Every logged data copy (host<->device moves, on-device copies, format casts) of at
+        least ``min_bytes`` bytes, in order."""
+        return [e for e in self.events if e.kind in COPY_KINDS and e.nbytes >= min_bytes]
+
     @contextmanager
     def kernel(self, name: str) -> Iterator[None]:
         """Log one simulated device kernel and run its CPU body unlogged."""
@@ -184,9 +199,9 @@ class SimulatedDevice:
         self._modes = []
 
     # -- internals ----------------------------------------------------------------------------
-    def _log(self, kind: str, name: str, on_device: bool) -> None:
+    def _log(self, kind: str, name: str, on_device: bool, nbytes: int = 0) -> None:
         if not self._quiet:
-            self.events.append(SimEvent(kind, name, on_device))
+            self.events.append(SimEvent(kind, name, on_device, nbytes))
 
     def _wrap(self, out):
         return tree_map(lambda t: SimTensor(t, self.device) if isinstance(t, torch.Tensor) else t, out)
@@ -203,11 +218,11 @@ class SimulatedDevice:
                 target = _as_device(a)
         on_dev = isinstance(src, SimTensor)
         if target is not None and target.type == self.kind and not on_dev:
-            self._log("to_device", "Tensor.to", True)
+            self._log("to_device", "Tensor.to", True, _nbytes(src))
             data = src.detach().to(dtype=dtype or src.dtype, copy=True)
             return SimTensor(data, self.device)
         if target is not None and target.type == "cpu" and on_dev:
-            self._log("to_cpu", "Tensor.to", True)
+            self._log("to_cpu", "Tensor.to", True, _nbytes(src))
             return src.inner.to(dtype=dtype or src.dtype, copy=True)
         if target is not None and target.type == self.kind and on_dev:
             return src if dtype in (None, src.dtype) else func(src, dtype)
@@ -227,7 +242,8 @@ class SimulatedDevice:
         if name == "copy_":
             dst, src = args[0], args[1]
             if isinstance(src, SimTensor) != isinstance(dst, SimTensor):
-                self._log("to_cpu" if isinstance(src, SimTensor) else "to_device", "Tensor.copy_", True)
+                self._log("to_cpu" if isinstance(src, SimTensor) else "to_device", "Tensor.copy_",
+                          True, _nbytes(src))
         else:
             self._mixing_check(tree_leaves((args, kwargs)), f"Tensor.{name}")
         if name in _HOST_READS:
@@ -251,10 +267,12 @@ class SimulatedDevice:
         if name == "aten::copy_" and has_sim and not all(isinstance(t, SimTensor) for t in args[:2]):
             dst, src = args[0], args[1]
             kind = "to_cpu" if isinstance(src, SimTensor) else "to_device"
-            self._log(kind, name, True)
+            self._log(kind, name, True, _nbytes(src))
             unwrap(dst).copy_(unwrap(src))
             return dst
         self._log("op", name, on_dev or to_dev)
+        if has_sim and name in COPY_OPS:
+            self._log("copy", name, True, _nbytes(args[0]) if args else 0)
         if has_sim:
             self._mixing_check(leaves, name)
             if name == "aten::_local_scalar_dense":  # .item(), bool(t): a device-to-host read
@@ -271,7 +289,7 @@ class SimulatedDevice:
             kwargs = {**kwargs, "device": torch.device("cpu")}
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         if name == "aten::_to_copy" and has_sim and target is not None and target.type == "cpu":
-            self._log("to_cpu", name, True)
+            self._log("to_cpu", name, True, _nbytes(args[0]))
             return out
         return self._wrap(out) if (has_sim or to_dev) else out
 

@@ -50,11 +50,19 @@ class Codec:
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
+    layout: str = "canonical"  # "npu": a pre-transposed layout of the codec named ``canonical``
+    canonical: str | None = None  # for a layout variant: the codec it re-lays out
+    transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
+    column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
 
     # ------------------------------------------------------------------ header-level knowledge
     def logical_k(self, cols: int, fields: dict | None) -> int:
         """Logical input width K of a stored weight with ``cols`` columns."""
         return cols
+
+    def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
+        """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
+        return shape[0], self.logical_k(shape[1], fields)
 
     def uses_convrot(self, fields: dict | None) -> bool:
         return self.always_convrot or bool(fields and fields.get("convrot"))

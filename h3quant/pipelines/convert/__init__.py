@@ -83,7 +83,9 @@ def _mb(n: int) -> str:
 def render_plan(d: dict) -> str:
     """Human-readable plan (or report): layers by action, copies, repairs, output size."""
     lines = [f"convert {d['input']} -> {d['output']}",
-             f"target {d['target']} (group size {d['group_size']}), preset {d['preset']}"
+             f"target {d['target']} (group size {d['group_size']})"
+             + (f", layout {d['layout']}" if d.get("layout", "canonical") != "canonical" else "")
+             + f", preset {d['preset']}"
              + (" (H3 detected)" if d["h3"] else "")]
     by = {}
     for lay in d["layers"]:

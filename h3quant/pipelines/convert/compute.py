@@ -9,6 +9,7 @@ for the error report.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
 from h3quant.formats import registry
 from h3quant.formats.dtypes import itemsize
+from h3quant.formats.int8_kn import RowTransposer
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
@@ -77,6 +79,9 @@ class SourceRows:
         row_names, whole_names = self.codec.source_tensors(self.f, self.t)
         self._rows = [self.t[n] for n in row_names]
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
+        # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
+        # the tensor (one layer's codes; mapped pages are dropped after the last row).
+        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -89,11 +94,15 @@ class SourceRows:
     def release(self, r0: int, r1: int) -> None:
         for info in self._rows:
             self.reader.release_rows(info, r0, r1)
+        if r1 >= self.lp.n:
+            for name in self._cols:
+                self.reader.release(self.t[name])
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)``: the stored float rows (no copy) or the dequantized fp32 rows."""
         rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
+        rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
@@ -129,13 +138,16 @@ def _check_finite(lp: LayerPlan, out: dict[str, torch.Tensor], r0: int) -> None:
 
 
 def _check_planned(lp: LayerPlan, out: dict[str, torch.Tensor], n: int,
-                   unrowed: tuple[str, ...]) -> None:
-    """The encoder returned exactly the planned tensors: ``n`` rows of each rowed one."""
+                   unrowed: tuple[str, ...], transposed: tuple[str, ...] = ()) -> None:
+    """The encoder returned exactly the planned tensors: ``n`` rows of each rowed one (of a
+    transposed one: ``n`` rows of its planned [K, N] transpose)."""
     planned = {e.name[len(lp.name) + 1:]: tuple(e.shape) for e in lp.produced.values()}
     planned.pop("comfy_quant", None)
 
     def fits(suffix: str) -> bool:
         got, want = tuple(out[suffix].shape), planned[suffix]
+        if suffix in transposed:
+            return got == (n, want[0])
         return got == want if suffix in unrowed else got == (n, *want[1:])
 
     if set(out) != set(planned) or not all(fits(sfx) for sfx in out):
@@ -172,13 +184,22 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
         src.release(r0, r1)
         return r0, r1, out
 
+    # pre-transposed outputs (the NPU layout): rows are gathered into slabs and written as
+    # columns of the [K, N] tensor, never holding the whole layer
+    transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
+                   for sfx in codec.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool):
-        _check_planned(lp, out, r1 - r0, codec.unrowed_outputs)
+        _check_planned(lp, out, r1 - r0, codec.unrowed_outputs, codec.transposed_outputs)
         if codec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():
-            sink.write_tensor(f"{lp.name}.{suffix}", tensor, r0 * _row_bytes(lp, suffix))
+            if suffix in transposers:
+                transposers[suffix].add(tensor)
+            else:
+                sink.write_tensor(f"{lp.name}.{suffix}", tensor, r0 * _row_bytes(lp, suffix))
         progress(sum(i.nbytes for i in src.used()) * (r1 - r0) // max(n, 1))
+    for t in transposers.values():
+        t.finish()
     if lp.marker is not None:
         sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
     return samples

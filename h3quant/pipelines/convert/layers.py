@@ -46,6 +46,7 @@ class LayerPlan:
     copies: list[CopyItem] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     reason: str | None = None
+    via: str = "encode"  # convert: encode | relayout | grid (see convert.relayout)
     notes: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
 
@@ -84,7 +85,15 @@ def logical_k(layer: Layer, fields: dict | None) -> int | None:
     w = layer.weight
     if w is None or len(w.shape) != 2:
         return None
-    return registry.logical_k(w.shape[1], fields)
+    return registry.logical_shape(w.shape, fields)[1]
+
+
+def logical_shape(layer: Layer, fields: dict | None) -> tuple[int, ...]:
+    """``(N, K)`` of a layer's 2-D weight (a kn weight is stored [K, N]); else its stored shape."""
+    w = layer.weight
+    if w is None or len(w.shape) != 2:
+        return tuple(w.shape) if w is not None else ()
+    return registry.logical_shape(w.shape, fields)
 
 
 def fit_error(layer: Layer, f: dict) -> str | None:

@@ -24,6 +24,8 @@ REPORT_SEED = 0
 # codes); "fast" is the butterfly rotation, equal to fp32 rounding (a few codes per million differ
 # by 1 from kitchen's) and about 1.7x faster to encode.
 ROTATIONS = ("exact", "fast")
+# Weight layouts of the int8 targets: canonical [N, K], or npu = int8_tensorwise_kn [K, N].
+LAYOUTS = ("canonical", "npu")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ConvertOptions:
     mmap: bool = True
     overwrite: bool = False
     rotation: str = "exact"  # int8 ConvRot: "exact" (bit-identical to comfy-kitchen) or "fast"
+    layout: str = "canonical"  # int8: "canonical" [N, K] or "npu" (int8_tensorwise_kn, [K, N])
     _patterns: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +57,11 @@ class ConvertOptions:
         if self.rotation not in ROTATIONS:
             raise ConvertError(f"--rotation must be one of {', '.join(ROTATIONS)}, "
                                f"got {self.rotation!r}")
+        if self.layout not in LAYOUTS:
+            raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
+            raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
+                               f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
         if self.workers is None:
             object.__setattr__(self, "workers", max(1, min(os.cpu_count() or 1, 8)))
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -74,8 +82,8 @@ class ConvertOptions:
 
     @property
     def codec(self) -> registry.Codec:
-        """The codec the target writes."""
-        return registry.target_codec(self.target)
+        """The codec the target writes (in the chosen layout)."""
+        return registry.with_layout(registry.target_codec(self.target), self.layout)
 
     @property
     def convrot(self) -> bool:
@@ -98,6 +106,8 @@ class ConvertOptions:
                 "exclude": list(self.exclude), "group_size": self.group_size}
         if self.rotation != "exact":
             body["rotation"] = self.rotation
+        if self.layout != "canonical":
+            body["layout"] = self.layout
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:

@@ -5,6 +5,7 @@ Nothing here reads tensor data except the tiny ``.comfy_quant`` markers.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +30,13 @@ from h3quant.pipelines.convert.layers import (
     LayerPlan,
     check_supported,
     empty_reason,
-    logical_k,
+    logical_shape,
     resolve_marker,
     same_target,
     skip_reason,
 )
 from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects
+from h3quant.pipelines.convert.relayout import conversion_via, describe_via
 
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
 PROVENANCE = ("h3quant.version", "h3quant.source", "h3quant.options")
@@ -82,6 +84,7 @@ class ConvertPlan:
         copies = self.all_copies()
         return {
             "input": str(self.src), "output": str(self.dst), "target": self.options.target,
+            "layout": self.options.layout,
             "preset": self.preset, "group_size": self.options.group_size, "h3": self.h3,
             "identity": self.identity,
             "counts": {a: len(self.layers_by(a)) for a in ("convert", "keep", "skip", "untouched")},
@@ -176,8 +179,7 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
                     and opts.filtered(layer.name))
     if not selected and not quantized:
         return None
-    k = logical_k(layer, res.fields)
-    shape = (w.shape[0], k) if k is not None else tuple(w.shape)
+    shape = logical_shape(layer, res.fields)
     lp = LayerPlan(layer.name, "untouched", registry.describe(res.fields, w.dtype), None, shape,
                    src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
     if selected:
@@ -216,6 +218,9 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
         lp.marker = marker_bytes(lp.out_fields)
         specs["comfy_quant"] = ("U8", (len(lp.marker),))
     lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
+    lp.via = conversion_via(lp.src_fields, codec, marker)
+    if describe_via(lp.via):
+        lp.notes.append(describe_via(lp.via))
     for suffix, info in lp.inputs.items():
         if suffix == "bias":
             lp.copies.append(CopyItem(info.name, info, Entry(info.name, info.dtype, info.shape)))
@@ -261,6 +266,29 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
             lp.notes.append(f"marker normalised to {lp.marker.decode()}")
 
 
+def _provenance(plan: ConvertPlan, src_meta: dict[str, str]) -> dict[str, str]:
+    """The provenance keys of an output file.
+
+    A pure relayout (every converted layer only changed layout, nothing was quantized) keeps the
+    input's provenance, with only the ``layout`` option changed: the codes are the ones that
+    conversion made, and canonical -> npu -> canonical gives back the input's bytes."""
+    converted = plan.layers_by("convert")
+    if converted and all(lp.via == "relayout" for lp in converted):
+        try:
+            options = json.loads(src_meta.get("h3quant.options", ""))
+        except json.JSONDecodeError:
+            options = None
+        if isinstance(options, dict) and all(k in src_meta for k in PROVENANCE):
+            options.pop("layout", None)
+            if plan.options.layout != "canonical":
+                options["layout"] = plan.options.layout
+            return {"h3quant.version": src_meta["h3quant.version"],
+                    "h3quant.source": src_meta["h3quant.source"],
+                    "h3quant.options": json.dumps(options, sort_keys=True)}
+    return {"h3quant.version": __version__, "h3quant.source": plan.src.name,
+            "h3quant.options": plan.options.provenance(plan.preset)}
+
+
 def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
     files = {sf.path.name: sf for sf in ckpt.files}
     shard_of = {}
@@ -278,9 +306,7 @@ def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
             meta.pop(HEADER_KEY, None)
             if plan.header_layers:
                 meta[HEADER_KEY] = header_metadata_value(plan.header_layers)
-            meta["h3quant.version"] = __version__
-            meta["h3quant.source"] = plan.src.name
-            meta["h3quant.options"] = plan.options.provenance(plan.preset)
+            meta.update(_provenance(plan, sf.metadata))
         plan.shards[fname] = ShardPlan(fname, meta)
     for home, entry in shard_of.values():
         plan.shards[home].entries.append(entry)

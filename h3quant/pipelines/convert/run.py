@@ -28,6 +28,7 @@ from h3quant.pipelines.convert.compute import SourceRows, copy_tensor, encode_la
 from h3quant.pipelines.convert.io import OffsetWriter, Reader, fsync_dir
 from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
 from h3quant.pipelines.convert.plan import ConvertPlan
+from h3quant.pipelines.convert.relayout import run_via
 from h3quant.pipelines.convert.report import layer_metrics, summarize
 
 
@@ -213,7 +214,10 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
     entry = lp.to_dict()
     try:
         if lp.action == "convert":
-            check_source_scales(lp, reader)
+            check_source_scales(lp, reader)  # validate --deep's rules, before any output
+        if lp.action == "convert" and lp.via != "encode":  # codes moved, not quantized
+            run_via(lp, reader, sinks, progress, opts.codec)
+        elif lp.action == "convert":
             src = CheckedRows(lp, reader)
             samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool)
             if opts.report:  # on a worker when there are any: overlaps the next layer

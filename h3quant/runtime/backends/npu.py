@@ -1,7 +1,11 @@
 """``npu``: Ascend, through ``torch_npu.npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
 
 ``aten::_int_mm`` must never be used on an NPU (it silently runs on the CPU). The weight operand is
-the ``[K, N]`` transpose view of the stored ``[N, K]`` int8 weight. ``npu_quant_matmul`` applies the
+``[K, N]``: for a canonical layer the ``w.t()`` view of the stored ``[N, K]`` weight (ND); for an
+``int8_tensorwise_kn`` layer (the runtime sees ``q`` as the ``[N, K]`` transpose view of a
+contiguous ``[K, N]`` tensor) the stored tensor itself, handed over as is, cast once at bind to
+FRACTAL_NZ when ``K % 16 == 0`` and ``N % 32 == 0``; the ND tensor is then released (the layer
+keeps only the NZ one, whose ``.t()`` view serves the dequantized fallback). ``npu_quant_matmul`` applies the
 weight scale, the per-token scale and the bias itself, so its output is final: no rescale here
 (seed failure 4 scaled twice). Admission failures dequantize ON the NPU and run ``F.linear`` there;
 nothing moves to the CPU.
@@ -12,8 +16,11 @@ nothing moves to the CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from h3quant.formats.int8_kn import NPU_MAX_N, NZ_FORMAT, nz_eligible
 from h3quant.runtime.backends.base import (
     Backend,
     DequantizedLinear,
@@ -41,6 +48,8 @@ def npu_layer_reasons(w: Int8Weights) -> list[str]:
         out.append(f"bias holds {w.bias.numel()} values, need N={n}")
     if w.convrot and k % w.group_size:
         out.append(f"ConvRot group {w.group_size} does not divide K={k}")
+    if n > NPU_MAX_N:
+        out.append(f"N={n} exceeds the op's {NPU_MAX_N} outputs per rank")
     return out
 
 
@@ -52,6 +61,19 @@ def npu_call_reasons(x: torch.Tensor) -> list[str]:
     if x.device.type != "npu":
         out.append(f"activation is on {x.device}, not npu")
     return out
+
+
+def weight_operand(q: torch.Tensor, torch_npu) -> tuple[torch.Tensor, str]:
+    """The ``[K, N]`` operand of ``npu_quant_matmul`` for int8 codes ``q`` seen as ``[N, K]``, and
+    its storage format: no copy of a canonical weight (its ``.t()`` view, ND); a pre-transposed
+    one as is, cast to FRACTAL_NZ when aligned (the only device-side relayout, done at bind)."""
+    kn = q.t()
+    if not kn.is_contiguous():
+        return kn, "ND (transposed view)"
+    n, k = q.shape
+    if nz_eligible(n, k) and hasattr(torch_npu, "npu_format_cast"):
+        return torch_npu.npu_format_cast(kn, NZ_FORMAT), "FRACTAL_NZ"
+    return kn, "ND"
 
 
 def npu_int32_matmul(torch_npu, q_x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -70,9 +92,11 @@ class _NpuRunner(Runner):
     name = "npu"
 
     def __init__(self, w: Int8Weights, device: Device, torch_npu, options: LinearOptions) -> None:
-        super().__init__(w, device)
         self.torch_npu = torch_npu
-        self.w_t = w.q.t()  # [K, N] view; ND format
+        self.w_t, self.weight_format = weight_operand(w.q, torch_npu)
+        if self.weight_format == "FRACTAL_NZ":  # drop the ND tensor: keep one copy, the NZ one
+            w = dataclasses.replace(w, q=self.w_t.t())
+        super().__init__(w, device)
         self.scale = w.scale_vec.to(torch.float32).contiguous()
         # Fallback for inputs the kernel refuses: dequantized on the NPU, per call.
         self.fallback = DequantizedLinear(w, options, resident=False)

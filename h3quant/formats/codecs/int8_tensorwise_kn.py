@@ -1,0 +1,85 @@
+"""``int8_tensorwise_kn``: int8_tensorwise pre-transposed for the NPU (FORMATS.md 9).
+
+Weight ``I8 [K, N]`` (exactly the transpose of the canonical codes), ``weight_scale F32 [N]``,
+optional bias; math, rotation and scales are int8_tensorwise's, so this codec is that codec with
+the weight stored the other way round. It has no ``convert --to`` target of its own: it is the
+``--layout npu`` form of the int8 targets (``layout_of``). The encoder returns canonical row
+chunks (``weight`` rows ``[n, K]``); ``transposed_outputs`` tells the writer to transpose them
+into the ``[K, N]`` tensor (``h3quant.formats.int8_kn.RowTransposer``).
+"""
+
+from __future__ import annotations
+
+from h3quant.formats.codecs.int8_tensorwise import NAME as CANONICAL_NAME
+from h3quant.formats.codecs.int8_tensorwise import Int8Tensorwise
+from h3quant.formats.rules import fit_error as rules_fit_error
+
+NAME = "int8_tensorwise_kn"
+
+
+class Int8TensorwiseKn(Int8Tensorwise):
+    name = NAME
+    description = ("int8_tensorwise pre-transposed for Ascend npu_quant_matmul: weight [K, N], "
+                   "scale [N]")
+    targets = ()
+    runtime_tensors = ("weight", "weight_scale")
+    runtime_required = ("weight", "weight_scale")
+    deep_scales = ("weight_scale",)
+    transposed_outputs = ("weight",)
+    column_sources = ("weight",)
+    layout = "npu"
+    canonical = CANONICAL_NAME
+
+    def describe(self, fields):
+        if fields and fields.get("convrot"):
+            return f"{NAME} convrot g={fields.get('convrot_groupsize', 256)}"
+        return NAME
+
+    def marker(self, target, group_size):
+        from h3quant.formats.int8_kn import kn_marker
+
+        return kn_marker(convrot=target.convrot, group_size=group_size)
+
+    def logical_shape(self, shape, fields):
+        k, n = shape
+        return n, k
+
+    def fit_error(self, layer, fields):
+        return rules_fit_error(NAME, layer, fields)
+
+    def same_target(self, layer, fields, marker):
+        convrot = bool(marker.get("convrot"))
+        return (fields["format"] == NAME and bool(fields.get("convrot")) == convrot
+                and (not convrot or fields.get("convrot_groupsize") == marker["convrot_groupsize"]))
+
+    def planned(self, n, k, marker):
+        return {"weight": ("I8", (k, n)), "weight_scale": ("F32", (n,))}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        if suffix == "weight" and dtype == "U8":
+            dtype = "I8"
+        return dtype, shape
+
+    def source_tensors(self, fields, tensors):
+        return ["weight_scale"], []
+
+    def decode_rows(self, rows, whole, fields):
+        # rows["weight"] is the [n, K] column slab of the stored [K, N] weight (see column_sources)
+        return super().decode_rows(rows, whole, fields)
+
+    def encode(self, w, marker, method):
+        out = super().encode(w, marker, method)
+        out["weight_scale"] = out["weight_scale"].reshape(-1)
+        return out
+
+    def report_grid(self, out, marker):
+        return super().report_grid(out, marker)
+
+    def int8_grid(self, tensors, fields):
+        import torch
+
+        q = tensors["weight"].t()  # [N, K] view of the stored [K, N]: no copy
+        return q, tensors["weight_scale"].to(torch.float32).reshape(-1)
+
+
+CODEC = Int8TensorwiseKn()
