@@ -263,6 +263,10 @@ class SafetensorsFile:
         return b"".join(parts)
 
     # -- data access -------------------------------------------------------------------------
+    def fileno(self) -> int:
+        """The open file's descriptor (for kernel-side copies of tensor bytes)."""
+        return self._fh.fileno()
+
     def _map(self) -> mmap.mmap:
         if self._mm is None:
             # ACCESS_COPY: a private writable mapping, so torch.frombuffer needs no copy and no

@@ -111,14 +111,40 @@ class OffsetWriter:
             while mv.nbytes:
                 n = os.pwrite(fd, mv, pos)
                 mv, pos = mv[n:], pos + n
-                with self._lock:
-                    self._done[name] += n
-                    self._unflushed += n
-                    if self._unflushed >= FLUSH_BYTES:
-                        self._unflushed = 0
-                        self._flush_wanted.set()
+                self._account(name, n)
         finally:
             self._leave_fd()
+
+    def copy_range(self, name: str, start: int, src_fd: int, src_pos: int, length: int) -> int:
+        """Copy up to ``length`` bytes at ``src_pos`` of ``src_fd`` to byte ``start`` of tensor
+        ``name`` inside the kernel (one ``os.copy_file_range``: no user-space copy, no page
+        faults on a mapping). Returns the bytes copied (> 0); raises OSError where the kernel
+        or filesystem cannot, having copied nothing (the caller then copies through memory)."""
+        size = self._sizes.get(name)
+        if size is None:
+            raise ContainerError("tensor is not in the planned layout", path=self.path, tensor=name)
+        if start < 0 or length <= 0 or start + length > size:
+            raise ContainerError(f"bytes [{start}, {start + length}) fall outside the planned "
+                                 f"{size}", path=self.path, tensor=name)
+        pos = self._base + self.layout.offsets[name][0] + start
+        fd = self._enter_fd()
+        try:
+            n = os.copy_file_range(src_fd, fd, length, src_pos, pos)
+            if n <= 0:  # the source ended early: the file changed under us
+                raise ContainerError(f"source ended at byte {src_pos} while copying",
+                                     path=self.path, tensor=name)
+            self._account(name, n)
+            return n
+        finally:
+            self._leave_fd()
+
+    def _account(self, name: str, n: int) -> None:
+        with self._lock:
+            self._done[name] += n
+            self._unflushed += n
+            if self._unflushed >= FLUSH_BYTES:
+                self._unflushed = 0
+                self._flush_wanted.set()
 
     def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
         t = tensor.detach().contiguous()
@@ -226,9 +252,14 @@ class Reader:
             return self.ckpt.read(info.name)
         return self.rows(info, 0, info.shape[0])
 
-    def chunks(self, info: TensorInfo, chunk: int):
+    def source_range(self, info: TensorInfo) -> tuple[int, int]:
+        """(file descriptor, absolute byte offset) of a tensor's data, for kernel-side copies."""
         sf = self.ckpt.file_of(info.name)
-        for start in range(0, info.nbytes, chunk):
+        return sf.fileno(), info.begin
+
+    def chunks(self, info: TensorInfo, chunk: int, first: int = 0):
+        sf = self.ckpt.file_of(info.name)
+        for start in range(first, info.nbytes, chunk):
             length = min(chunk, info.nbytes - start)
             yield start, self._read(sf, info, start, length)
             self.release(info, start, length)

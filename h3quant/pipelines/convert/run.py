@@ -50,6 +50,9 @@ class _Sinks:
     def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
         self._by_name[name].write_tensor(name, tensor, start)
 
+    def copy_range(self, name: str, start: int, src_fd: int, src_pos: int, length: int) -> int:
+        return self._by_name[name].copy_range(name, start, src_fd, src_pos, length)
+
 
 def check_source_scales(lp, reader) -> None:
     """Refuse a source layer whose scales break ``validate --deep``'s rules (NaN, infinite,
