@@ -171,7 +171,8 @@ def test_input_truncated_while_converting_is_a_clear_error(src, tmp_path, monkey
         return real(plan, ckpt, out, **kw)
 
     monkeypatch.setattr("h3quant.pipelines.convert.run_plan", shrink_then_run)
-    with pytest.raises(ContainerError, match="changed size while being read"):
+    # the mapped reads check the size; the kernel-side copy sees the early end of the source
+    with pytest.raises(ContainerError, match="changed size while being read|source ended"):
         convert(src, tmp_path / "o.safetensors", ConvertOptions(report=False, workers=1))
     assert names(tmp_path) == ["in.safetensors"]
 
