@@ -244,3 +244,20 @@ def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
     r = verify_checkpoint(bad, device="cpu", tokens=8, blocks=[0])
     rows = {c.name: c for c in r.data if c.check == "row-range"}
     assert not rows["blocks.0.attn.out_proj"].passed
+
+
+def test_a_tensorwise_scale_is_repeated_per_column_for_kn(tmp_path):
+    """A true tensorwise int8 layer (one scale []) relays out to kn with that scale on all N
+    columns: same codes, same values, no requantization."""
+    from forge import int8_layer, save
+
+    t = int8_layer("lin", n=48, k=64, scale_shape=(), marker={"format": "int8_tensorwise"})
+    src = save(tmp_path / "tw.safetensors", t)
+    out = tmp_path / "tw_kn.safetensors"
+    report = convert(src, out, ConvertOptions(target="int8", layout="npu"))
+    assert report["layers"][0]["action"] == "convert"
+    got, meta, header = _layers(out)
+    assert header["lin.weight"] == ("I8", (64, 48)) and header["lin.weight_scale"] == ("F32", (48,))
+    assert torch.equal(got["lin.weight"], t["lin.weight"].t())
+    assert torch.equal(got["lin.weight_scale"], t["lin.weight_scale"].expand(48))
+    assert parse_header_metadata(meta)["lin"] == {"format": "int8_tensorwise_kn"}
