@@ -61,19 +61,13 @@ class Int8TensorwiseKn(Int8Tensorwise):
         return dtype, shape
 
     def source_tensors(self, fields, tensors):
+        # the weight is read through column_sources: layer rows are columns of [K, N]
         return ["weight_scale"], []
-
-    def decode_rows(self, rows, whole, fields):
-        # rows["weight"] is the [n, K] column slab of the stored [K, N] weight (see column_sources)
-        return super().decode_rows(rows, whole, fields)
 
     def encode(self, w, marker, method):
         out = super().encode(w, marker, method)
         out["weight_scale"] = out["weight_scale"].reshape(-1)
         return out
-
-    def report_grid(self, out, marker):
-        return super().report_grid(out, marker)
 
     def int8_grid(self, tensors, fields):
         import torch
