@@ -29,6 +29,7 @@ from h3quant.pipelines.convert.layers import (
     CopyItem,
     LayerPlan,
     check_supported,
+    empty_reason,
     logical_shape,
     resolve_marker,
     same_target,
@@ -183,7 +184,8 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
                    src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
     if selected:
         check_supported(layer, res.fields)
-        lp.reason = skip_reason(layer, res.fields, opts) if opts.codec.quantized else None
+        lp.reason = (skip_reason(layer, res.fields, opts) if opts.codec.quantized
+                     else empty_reason(layer))
         if lp.reason:
             lp.action = "skip"
         elif quantized and same_target(layer, res.fields, opts):
