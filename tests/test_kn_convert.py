@@ -219,3 +219,45 @@ def test_cli_layout_npu_and_dry_run(files, tmp_path):
     again = tmp_path / "again.safetensors"
     report = convert(out, again, ConvertOptions(layout="npu"))
     assert report["counts"]["keep"] == 8 and filecmp.cmp(again, out, shallow=False)
+
+
+def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
+    """Its rows peak in [96, 127] like W4A8's (not at 127 like freshly encoded int8): verify's
+    reference-free checks take that, in both layouts; scales off by 2 still fail."""
+    from h3quant.formats.writer import save_tensors
+    from h3quant.pipelines.verify import verify_checkpoint
+
+    w4 = tmp_path / "w4.safetensors"
+    convert(files["src"], w4, ConvertOptions(target="w4a8", include=("blocks\\.0\\.attn\\.out",)))
+    for layout in ("canonical", "npu"):
+        out = tmp_path / f"grid_{layout}.safetensors"
+        convert(w4, out, ConvertOptions(layout=layout, include=("blocks\\.0\\.attn\\.out",)))
+        r = verify_checkpoint(out, device="cpu", tokens=8, blocks=[0])
+        rows = [c for c in r.data if c.check == "row-range"]
+        assert rows and all(c.passed for c in rows), r.failures
+    t, meta, _ = _layers(tmp_path / "grid_canonical.safetensors")
+    t["blocks.0.attn.out_proj.weight_scale"] = t["blocks.0.attn.out_proj.weight_scale"] * 2
+    t["blocks.0.attn.out_proj.weight"] = (t["blocks.0.attn.out_proj.weight"].to(torch.int16)
+                                          // 2).to(torch.int8)  # codes halved to match
+    bad = tmp_path / "halved.safetensors"
+    save_tensors(bad, t, meta)
+    r = verify_checkpoint(bad, device="cpu", tokens=8, blocks=[0])
+    rows = {c.name: c for c in r.data if c.check == "row-range"}
+    assert not rows["blocks.0.attn.out_proj"].passed
+
+
+def test_a_tensorwise_scale_is_repeated_per_column_for_kn(tmp_path):
+    """A true tensorwise int8 layer (one scale []) relays out to kn with that scale on all N
+    columns: same codes, same values, no requantization."""
+    from forge import int8_layer, save
+
+    t = int8_layer("lin", n=48, k=64, scale_shape=(), marker={"format": "int8_tensorwise"})
+    src = save(tmp_path / "tw.safetensors", t)
+    out = tmp_path / "tw_kn.safetensors"
+    report = convert(src, out, ConvertOptions(target="int8", layout="npu"))
+    assert report["layers"][0]["action"] == "convert"
+    got, meta, header = _layers(out)
+    assert header["lin.weight"] == ("I8", (64, 48)) and header["lin.weight_scale"] == ("F32", (48,))
+    assert torch.equal(got["lin.weight"], t["lin.weight"].t())
+    assert torch.equal(got["lin.weight_scale"], t["lin.weight_scale"].expand(48))
+    assert parse_header_metadata(meta)["lin"] == {"format": "int8_tensorwise_kn"}

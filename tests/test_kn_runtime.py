@@ -173,3 +173,54 @@ def test_verify_passes_on_kn_files_on_every_device(files, device):
     if device == "cpu":  # the same codes: the same numbers as the canonical file
         c = verify_checkpoint(files["canon"], reference=files["src"], device="cpu", tokens=TOKENS)
         assert [x.rel_err for x in r.layers] == [x.rel_err for x in c.layers]
+
+
+# ------------------------------------------------------------------------- verify --model
+
+
+def test_whole_model_on_a_kn_file_equals_the_canonical_file(files):
+    """The streamed H3 forward (verify --model) loads kn blocks as they are: on the CPU and on the
+    simulated NPU it computes exactly what it computes from the canonical file."""
+    from click.testing import CliRunner
+
+    from h3quant.cli import main
+    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+
+    small = ModelInputs(frames=1, height=4, width=4, audio_frames=4, text_tokens=6)
+    kn = verify_model(files["kn"], reference=files["src"], device="cpu", inputs=small)
+    canon = verify_model(files["canon"], reference=files["src"], device="cpu", inputs=small)
+    assert kn.passed, kn.failures
+    assert [o.sqnr_db for o in kn.outputs] == [o.sqnr_db for o in canon.outputs]
+    with simulated_npu() as sim:
+        npu = verify_model(files["kn"], reference=files["src"], device="npu", inputs=small,
+                           probe=sim.probe)
+        assert "npu_format_cast" in sim.extras["module"].calls
+        assert not sim.device.of_kind("cpu_fallback")
+    assert npu.passed, npu.failures
+    with simulated_npu() as sim:
+        npu_c = verify_model(files["canon"], reference=files["src"], device="npu", inputs=small,
+                             probe=sim.probe)
+    assert [o.sqnr_db for o in npu.outputs] == [o.sqnr_db for o in npu_c.outputs]
+    res = CliRunner().invoke(main, ["verify", str(files["kn"]), "--model", "--frames", "1",
+                                    "--height", "4", "--width", "4", "--audio-frames", "4",
+                                    "--text-tokens", "6"])
+    assert res.exit_code == 0, res.output
+
+
+def test_cuda_sends_kn_weights_to_torch_int8_not_to_kitchen():
+    """comfy-kitchen's CUDA kernels read a row-major [N, K]: a kn weight's view goes to
+    torch._int_mm (which takes the strides) instead, with the reason recorded."""
+    ck = pytest.importorskip("comfy_kitchen")
+    from h3quant.runtime.backends import select_backend
+    from h3quant.runtime.backends.base import Int8Weights
+    from h3quant.runtime.capabilities import INT_MM_OP, StaticProbe
+    from h3quant.runtime.devices import Device
+
+    q, s = quantize_weight(torch.randn(64, 256, generator=torch.Generator().manual_seed(3)))
+    probe = StaticProbe(cuda=True, cuda_cc=(8, 9), kitchen=ck,
+                        kernels=frozenset({(INT_MM_OP, "CUDA"), (INT_MM_OP, "CPU")}))
+    canon = Int8Weights(q, s, s.reshape(-1), None, True, 256)
+    kn = Int8Weights(q.t().contiguous().t(), s.reshape(-1), s.reshape(-1), None, True, 256)
+    assert select_backend(canon, Device("cuda"), probe).backend.name == "kitchen"
+    sel = select_backend(kn, Device("cuda"), probe)
+    assert sel.backend.name == "torch-int8" and "pre-transposed" in sel.rejected["kitchen"][0]

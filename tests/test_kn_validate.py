@@ -140,3 +140,23 @@ def test_a_plain_int8_reading_of_a_square_kn_layer_would_be_silently_wrong():
     right = decode_int8(q, s, convrot=True, group_size=256)
     assert wrong.shape == right.shape  # nothing complains ...
     assert ((wrong - right).norm() / right.norm()).item() > 0.5  # ... and the weight is wrong
+
+
+def test_header_only_commands_on_a_kn_file_do_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = save(tmp_path / "kn.safetensors", {**kn_layer("a", n=64, k=256),
+                                          **kn_layer("b", n=48, k=256, seed=1)})
+    code = ("import sys; from h3quant.pipelines.inspect import inspect_checkpoint; "
+            "from h3quant.pipelines.validate import validate_checkpoint; "
+            f"r = inspect_checkpoint({str(p)!r}, layers=True); "
+            f"v = validate_checkpoint({str(p)!r}); "
+            "assert [x['nz'] for x in r.layers] == [True, False], r.layers; "
+            "assert 'Q110' in {f.code for f in v.findings}; "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"

@@ -10,17 +10,20 @@ of mis-reading the transposed weight (for a square layer no shape check would ca
 ``buffer_bytes`` of input rows, transposes that slab and hands each output row's piece to a
 ``write(offset, bytes)`` callback. Memory is two slabs, whatever the tensor size, and every
 relayout (canonical -> kn, kn -> canonical, freshly encoded codes -> kn) goes through it.
-No devices, no files: pure tensor and byte work.
+No devices, no files: pure tensor and byte work. Importing this module does not import torch
+(inspect and validate read only headers); the transposer imports it when built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.convrot import check_group_size
 from h3quant.errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "int8_tensorwise_kn"
 CANONICAL = "int8_tensorwise"
@@ -117,6 +120,8 @@ class RowTransposer:
 
     def __init__(self, rows: int, cols: int, write: Callable[[int, memoryview], None], *,
                  buffer_bytes: int = TRANSPOSE_BYTES):
+        import torch
+
         if rows < 0 or cols < 0:
             raise FormatError(f"cannot transpose a [{rows}, {cols}] matrix")
         self.rows, self.cols, self._write = rows, cols, write
@@ -137,7 +142,7 @@ class RowTransposer:
         if self.rows_seen + block.shape[0] > self.rows:
             raise FormatError(f"{self.rows_seen + block.shape[0]} rows given for a "
                               f"[{self.rows}, {self.cols}] transpose")
-        block = block.view(torch.int8)
+        block = block.view(self._buf.dtype)
         pos = 0
         while pos < block.shape[0]:
             take = min(self.slab_rows - self._fill, block.shape[0] - pos)

@@ -57,5 +57,14 @@ class KitchenBackend(Backend):
             return Capability(False, (f"int8 kernels need SM >= 7.5, device reports {sm}",))
         return Capability(True)
 
+    def admit(self, w: Int8Weights, device: Device, probe: Probe) -> list[str]:
+        # kitchen's CUDA kernels take the weight's data pointer as a row-major [N, K]; the
+        # transpose view of a pre-transposed [K, N] weight (int8_tensorwise_kn) would be misread.
+        if not w.q.is_contiguous():
+            why = ("weight is the [N, K] view of a pre-transposed [K, N] tensor "
+                   "(int8_tensorwise_kn); kitchen's kernels read a contiguous [N, K]")
+            return [why]
+        return []
+
     def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
         return _KitchenRunner(w, device, probe.kitchen_module()[0])

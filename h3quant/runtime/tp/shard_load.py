@@ -7,6 +7,9 @@ are released so they do not linger in the rank's RSS). Per-row tensors (scales, 
 the rows of a column shard and are read whole for a K shard; codebooks and scalar scales are
 read whole. ``ShardReader.bytes_read`` counts what was read, so a test can check 1/N.
 
+An ``int8_tensorwise_kn`` weight is stored ``[K, N]``: its column shard is a column range and its
+row (K) shard a single contiguous byte range.
+
 The shard becomes a ``LoadedLayer`` whose tensors are the slices (its ``out_features`` /
 ``in_features`` are the shard's), so the runtime's own ``quantized_linear`` and ``int8_grid``
 work on it unchanged. The layer's marker and tensor set are checked exactly as ``load_layer``
@@ -90,6 +93,8 @@ def layer_shape(layer: Layer, role: str) -> LayerShape:
     align = 1
     if fields is not None:
         fmt = QuantFormat(fields["format"])
+        if fmt is QuantFormat.INT8_TENSORWISE_KN:
+            k, n = n, k  # stored [K, N]
         if fmt is QuantFormat.ASYM_W4A8_INT8:
             k *= 2
             align = int(fields.get("convrot_groupsize", 256))
@@ -104,10 +109,19 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     fields = layer.fields
     if fields is not None:
         _check_quantized(layer, fields, path)
-    w4 = fields is not None and QuantFormat(fields["format"]) is QuantFormat.ASYM_W4A8_INT8
+    fmt = QuantFormat(fields["format"]) if fields is not None else None
+    w4 = fmt is QuantFormat.ASYM_W4A8_INT8
     tensors = {}
     for suffix, info in layer.tensors.items():
         if suffix == "comfy_quant":
+            continue
+        if suffix == "weight" and fmt is QuantFormat.INT8_TENSORWISE_KN:
+            # stored [K, N]: a column shard is a column range, a row (K) shard one byte range
+            if isinstance(shard, ColumnShard):
+                parts = [reader.columns(info, r0, r1) for r0, r1 in shard.rows]
+                tensors[suffix] = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            else:
+                tensors[suffix] = reader.rows(info, ((shard.k0, shard.k1),))
             continue
         per_row = suffix in _ROW_TENSORS and len(info.shape) >= 1 and info.numel > 1
         if isinstance(shard, ColumnShard):
