@@ -195,6 +195,7 @@ def test_cli_verify_model_passes_and_reports_drift(mfiles):
     assert {o["name"] for o in doc["outputs"]} == {"hidden", "video", "audio"}
     assert all(o["sqnr_db"] >= 20 for o in doc["outputs"])
     assert doc["backends"] == {"torch-int8": 8}
+    assert any("computed once" in n for n in doc["notes"])  # identical float refiner tensors
 
 
 def test_cli_verify_model_depth_and_own_weights(mfiles):

@@ -40,7 +40,8 @@ def _run(args: list[str]) -> int:
               help="Device for the verify step (checked before any work).")
 @handle_errors
 def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None:
-    """Run synth -> convert (int8-convrot and w4a8) -> inspect -> validate -> verify.
+    """Run synth -> convert (int8-convrot and w4a8) -> inspect -> validate -> verify (per block,
+    then the whole model with --model).
 
     Real H3 weights cannot be downloaded here, so the demo makes an H3-shaped bf16 checkpoint with
     the real key names and dtypes (widths scaled down with --preset tiny), then runs every step a
@@ -77,6 +78,8 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
             ["validate", w4a8, "--deep"],
             ["verify", int8, "--reference", bf16, "--device", device],
             ["verify", w4a8, "--reference", bf16, "--device", device],
+            ["verify", int8, "--reference", bf16, "--model", "--device", device],
+            ["verify", w4a8, "--reference", bf16, "--model", "--device", device],
         ]
         failed = []
         for args in steps:

@@ -23,7 +23,8 @@ from h3quant.cli.common import (
 )
 
 _HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
-against a float reference, plus reference-free checks of the stored codes.
+against a float reference, plus reference-free checks of the stored codes; or (--model) the
+whole H3 forward.
 
 \b
 The reference is --reference (the BF16 checkpoint the file was made from) or, without it, the
@@ -52,6 +53,17 @@ Examples:
   h3quant verify h3_int8.safetensors
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --blocks 4
   h3quant verify model.safetensors.index.json --device npu --no-mmap --json
+
+\b
+The whole model (--model): the real H3 forward of CKPT (every block, streamed: one block in
+memory at a time) against the reference forward on the same seeded inputs (--frames --height
+--width --audio-frames --text-tokens --sigma --seed), interleaved block by block. Reports the
+video and audio output SQNR / relative error and the drift (hidden-state SQNR after each block).
+Passes when video, audio and the last hidden state reach SQNR >= 20 dB (int8) or >= 8 dB (any
+W4A8 layer). --depth N runs the first N blocks only (the final layer is skipped); --plot FILE.png
+draws the drift (needs matplotlib: pip install 'h3quant[plot]').
+  h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --model
+  h3quant verify h3_int8.safetensors --model --depth 8 --plot drift.png --json
 
 \b
 Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the

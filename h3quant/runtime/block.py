@@ -111,9 +111,12 @@ class FloatLinear(nn.Module):
             return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
         step = max(1, CHUNK_ELEMS // k)
+        buf = torch.empty((min(step, n), k), dtype=x.dtype, device=x.device)
         for r0 in range(0, n, step):
+            chunk = buf[:min(step, n - r0)]
+            chunk.copy_(w[r0:r0 + step])  # into a reused buffer: no fresh pages per chunk
             bb = None if b is None else b[r0:r0 + step].to(x.dtype)
-            out[..., r0:r0 + step] = F.linear(x, w[r0:r0 + step].to(x.dtype), bb)
+            out[..., r0:r0 + step] = F.linear(x, chunk, bb)
         return out
 
 
@@ -152,9 +155,11 @@ class DequantLinear(nn.Module):
         n, k = self.q.shape
         out = torch.empty((*x.shape[:-1], n), dtype=torch.float32, device=x.device)
         step = max(1, CHUNK_ELEMS // k)
+        buf = torch.empty((min(step, n), k), dtype=torch.float32, device=x.device)
         for r0 in range(0, n, step):
-            out[..., r0:r0 + step] = F.linear(xf, self.q[r0:r0 + step].float()) \
-                * self.s[r0:r0 + step].float()
+            chunk = buf[:min(step, n - r0)]
+            chunk.copy_(self.q[r0:r0 + step])
+            out[..., r0:r0 + step] = F.linear(xf, chunk) * self.s[r0:r0 + step].float()
         if self.bias is not None:
             out += self.bias.float()
         return out.to(x.dtype)

@@ -249,8 +249,16 @@ class H3Model:
             self._advise(prefix, "release_pages")
         return rms_norm(x, self.final_norm) if self.final_norm is not None else x
 
-    def start(self, video, audio, text, sigma: float) -> ModelState:
-        """Embeddings, text refiner and conditioning: the state before block 0."""
+    def text_tensors(self) -> list[str]:
+        """Names of the tensors the text path reads (condition_proj, refiner, final_norm)."""
+        p = self.prefix
+        return sorted(n for n in self.ckpt.tensors
+                      if n.startswith((p + "condition_proj.", p + "token_refiner.")))
+
+    def start(self, video, audio, text, sigma: float, *, text_embed=None) -> ModelState:
+        """Embeddings, text refiner and conditioning: the state before block 0.
+        ``text_embed``: the [L, hidden] refined text already computed (e.g. by another model
+        with identical float text tensors and the same device and dtype)."""
         self._check_inputs(video, audio, text)
         ts = Timesteps.from_sigma(sigma)
         dtype = text.dtype
@@ -258,7 +266,8 @@ class H3Model:
             rows, (t, h, w) = patchify_video(video)
             layout = PackedLayout.t2va(int(text.shape[1]), t, h, w, int(audio.shape[3]))
             self._advise(f"{self.prefix}blocks.{self.blocks[0]}", "prefetch")
-            txt = self.embed_text(text, dtype)
+            txt = self.embed_text(text, dtype) if text_embed is None \
+                else text_embed.to(device=self.tdev, dtype=dtype)
             v = torch.nn.functional.linear(rows.to(self.tdev), *self.video_proj).to(dtype)
             a = torch.nn.functional.linear(pack_audio(audio).to(self.tdev),
                                            *self.audio_proj).to(dtype)
