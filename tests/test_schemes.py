@@ -59,7 +59,11 @@ def test_registry_covers_every_format_and_supported_flags():
 
 @pytest.mark.parametrize("shape", [[8, 1], [], [8], [1]])
 def test_int8_legal_scale_shapes(shape):
-    assert _codes(_layer(_int8(scale=("F32", shape)), INT8)) == []
+    plain = {"format": "int8_tensorwise"}
+    assert _codes(_layer(_int8(scale=("F32", shape)), plain)) == []
+    # ConvRot layers are per-row: a single scale is refused (by verify and convert too)
+    expect = ["Q103"] if shape in ([], [1]) else []
+    assert _codes(_layer(_int8(scale=("F32", shape)), INT8)) == expect
 
 
 def test_int8_with_bias_and_input_scale_is_legal():
@@ -238,8 +242,9 @@ def _save_int8(tmp_path, **kw):
     return save(tmp_path / "s.safetensors", int8_layer("blocks.0.mlp.fc2", **kw))
 
 
-@pytest.mark.parametrize("kw", [{}, {"scale_shape": ()}, {"scale_shape": (8,)},
-                                {"bias": True}], ids=["per-row", "scalar", "flat", "bias"])
+@pytest.mark.parametrize("kw", [{}, {"scale_shape": (), "marker": {"format": "int8_tensorwise"}},
+                                {"scale_shape": (8,)}, {"bias": True}],
+                         ids=["per-row", "scalar", "flat", "bias"])
 def test_cli_int8_legal(tmp_path, kw):
     res, doc = validate(_save_int8(tmp_path, **kw), "--deep")
     assert res.exit_code == 0, doc["findings"]

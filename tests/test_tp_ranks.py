@@ -73,15 +73,21 @@ def _npu_rank(ctx):
         assert "npu_quant_matmul" in calls, calls
 
 
-def test_simulated_npu_inside_each_rank(files):
+@pytest.mark.parametrize("mode", ["shared", "per-rank"])
+def test_simulated_npu_inside_each_rank(files, mode):
     from h3quant.testing.sim_npu import SimNpuCollectives
 
-    res = verify_tp(files["int8"], tp=2, device="cpu", blocks=1, tokens=8, start_method="fork",
-                    timeout_s=60, rank_setup=_npu_rank, comm_cls=SimNpuCollectives)
+    res = verify_tp(files["int8"], tp=2, scale_mode=mode, device="cpu", blocks=1, tokens=8,
+                    start_method="fork", timeout_s=60, rank_setup=_npu_rank,
+                    comm_cls=SimNpuCollectives)
     assert res.passed, res.failures
     assert res.device.startswith("npu")
     backends = {c.what: c.backend for c in res.checks}
     assert backends["attn.qkv_proj"] == "npu"  # column-parallel: the device's own int8 op
+    if mode == "per-rank":  # each rank: npu_dynamic_quant + npu_quant_matmul on its K slice
+        assert backends["attn.out_proj"] == "tp-row(per-rank, npu)"
+        assert any(c.rel_l2 > 0 for c in res.checks if c.parallel == "row")
+        return
     assert backends["attn.out_proj"] == "tp-row(shared, int32)"  # npu_quant_matmul int32 out
     # the tp=1 NPU reference vs the runtime's single-NPU block: the runtime lets the op round
     # to bf16 inside; the tp path sums int32 and scales in fp32 -> a small, reported difference

@@ -9,7 +9,7 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=1)
 def tp_files() -> dict[str, Path]:
-    """tiny preset, 1 block: BF16 source, int8 ConvRot and W4A8 conversions."""
+    """tiny preset, 1 block: BF16 source, int8 ConvRot (canonical and kn layouts) and W4A8."""
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.synth import synth_checkpoint
 
@@ -21,4 +21,6 @@ def tp_files() -> dict[str, Path]:
     for key, target in (("int8", "int8-convrot"), ("w4a8", "w4a8")):
         out[key] = d / f"{key}.safetensors"
         convert(bf16, out[key], ConvertOptions(target=target, report=False))
+    out["kn"] = d / "kn.safetensors"  # the NPU layout: int8 weights stored [K, N]
+    convert(out["int8"], out["kn"], ConvertOptions(layout="npu", report=False))
     return out

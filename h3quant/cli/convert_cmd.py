@@ -24,7 +24,7 @@ _TARGETS = tuple(registry.targets())
 def _group_size(ctx, param, value):
     from h3quant.convrot import is_valid_group_size
 
-    if value is not None and not is_valid_group_size(value):
+    if value is not None and (not is_valid_group_size(value) or value > 1024):
         raise click.BadParameter(f"{value} is not a power of 4 in 4..1024 (4, 16, 64, 256, 1024)")
     return value
 
@@ -112,13 +112,15 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=not quiet and sys.stderr.isatty(), log=say,
                        report_path=report_path)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.atomic.Terminated)
         # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
         # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
-        log("h3quant: interrupted (nothing written)")
+        code = getattr(exc, "exit_code", 130)
+        what = "interrupted" if code == 130 else f"terminated by signal {code - 128}"
+        log(f"h3quant: {what} (nothing written)")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(code)
     if as_json:
         emit_json(report)
     if not quiet:

@@ -25,7 +25,7 @@ def render_tp(res) -> str:
     total = max(res.linear_bytes, 1)
     rows = [[r.rank, _mib(r.bytes_read), f"{r.bytes_read / total:.3f}", _mib(r.bytes_held),
              _mib(r.peak_rss)] for r in res.ranks]
-    out.append(format_table(["rank", "linears read MiB", "share of file", "held MiB (1 block)",
+    out.append(format_table(["rank", "linears read MiB", "share of linears", "held MiB (1 block)",
                              "peak RSS MiB"], rows, {1, 2, 3, 4}))
     out.append("")
     for note in res.notes:

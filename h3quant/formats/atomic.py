@@ -361,6 +361,11 @@ class Outputs:
 
     def _place(self, item: _Item) -> None:
         # re-check at the last moment: the path may have changed while we worked
+        if not self.overwrite and os.path.lexists(item.target) and not (
+                item.directory and os.path.isdir(item.target) and not os.listdir(item.target)):
+            raise OutputError(f"the {item.what} appeared while this run was writing (another "
+                              "run?); nothing was written; pass --overwrite to replace it",
+                              path=item.target)
         check_output(item.target, directory=item.directory, overwrite=self.overwrite,
                      inputs=self.inputs, what=item.what)
         stage = item.staged.parent

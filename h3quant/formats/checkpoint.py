@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,12 +9,29 @@ from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding
-from h3quant.formats.container import SafetensorsFile, TensorInfo, raise_first_error
+from h3quant.formats import jsonsafe
+from h3quant.formats.container import (
+    SafetensorsFile,
+    TensorInfo,
+    open_input,
+    raise_first_error,
+)
 
 if TYPE_CHECKING:
     import torch
 
 INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # a 50 000-tensor index is ~4 MB
+
+
+def _inside(root: Path, fname: str) -> bool:
+    """A shard name from an index: one plain path component, resolving inside ``root``."""
+    if not fname or "\0" in fname or "/" in fname or "\\" in fname or fname in (".", ".."):
+        return False
+    try:
+        return (root / fname).resolve().parent == root
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def _resolve(path: Path) -> tuple[list[Path], Path | None]:
@@ -54,6 +70,7 @@ class Checkpoint:
             weight_map = self._load_index(index) if index else None
             if weight_map is not None:
                 files = sorted({index.parent / f for f in weight_map.values()})
+                self._unindexed_shards(index, files)
             for f in files:
                 self._open_file(f, mmap)
             self._collect(weight_map)
@@ -65,9 +82,17 @@ class Checkpoint:
 
     # -- construction ---------------------------------------------------------------------------
     def _load_index(self, index: Path) -> dict[str, str] | None:
+        """The index's weight_map. The index is untrusted: bounded size, sane JSON, and every
+        shard it names is a plain file name inside the index's directory (S106)."""
+        with open_input(index, what="shard index") as fh:
+            raw = fh.read(MAX_INDEX_BYTES + 1)
+        if len(raw) > MAX_INDEX_BYTES:
+            self.findings.append(Finding("S101", f"index is larger than {MAX_INDEX_BYTES} bytes",
+                                         file=str(index)))
+            return {}
         try:
-            obj = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            obj = jsonsafe.loads(raw)
+        except ValueError as exc:
             self.findings.append(Finding("S101", f"cannot read index: {exc}", file=str(index)))
             return {}
         wm = obj.get("weight_map") if isinstance(obj, dict) else None
@@ -77,7 +102,28 @@ class Checkpoint:
             return {}
         meta = obj.get("metadata")
         self.index_metadata = meta if isinstance(meta, dict) else {}
-        return wm
+        root = index.parent.resolve()
+        safe: dict[str, str] = {}
+        refused: set[str] = set()
+        for name, fname in wm.items():
+            if fname in refused:
+                continue
+            if not _inside(root, fname):
+                refused.add(fname)
+                self.findings.append(Finding(
+                    "S106", f"index names shard {fname!r}, which is not a file inside the "
+                    "index's directory; not opened", file=str(index)))
+                continue
+            safe[name] = fname
+        return safe
+
+    def _unindexed_shards(self, index: Path, files: list[Path]) -> None:
+        named = {f.name for f in files}
+        for f in sorted(index.parent.glob("*.safetensors")):
+            if f.name not in named:
+                self.findings.append(Finding(
+                    "S108", "shard beside the index is not named by it (not read)",
+                    file=str(f)))
 
     def _open_file(self, f: Path, mmap: bool) -> None:
         if not f.exists():
@@ -104,6 +150,10 @@ class Checkpoint:
                 if weight_map is not None and name not in weight_map:
                     self.findings.append(Finding("S105", "stored in a shard but not listed in the index",
                                                  tensor=name, file=str(sf.path)))
+                elif weight_map is not None and weight_map[name] != sf.path.name:
+                    self.findings.append(Finding(
+                        "S107", f"index places it in {weight_map[name]}, found in "
+                        f"{sf.path.name}", tensor=name, file=str(sf.path)))
         if weight_map:
             opened = {sf.path.name for sf in self.files}
             for name, fname in weight_map.items():
@@ -149,6 +199,11 @@ class Checkpoint:
         sf = self.file_of(name)
         info = self.info(name)
         return sf.iter_bytes(info) if chunk is None else sf.iter_bytes(info, chunk)
+
+    def check_unchanged(self) -> None:
+        """``ContainerError`` if any file was modified, truncated or replaced since opening."""
+        for sf in self.files:
+            sf.check_unchanged()
 
     def close(self) -> None:
         for sf in self.files:

@@ -8,10 +8,10 @@ length and no overlaps. Problems become `Finding`s; in strict mode the first err
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
+from h3quant.formats import jsonsafe
 from h3quant.formats.dtypes import DTYPES, itemsize, to_torch
 
 if TYPE_CHECKING:
@@ -93,9 +94,9 @@ def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> Par
     except UnicodeDecodeError as exc:
         return fail("C102", f"header is not UTF-8 ({exc.reason} at byte {exc.start})")
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return fail("C103", f"header is not valid JSON ({exc.msg} at char {exc.pos})")
+        obj = jsonsafe.loads(text)
+    except ValueError as exc:
+        return fail("C103", f"header is not valid JSON ({exc})")
     if not isinstance(obj, dict):
         return fail("C103", f"header JSON is a {type(obj).__name__}, expected an object")
     if n % 8:
@@ -176,6 +177,31 @@ def raise_first_error(findings: list[Finding]) -> None:
             raise ContainerError(f.message, path=f.file, tensor=f.tensor, code=f.code)
 
 
+def open_input(path: Path, *, what: str = "input"):
+    """Open an input for unbuffered reading, refusing anything but a regular file before any
+    read: a FIFO, socket or device could block forever or never end. The open itself cannot
+    block (``O_NONBLOCK``); the type is checked on the opened descriptor, so a path swapped
+    between the check and the read is still refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ContainerError(f"cannot open: {exc.strerror}", path=path, code="C112") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)"
+                    if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise ContainerError(f"the {what} is {kind}, not a regular file; refused before "
+                                 "reading", path=path, code="C112")
+        os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class SafetensorsFile:
     """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls)."""
 
@@ -183,13 +209,12 @@ class SafetensorsFile:
         self.path = Path(path)
         self.use_mmap = mmap
         self._mm: mmap.mmap | None = None
+        # Unbuffered: a header-only command reads exactly the header bytes, no read-ahead.
+        self._fh = open_input(self.path)
         try:
-            # Unbuffered: a header-only command reads exactly the header bytes, no read-ahead.
-            self._fh = open(self.path, "rb", buffering=0)
-        except OSError as exc:
-            raise ContainerError(f"cannot open: {exc.strerror}", path=self.path, code="C112") from None
-        try:
-            self.file_size = os.fstat(self._fh.fileno()).st_size
+            st = os.fstat(self._fh.fileno())
+            self.file_size = st.st_size
+            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             raw_len = self._fh.read(8)
             parsed = parse_header(raw_len, self._read_exact, self.file_size, self.path)
         except OSError as exc:
@@ -205,6 +230,27 @@ class SafetensorsFile:
             except ContainerError:
                 self.close()
                 raise
+
+    def check_unchanged(self, *, size_only: bool = False) -> None:
+        """Raise ``ContainerError`` when the file was replaced, truncated or rewritten since it
+        was opened. Called before every memory-mapped read: reading a mapped page past a
+        shrunk end would kill the process with SIGBUS instead of an error."""
+        st = os.fstat(self._fh.fileno())
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if now[2] != self._identity[2]:
+            raise ContainerError(f"the file changed size while being read ({self._identity[2]} "
+                                 f"-> {now[2]} bytes); nothing was written", path=self.path,
+                                 code="C109")
+        if not size_only and now != self._identity:
+            raise ContainerError("the file was modified while being read; nothing was written",
+                                 path=self.path, code="C109")
+        try:
+            cur = os.stat(self.path)
+        except OSError:
+            cur = None
+        if not size_only and (cur is None or (cur.st_dev, cur.st_ino) != now[:2]):
+            raise ContainerError("the file was replaced or removed while being read; nothing "
+                                 "was written", path=self.path, code="C109")
 
     def _read_exact(self, n: int) -> bytes:
         parts, got = [], 0
@@ -233,6 +279,7 @@ class SafetensorsFile:
         length = info.nbytes - start if length is None else length
         offset = info.begin + start
         if self.use_mmap and length:
+            self.check_unchanged(size_only=True)
             return memoryview(self._map())[offset : offset + length]
         buf = bytearray(length)
         view = memoryview(buf)

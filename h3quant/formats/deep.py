@@ -14,7 +14,7 @@ import torch
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding
-from h3quant.formats import registry
+from h3quant.formats import registry, rules
 from h3quant.formats.dtypes import FLOAT_DTYPES, itemsize, to_torch
 from h3quant.formats.markers import QuantFormat
 
@@ -78,18 +78,8 @@ def _first(mask: torch.Tensor) -> int:
 
 
 def _check_scale(values: torch.Tensor, info, out: list[Finding]) -> None:
-    v = values.float()
-    bad = ~torch.isfinite(v)
-    if bad.any():
-        out.append(Finding("D101", f"{int(bad.sum())} of {v.numel()} scale values are NaN or "
-                           f"infinite (first at flat index {_first(bad)}); expected finite scales",
-                           tensor=info.name, file=str(info.file)))
-    nonpos = torch.isfinite(v) & (v <= 0)
-    if nonpos.any():
-        i = _first(nonpos)
-        out.append(Finding("D102", f"{int(nonpos.sum())} of {v.numel()} scale values are <= 0 "
-                           f"(first: {v[i].item()!r} at flat index {i}); expected positive scales",
-                           tensor=info.name, file=str(info.file)))
+    for v in rules.scale_violations(values):  # the rule convert applies to its source too
+        out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
 
 
 def _check_int8_codes(src, info, out: list[Finding]) -> None:

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from h3quant.errors import MarkerError
-from h3quant.formats import registry
+from h3quant.formats import jsonsafe, registry
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +80,8 @@ def parse_marker_bytes(raw: bytes) -> dict:
         what = "all NUL bytes" if raw.count(0) == len(raw) else "NUL bytes"
         raise MarkerError(f"marker holds {what} ({len(raw)} bytes)", code="M102")
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        obj = jsonsafe.loads(raw)
+    except ValueError as exc:
         raise MarkerError(f"marker is not UTF-8 JSON ({exc})", code="M103") from None
     return check_marker_object(obj, "marker")
 
@@ -121,8 +121,8 @@ def parse_header_metadata(metadata: dict[str, str]) -> dict[str, dict] | None:
     if raw is None:
         return None
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
+        obj = jsonsafe.loads(raw)
+    except ValueError as exc:
         raise MarkerError(f"{HEADER_KEY} is not JSON ({exc})", code="M111") from None
     layers = obj.get("layers") if isinstance(obj, dict) else None
     if not isinstance(layers, dict):

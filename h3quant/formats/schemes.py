@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
+from h3quant.formats import rules
 from h3quant.formats.dtypes import FLOAT_DTYPES
 from h3quant.formats.int8_kn import nz_eligible
 from h3quant.formats.markers import QuantFormat
@@ -56,7 +57,7 @@ def _scalar(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
 
 
 def _int8_scale(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
-    return [(n, 1), (), (n,), (1,)]
+    return rules.int8_scale_shapes(n)
 
 
 def _fp8_spec(fmt: QuantFormat, dtype: str, kind: str) -> SchemeSpec:
@@ -77,7 +78,7 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
         "int8_tensorwise", QuantFormat.INT8_TENSORWISE, True,
         (
             TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("F32",), _int8_scale,
+            TensorSpec("weight_scale", rules.SCALE_DTYPES, _int8_scale,
                        "[N, 1] (per row), [] (tensorwise) or [N]"),
             _BIAS,
             TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
@@ -99,7 +100,8 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
             TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
             TensorSpec("weight_s_rel", ("F8_E4M3", "U8"),
                        lambda n, k, f: [(n, k // f["group_size"])], "[N, K/G]"),
-            TensorSpec("weight_s_channel", ("F32",), lambda n, k, f: [(n,)], "[N]"),
+            TensorSpec("weight_s_channel", rules.SCALE_DTYPES,
+                       lambda n, k, f: rules.w4a8_channel_shapes(n), "[N]"),
             TensorSpec("weight_codebook", ("F32",), lambda n, k, f: [(16,)], "[16]",
                        required=False),
             TensorSpec("weight_correction", _FLOATS, None, "[K/G, N]", required=False),
@@ -250,6 +252,11 @@ def check_layer(layer) -> list[Finding]:
             "runs as the symmetric variant (expected no weight_correction)", "weight_correction")
     if k is not None:
         _constraints(spec, layer, k, add)
+    if spec.supported and spec.format is not None:  # rules across fields and tensors
+        seen = {(f.code, f.tensor) for f in out}
+        for v in rules.combination_violations(spec.name, layer.fields or {}, layer.tensors):
+            if (v.code, layer.tensor_name(v.suffix)) not in seen:
+                add(v.code, v.message, v.suffix)
     return out
 
 

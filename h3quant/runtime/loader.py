@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3quant.convrot import is_valid_group_size
 from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
 from h3quant.findings import Severity
+from h3quant.formats import registry, rules
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.dtypes import FLOAT_DTYPES
 from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats import registry
 from h3quant.formats.markers import QuantFormat
 from h3quant.formats.topology import BLOCK_LINEARS
 
@@ -199,59 +198,8 @@ def _check_quantized(layer: Layer, fields: dict, path) -> None:
     if extra:
         bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
             extra[0], cls=UnsupportedError)
-    for suffix in codec.runtime_required:
-        if suffix not in layer.tensors:
-            bad("Q101", f"{fmt.value} layer has no {suffix}", suffix)
-    t = layer.tensors
-    w = t["weight"]
-    if w.dtype != "I8" or len(w.shape) != 2:
-        bad("Q102", f"weight is {w.dtype} {list(w.shape)}, {fmt.value} needs a 2-D I8 weight",
-            "weight")
-    n, kw = w.shape
-    if fmt is _KN:
-        k, n = n, kw  # stored [K, N]
-        s = t["weight_scale"]
-        if s.dtype not in FLOAT_DTYPES or list(s.shape) != [n]:
-            bad("Q109", f"weight_scale is {s.dtype} {list(s.shape)}, expected F32 [{n}] for a "
-                f"[K, N] = [{k}, {n}] kn weight", "weight_scale")
-    elif fmt is QuantFormat.INT8_TENSORWISE:
-        k = kw
-        s = t["weight_scale"]
-        if s.dtype not in FLOAT_DTYPES:
-            bad("Q102", f"weight_scale is {s.dtype}, expected F32", "weight_scale")
-        if list(s.shape) not in ([], [1], [n], [n, 1]):
-            bad("Q103", f"weight_scale shape {list(s.shape)} fits neither [] nor [{n}] nor "
-                f"[{n}, 1]", "weight_scale")
-        if fields.get("convrot") and list(s.shape) in ([], [1]):
-            bad("Q103", "ConvRot int8 layers need per-row scales, got a single scale",
-                "weight_scale")
-    else:
-        k = 2 * kw
-        gs = fields.get("group_size", 16)
-        if not isinstance(gs, int) or gs <= 0 or k % gs:
-            bad("Q104", f"group_size {gs!r} does not divide K={k}")
-        if t["weight_s_rel"].dtype not in ("F8_E4M3", "U8") or \
-                list(t["weight_s_rel"].shape) != [n, k // gs]:
-            r = t["weight_s_rel"]
-            bad("Q103", f"weight_s_rel is {r.dtype} {list(r.shape)}, expected F8_E4M3 "
-                f"[{n}, {k // gs}]", "weight_s_rel")
-        sc = t["weight_s_channel"]
-        if sc.dtype not in FLOAT_DTYPES or list(sc.shape) not in ([n], [n, 1]):
-            bad("Q103", f"weight_s_channel is {sc.dtype} {list(sc.shape)}, expected F32 [{n}]",
-                "weight_s_channel")
-        cb = t.get("weight_codebook")
-        if cb is not None and (cb.dtype not in FLOAT_DTYPES or list(cb.shape) != [16]):
-            bad("Q103", f"weight_codebook is {cb.dtype} {list(cb.shape)}, expected F32 [16]",
-                "weight_codebook")
-        if fields.get("convrot") is False:
-            bad("M114", "asym_w4a8_int8 always uses ConvRot; the marker says convrot=false")
-    if fields.get("convrot") or fmt is QuantFormat.ASYM_W4A8_INT8:
-        g = fields.get("convrot_groupsize", 256)
-        if not is_valid_group_size(g) or k % g:
-            bad("Q104", f"convrot_groupsize {g!r} is not a power of 4 dividing K={k}")
-    b = t.get("bias")
-    if b is not None and (b.dtype not in FLOAT_DTYPES or list(b.shape) != [n]):
-        bad("Q103", f"bias is {b.dtype} {list(b.shape)}, expected a float [{n}]", "bias")
+    for v in rules.layer_violations(fmt.value, fields, layer.tensors):
+        bad(v.code, v.message, v.suffix)  # the rules validate and convert apply too
 
 
 def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False) -> LoadedLayer:

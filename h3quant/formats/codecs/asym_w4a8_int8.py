@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from h3quant.convrot import is_valid_group_size
 from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.rules import fit_error as rules_fit_error
 
 NAME = "asym_w4a8_int8"
 GROUP = 16  # the group size h3quant writes (ComfyUI's default)
@@ -35,23 +35,7 @@ class AsymW4A8Int8(Codec):
         return w4a8_marker(group_size=GROUP, convrot_groupsize=group_size)
 
     def fit_error(self, layer, fields):
-        w = layer.weight
-        if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
-            return f"weight is {w.dtype} {list(w.shape)}, {NAME} stores a 2-D I8 weight"
-        n, k = w.shape[0], self.logical_k(w.shape[1], fields)
-        g, cg = fields.get("group_size", GROUP), fields.get("convrot_groupsize", 256)
-        if not isinstance(g, int) or g <= 0 or k % 16 or k % g or not is_valid_group_size(cg) \
-                or k % cg:
-            return f"K={k} does not fit group_size {g} / convrot_groupsize {cg}"
-        t = layer.tensors
-        sr, sc, cb = t.get("weight_s_rel"), t.get("weight_s_channel"), t.get("weight_codebook")
-        if sr is None or sr.dtype not in ("F8_E4M3", "U8") or tuple(sr.shape) != (n, k // g):
-            return f"weight_s_rel must be F8_E4M3 [{n}, {k // g}]"
-        if sc is None or sc.dtype != "F32" or tuple(sc.shape) not in ((n,), (n, 1)):
-            return f"weight_s_channel must be F32 [{n}]"
-        if cb is not None and (cb.dtype != "F32" or tuple(cb.shape) != (16,)):
-            return "weight_codebook must be F32 [16]"
-        return None
+        return rules_fit_error(NAME, layer, fields)
 
     def same_target(self, layer, fields, marker):
         return (fields["format"] == NAME and fields.get("group_size") == marker["group_size"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from h3quant.convrot import is_valid_group_size
 from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.rules import fit_error as rules_fit_error
 
 NAME = "int8_tensorwise"
 
@@ -32,19 +32,7 @@ class Int8Tensorwise(Codec):
         return int8_marker(convrot=target.convrot, group_size=group_size)
 
     def fit_error(self, layer, fields):
-        w = layer.weight
-        if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
-            return f"weight is {w.dtype} {list(w.shape)}, {NAME} stores a 2-D I8 weight"
-        n, k = w.shape
-        s = layer.tensors.get("weight_scale")
-        if s is None or s.dtype != "F32" or s.numel not in (1, n) or len(s.shape) > 2:
-            return f"weight_scale must be F32 [N, 1], [N] or [] (N={n})"
-        if s.numel != n and s.numel == 1 and len(s.shape) == 2:
-            return f"weight_scale shape {list(s.shape)} is not [N, 1]"
-        cg = fields.get("convrot_groupsize", 256)
-        if fields.get("convrot") and (not is_valid_group_size(cg) or k % cg):
-            return f"ConvRot group size {cg} does not divide K={k} (or is not a power of 4)"
-        return None
+        return rules_fit_error(NAME, layer, fields)
 
     def same_target(self, layer, fields, marker):
         convrot = bool(marker.get("convrot"))

@@ -10,9 +10,9 @@ into the ``[K, N]`` tensor (``h3quant.formats.int8_kn.RowTransposer``).
 
 from __future__ import annotations
 
-from h3quant.convrot import is_valid_group_size
 from h3quant.formats.codecs.int8_tensorwise import NAME as CANONICAL_NAME
 from h3quant.formats.codecs.int8_tensorwise import Int8Tensorwise
+from h3quant.formats.rules import fit_error as rules_fit_error
 
 NAME = "int8_tensorwise_kn"
 
@@ -45,17 +45,7 @@ class Int8TensorwiseKn(Int8Tensorwise):
         return n, k
 
     def fit_error(self, layer, fields):
-        w = layer.weight
-        if len(w.shape) != 2 or w.dtype not in ("I8", "U8"):
-            return f"weight is {w.dtype} {list(w.shape)}, {NAME} stores a 2-D I8 [K, N] weight"
-        k, n = w.shape
-        s = layer.tensors.get("weight_scale")
-        if s is None or s.dtype != "F32" or tuple(s.shape) != (n,):
-            return f"weight_scale must be F32 [N] = [{n}] for a [K, N] = [{k}, {n}] weight"
-        cg = fields.get("convrot_groupsize", 256)
-        if fields.get("convrot") and (not is_valid_group_size(cg) or k % cg):
-            return f"ConvRot group size {cg} does not divide K={k} (or is not a power of 4)"
-        return None
+        return rules_fit_error(NAME, layer, fields)
 
     def same_target(self, layer, fields, marker):
         convrot = bool(marker.get("convrot"))
@@ -71,19 +61,13 @@ class Int8TensorwiseKn(Int8Tensorwise):
         return dtype, shape
 
     def source_tensors(self, fields, tensors):
+        # the weight is read through column_sources: layer rows are columns of [K, N]
         return ["weight_scale"], []
-
-    def decode_rows(self, rows, whole, fields):
-        # rows["weight"] is the [n, K] column slab of the stored [K, N] weight (see column_sources)
-        return super().decode_rows(rows, whole, fields)
 
     def encode(self, w, marker, method):
         out = super().encode(w, marker, method)
         out["weight_scale"] = out["weight_scale"].reshape(-1)
         return out
-
-    def report_grid(self, out, marker):
-        return super().report_grid(out, marker)
 
     def int8_grid(self, tensors, fields):
         import torch

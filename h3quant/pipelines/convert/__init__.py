@@ -18,8 +18,8 @@ import json
 import os
 from pathlib import Path
 
-from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.atomic import Outputs, write_bytes, write_file
+from h3quant.formats.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
 from h3quant.pipelines.convert.report import summary_line
@@ -61,6 +61,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
             report = run_plan(plan, ckpt, out, progress=progress)
+            ckpt.check_unchanged()  # an input rewritten while read gives no output
             if report_out is not None:
                 write_file(report_out, report_bytes(report))
         return report

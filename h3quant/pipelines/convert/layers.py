@@ -187,8 +187,16 @@ def same_target(layer: Layer, f: dict, opts: ConvertOptions) -> bool:
     return marker is not None and opts.codec.same_target(layer, f, marker)
 
 
+def empty_reason(layer: Layer) -> str | None:
+    """A weight with no elements has nothing to encode: it is copied as it is."""
+    shape = list(layer.weight.shape)
+    return f"weight has no elements (shape {shape}); copied unchanged" if 0 in shape else None
+
+
 def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str | None:
     w = layer.weight
+    if empty_reason(layer):
+        return empty_reason(layer)
     if len(w.shape) != 2:
         return f"weight is not 2-D (shape {list(w.shape)})"
     if fields is None and w.dtype not in FLOAT_DTYPES:

@@ -14,6 +14,7 @@ from h3quant.formats.dtypes import FLOAT_DTYPES
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
+MAX_GROUP_SIZE = 1024  # the rotation is g x g: larger groups would only cost memory
 REPORT_ROWS = 256  # rows sampled per layer for the error report
 REPORT_TOKENS = 64  # tokens of the seeded random activation
 REPORT_SEED = 0
@@ -49,8 +50,9 @@ class ConvertOptions:
             raise ConvertError(f"unknown target {self.target!r} (choose from {', '.join(TARGETS)})")
         if self.preset is not None and self.preset not in PRESETS:
             raise ConvertError(f"unknown preset {self.preset!r} (choose from {', '.join(PRESETS)})")
-        if not is_valid_group_size(self.group_size):
-            raise ConvertError(f"--group-size must be a power of 4 (4, 16, 64, 256, 1024), "
+        if not is_valid_group_size(self.group_size) or self.group_size > MAX_GROUP_SIZE:
+            raise ConvertError(f"--group-size must be a power of 4 in 4..{MAX_GROUP_SIZE} "
+                               "(4, 16, 64, 256, 1024), "
                                f"got {self.group_size!r}")
         if self.rotation not in ROTATIONS:
             raise ConvertError(f"--rotation must be one of {', '.join(ROTATIONS)}, "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant import __version__
-from h3quant.errors import ConvertError, MarkerError
+from h3quant.errors import MarkerError
 from h3quant.formats import registry
 from h3quant.formats.atomic import check_output
 from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint
@@ -29,6 +29,7 @@ from h3quant.pipelines.convert.layers import (
     CopyItem,
     LayerPlan,
     check_supported,
+    empty_reason,
     logical_shape,
     resolve_marker,
     same_target,
@@ -183,7 +184,8 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
                    src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
     if selected:
         check_supported(layer, res.fields)
-        lp.reason = skip_reason(layer, res.fields, opts) if opts.codec.quantized else None
+        lp.reason = (skip_reason(layer, res.fields, opts) if opts.codec.quantized
+                     else empty_reason(layer))
         if lp.reason:
             lp.action = "skip"
         elif quantized and same_target(layer, res.fields, opts):

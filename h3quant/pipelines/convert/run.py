@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from h3quant.errors import ConvertError, H3QuantError
+from h3quant.errors import ConvertError, FormatError, H3QuantError
+from h3quant.formats import registry, rules
 from h3quant.pipelines.convert.compute import SourceRows, copy_tensor, encode_layer
 from h3quant.pipelines.convert.io import OffsetWriter, Reader, fsync_dir
 from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
@@ -51,6 +52,34 @@ class _Sinks:
 
     def copy_range(self, name: str, start: int, src_fd: int, src_pos: int, length: int) -> int:
         return self._by_name[name].copy_range(name, start, src_fd, src_pos, length)
+
+
+def check_source_scales(lp, reader) -> None:
+    """Refuse a source layer whose scales break ``validate --deep``'s rules (NaN, infinite,
+    zero or negative): re-encoding them would write a clean-looking file with garbage weights."""
+    codec = registry.codec_for(lp.src_fields, tensor=lp.name)
+    for suffix in codec.deep_scales:
+        info = lp.inputs.get(suffix)
+        if info is None or not info.shape and info.nbytes == 0:
+            continue
+        values = reader.whole(info)
+        if info.dtype == "U8":  # W4A8 s_rel may be stored as raw e4m3 bits
+            values = values.view(torch.float8_e4m3fn)
+        for v in rules.scale_violations(values):
+            raise FormatError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
+                              tensor=info.name, code=v.code)
+
+
+class CheckedRows(SourceRows):
+    """Source rows checked with the finite-weights rule (D106) as they are read."""
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        out = super().rows(r0, r1)
+        v = rules.weight_violation(out, r0 * (out[0].numel() if out.dim() and len(out) else 0))
+        if v is not None:
+            raise FormatError(f"[{v.code}] source weight: {v.message}; nothing written",
+                              tensor=f"{self.lp.name}.weight", code=v.code)
+        return out
 
 
 def _by_input_offset(items, info_of) -> list:
@@ -187,10 +216,12 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
 
     entry = lp.to_dict()
     try:
+        if lp.action == "convert":
+            check_source_scales(lp, reader)  # validate --deep's rules, before any output
         if lp.action == "convert" and lp.via != "encode":  # codes moved, not quantized
             run_via(lp, reader, sinks, progress, opts.codec)
         elif lp.action == "convert":
-            src = SourceRows(lp, reader)
+            src = CheckedRows(lp, reader)
             samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool)
             if opts.report:  # on a worker when there are any: overlaps the next layer
                 ref, out = samples.cat()

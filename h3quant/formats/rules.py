@@ -1,0 +1,191 @@
+"""One rule set for the supported quantized formats, used by ``validate``, ``convert`` and
+``verify`` alike, so the three commands give the same verdict on the same file.
+
+Two kinds of rule:
+
+* **tensor rules** (header only): dtypes and shapes of a layer's tensors and the marker field
+  combinations (``layer_violations``). ``formats.schemes`` builds validate's tensor specs from
+  the same constants, the codecs' ``fit_error`` (convert) and the loader (verify) call
+  ``layer_violations`` directly.
+* **data rules** (``validate --deep`` and convert's source check): scales finite and positive
+  (``scale_violations``), float weights finite (``weight_violation``).
+
+Verdicts on the cases the three commands used to disagree on (FORMATS.md 3 and 4):
+
+* int8 ``weight_scale`` and W4A8 ``weight_s_channel`` / ``weight_codebook`` are F32; an F16 or
+  BF16 scale is an error (Q102): ComfyUI multiplies in the scale's dtype.
+* int8 ``weight_scale`` shapes ``[N, 1]``, ``[N]``, ``[]``, ``[1]``; with ConvRot a single
+  scale is an error (Q103): ConvRot layers are per-row.
+* ``asym_w4a8_int8`` always uses ConvRot: ``"convrot": false`` in its marker is an error (M114).
+* W4A8 ``weight_s_channel`` is ``[N]`` only: the decode multiplies ``s_channel[:, None]``,
+  which an ``[N, 1]`` tensor turns into ``[N, 1, 1]`` (an error, Q103).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from h3quant.convrot.groups import is_valid_group_size
+
+if TYPE_CHECKING:
+    import torch
+
+INT8 = "int8_tensorwise"
+INT8_KN = "int8_tensorwise_kn"  # the same math, weight stored transposed [K, N]
+W4A8 = "asym_w4a8_int8"
+
+SCALE_DTYPES = ("F32",)
+S_REL_DTYPES = ("F8_E4M3", "U8")
+W4A8_GROUP = 16
+
+
+def int8_scale_shapes(n: int) -> list[tuple[int, ...]]:
+    return [(n, 1), (), (n,), (1,)]
+
+
+def w4a8_channel_shapes(n: int) -> list[tuple[int, ...]]:
+    return [(n,)]
+
+
+@dataclass(frozen=True)
+class Violation:
+    code: str
+    message: str
+    suffix: str = "weight"
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def combination_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
+    """Rules across a layer's marker fields and tensors (beyond one tensor's dtype/shape)."""
+    out: list[Violation] = []
+    if fmt == INT8:
+        s = tensors.get("weight_scale")
+        if fields.get("convrot") and s is not None and _shape(s) in ((), (1,)):
+            out.append(Violation("Q103", "ConvRot int8 layers need per-row scales ([N, 1] or "
+                                 f"[N]), got a single scale {list(_shape(s))}", "weight_scale"))
+    elif fmt == W4A8 and fields.get("convrot") is False:
+        out.append(Violation("M114", "asym_w4a8_int8 always uses ConvRot; the marker says "
+                             "convrot=false"))
+    return out
+
+
+def layer_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
+    """Every tensor rule of an ``int8_tensorwise`` / ``asym_w4a8_int8`` layer. ``tensors`` maps
+    suffix -> an object with ``dtype`` (safetensors name) and ``shape``."""
+    out: list[Violation] = []
+    w = tensors.get("weight")
+    if w is None:
+        return [Violation("Q101", f"{fmt} layer has no weight")]
+    if w.dtype != "I8" or len(_shape(w)) != 2:
+        return [Violation("Q102", f"weight is {w.dtype} {list(_shape(w))}, {fmt} needs a 2-D I8 "
+                          "weight")]
+    n, cols = _shape(w)
+    if fmt == INT8_KN:
+        k, n = n, cols
+        s = tensors.get("weight_scale")
+        if s is None:
+            out.append(Violation("Q101", f"{fmt} layer has no weight_scale", "weight_scale"))
+        elif s.dtype not in SCALE_DTYPES:
+            out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32",
+                                 "weight_scale"))
+        elif _shape(s) != (n,):
+            out.append(Violation("Q109", f"weight_scale is {list(_shape(s))}, expected F32 [{n}] "
+                                 f"for a [K, N] = [{k}, {n}] kn weight", "weight_scale"))
+    elif fmt == INT8:
+        k = cols
+        s = tensors.get("weight_scale")
+        if s is None:
+            out.append(Violation("Q101", f"{fmt} layer has no weight_scale", "weight_scale"))
+        else:
+            if s.dtype not in SCALE_DTYPES:
+                out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32",
+                                     "weight_scale"))
+            if _shape(s) not in int8_scale_shapes(n):
+                out.append(Violation("Q103", f"weight_scale shape {list(_shape(s))} fits neither "
+                                     f"[] nor [{n}] nor [{n}, 1]", "weight_scale"))
+    elif fmt == W4A8:
+        k = 2 * cols
+        gs = fields.get("group_size", W4A8_GROUP)
+        if not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0 or k % gs:
+            out.append(Violation("Q104", f"group_size {gs!r} does not divide K={k}"))
+            gs = None
+        for suffix in ("weight_s_rel", "weight_s_channel"):
+            if suffix not in tensors:
+                out.append(Violation("Q101", f"{fmt} layer has no {suffix}", suffix))
+        r = tensors.get("weight_s_rel")
+        if r is not None and gs and (r.dtype not in S_REL_DTYPES or _shape(r) != (n, k // gs)):
+            out.append(Violation("Q103", f"weight_s_rel is {r.dtype} {list(_shape(r))}, expected "
+                                 f"F8_E4M3 [{n}, {k // gs}]", "weight_s_rel"))
+        sc = tensors.get("weight_s_channel")
+        if sc is not None and sc.dtype not in SCALE_DTYPES:
+            out.append(Violation("Q102", f"weight_s_channel is {sc.dtype}, expected F32",
+                                 "weight_s_channel"))
+        if sc is not None and _shape(sc) not in w4a8_channel_shapes(n):
+            out.append(Violation("Q103", f"weight_s_channel is {list(_shape(sc))}, expected "
+                                 f"[{n}]", "weight_s_channel"))
+        cb = tensors.get("weight_codebook")
+        if cb is not None and (cb.dtype not in SCALE_DTYPES or _shape(cb) != (16,)):
+            out.append(Violation("Q103", f"weight_codebook is {cb.dtype} {list(_shape(cb))}, "
+                                 "expected F32 [16]", "weight_codebook"))
+        if k % 16:
+            out.append(Violation("Q108", f"K={k} is not a multiple of 16"))
+    else:
+        return out
+    out.extend(combination_violations(fmt, fields, tensors))
+    if fields.get("convrot") or fmt == W4A8:  # (kn: k is the stored row count)
+        g = fields.get("convrot_groupsize", 256)
+        if not is_valid_group_size(g) or k % g:
+            out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 dividing "
+                                 f"K={k}"))
+    b = tensors.get("bias")
+    if b is not None and (b.dtype not in ("F32", "F16", "BF16", "F64") or _shape(b) != (n,)):
+        out.append(Violation("Q103", f"bias is {b.dtype} {list(_shape(b))}, expected a float "
+                             f"[{n}]", "bias"))
+    return out
+
+
+def fit_error(fmt: str, layer, fields: dict) -> str | None:
+    """The first tensor-rule violation of ``layer`` as one line (what convert refuses), or None."""
+    found = layer_violations(fmt, fields, layer.tensors)
+    if not found:
+        return None
+    v = found[0]
+    return f"[{v.code}] {v.suffix}: {v.message}" if v.suffix != "weight" else \
+        f"[{v.code}] {v.message}"
+
+
+# ---------------------------------------------------------------------------- data rules
+def scale_violations(values: torch.Tensor) -> list[Violation]:
+    """D101 (NaN / infinite) and D102 (zero / negative) for one scale tensor's values."""
+    import torch
+
+    v = values.float().reshape(-1)
+    out: list[Violation] = []
+    bad = ~torch.isfinite(v)
+    if bad.any():
+        first = int(bad.nonzero()[0, 0])
+        out.append(Violation("D101", f"{int(bad.sum())} of {v.numel()} scale values are NaN or "
+                             f"infinite (first at flat index {first}); expected finite scales"))
+    nonpos = torch.isfinite(v) & (v <= 0)
+    if nonpos.any():
+        i = int(nonpos.nonzero()[0, 0])
+        out.append(Violation("D102", f"{int(nonpos.sum())} of {v.numel()} scale values are <= 0 "
+                             f"(first: {v[i].item()!r} at flat index {i}); expected positive "
+                             "scales"))
+    return out
+
+
+def weight_violation(values: torch.Tensor, offset: int = 0) -> Violation | None:
+    """D106 when a float weight chunk holds NaN or infinity (``offset``: its first flat index)."""
+    import torch
+
+    bad = ~torch.isfinite(values.reshape(-1))
+    if not bad.any():
+        return None
+    first = offset + int(bad.nonzero()[0, 0])
+    return Violation("D106", f"{int(bad.sum())} non-finite weight value(s) (first at flat index "
+                     f"{first}); expected finite weights")
