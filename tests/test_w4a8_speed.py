@@ -84,7 +84,7 @@ TABLES = {
 
 @pytest.mark.parametrize("kind", ["outliers", "heavy", "zeros"])
 @pytest.mark.parametrize("table", sorted(TABLES))
-@pytest.mark.parametrize("search", [0, 1, 2, 3])
+@pytest.mark.parametrize("search", [0, 2, 3])
 def test_fast_rows_choose_the_reference_scales_and_int8_weights(kind, table, search):
     tab = TABLES[table]
     x = rotate(_weights(7, kind=kind), 256)
