@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's h3quant, also in the child processes
+
 
 def make_files(workdir: Path, blocks: int) -> tuple[Path, Path]:
     bf16, int8 = workdir / f"full{blocks}.safetensors", workdir / f"full{blocks}_int8.safetensors"
@@ -36,7 +39,8 @@ def make_files(workdir: Path, blocks: int) -> tuple[Path, Path]:
 
 def measured(cmd: list[str]) -> tuple[float, int, bytes]:
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) not in (0, 1):
@@ -71,7 +75,7 @@ def child_forward(path: str, backend: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--backends", nargs="+", default=["torch-int8", "dequant"])
+    ap.add_argument("--backends", nargs="*", default=["torch-int8", "dequant"])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/h3quant-bench-model"))
     ap.add_argument("--no-verify", action="store_true", help="skip the verify --model runs")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

@@ -42,7 +42,7 @@ CHUNK_ELEMS = 1 << 22
 OUTLIER_CHANNELS = 6
 METADATA_KEY = "h3quant.synth"
 
-_NORM_RE = re.compile(r"(?:^|\.)(?:norm\d*|q_norm|k_norm)\.weight$")
+_NORM_RE = re.compile(r"(?:^|\.)(?:norm\d*|q_norm|k_norm|final_norm)\.weight$")
 _OUTLIER_LAYERS = tuple(f".{sub}.weight" for sub in BLOCK_LINEARS) + ("condition_proj.weight",)
 
 

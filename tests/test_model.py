@@ -238,3 +238,16 @@ def test_cli_verify_model_plot(mfiles, tmp_path):
     r = _cli(mfiles["int8"], "--model", "--plot", png, *SMALL)
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synth_writes_what_the_forward_reads(mfiles):
+    src, _ = read_all(mfiles["pruned"])
+    fn = src["token_refiner.final_norm.weight"].float()
+    assert fn.shape == (512,) and abs(fn.mean().item() - 1) < 0.02  # an RMSNorm weight, ~1
+    assert src["condition_proj.weight"].shape == (512, 768)  # tiny text width != hidden
+    inv = src["rope.inv_freq"].double()
+    assert torch.allclose(inv, 10000.0 ** (-torch.arange(16, dtype=torch.float64) / 16))
+    table = src["adaln_t_table"]
+    assert table.shape == (1025, 8) and table.std(0).min() > 0.1  # varies with t
+    full, _ = read_all(mfiles["full"])
+    assert full["time_embedder.proj_in.weight"].shape == (64, 256)
