@@ -344,7 +344,7 @@ class Outputs:
             for item in self._items:
                 if item.directory:
                     write_manifest(item.staged)
-                    _fsync_dir(item.staged)
+                    fsync_dir(item.staged)
                 elif item.staged.exists():
                     os.chmod(item.staged, default_mode())
                 else:
@@ -352,7 +352,7 @@ class Outputs:
             for item in self._items:
                 self._place(item)
             for parent in {i.target.parent for i in self._items}:
-                _fsync_dir(parent)
+                fsync_dir(parent)
         except BaseException:
             self._rollback()
             self.abort()
@@ -454,7 +454,8 @@ def default_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~mask
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename into it is durable (best effort: some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -201,19 +201,6 @@ class OffsetWriter:
             self._abort()
 
 
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class Reader:
     """Row-range reads of a checkpoint's tensors; in mmap mode, pages are dropped after use.
 

@@ -25,8 +25,9 @@ import torch
 
 from h3quant.errors import ConvertError, FormatError, H3QuantError
 from h3quant.formats import registry, rules
+from h3quant.formats.atomic import fsync_dir
 from h3quant.pipelines.convert.compute import SourceRows, copy_tensor, encode_layer
-from h3quant.pipelines.convert.io import OffsetWriter, Reader, fsync_dir
+from h3quant.pipelines.convert.io import OffsetWriter, Reader
 from h3quant.pipelines.convert.options import REPORT_ROWS, REPORT_TOKENS
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.relayout import run_via
