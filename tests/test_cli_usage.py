@@ -113,3 +113,19 @@ def test_progress_bar_only_on_a_terminal(src, tmp_path):
                          cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "\r" not in res.stderr and "it/s" not in res.stderr and "B/s]" not in res.stderr
+
+
+def test_verify_model_has_no_progress_bar_on_a_pipe(tmp_path):
+    ckpt = tmp_path / "h3.safetensors"
+    made = subprocess.run([sys.executable, "-m", "h3quant", "synth", str(ckpt), "--blocks", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert made.returncode == 0, made.stderr
+    q = tmp_path / "int8.safetensors"
+    made = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(ckpt), str(q),
+                           "--to", "int8-convrot"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert made.returncode == 0, made.stderr
+    res = subprocess.run([sys.executable, "-m", "h3quant", "verify", str(q), "--model"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "\r" not in res.stderr and "block/s" not in res.stderr

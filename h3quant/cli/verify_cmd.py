@@ -7,6 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import (
+    progress_enabled,
     EXIT_FINDINGS,
     EXIT_OK,
     MAX_BLOCKS,
@@ -223,7 +224,8 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed)
     log(f"verifying the whole model {ckpt} against "
         f"{reference or 'its own weights in float math (no --reference)'} on device {device}")
-    bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False)
+    bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False,
+               disable=not progress_enabled())
 
     def on_block(done: int, total: int) -> None:
         bar.total = total
