@@ -24,8 +24,8 @@ class Int8Tensorwise(Codec):
 
     def describe(self, fields):
         if fields and fields.get("convrot"):
-            return f"{NAME} convrot g={fields.get('convrot_groupsize', 256)}"
-        return NAME
+            return f"{self.name} convrot g={fields.get('convrot_groupsize', 256)}"
+        return self.name
 
     def marker(self, target, group_size):
         from h3quant.formats.int8 import int8_marker
@@ -33,7 +33,7 @@ class Int8Tensorwise(Codec):
         return int8_marker(convrot=target.convrot, group_size=group_size)
 
     def fit_error(self, layer, fields):
-        return rules_fit_error(NAME, layer, fields)
+        return rules_fit_error(self.name, layer, fields)
 
     def same_target(self, layer, fields, marker):
         convrot = bool(marker.get("convrot"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from h3quant.formats.codecs.int8_tensorwise import NAME as CANONICAL_NAME
 from h3quant.formats.codecs.int8_tensorwise import Int8Tensorwise
-from h3quant.formats.rules import fit_error as rules_fit_error
 
 NAME = "int8_tensorwise_kn"
 
@@ -30,11 +29,6 @@ class Int8TensorwiseKn(Int8Tensorwise):
     layout = "npu"
     canonical = CANONICAL_NAME
 
-    def describe(self, fields):
-        if fields and fields.get("convrot"):
-            return f"{NAME} convrot g={fields.get('convrot_groupsize', 256)}"
-        return NAME
-
     def marker(self, target, group_size):
         from h3quant.formats.int8_kn import kn_marker
 
@@ -43,9 +37,6 @@ class Int8TensorwiseKn(Int8Tensorwise):
     def logical_shape(self, shape, fields):
         k, n = shape
         return n, k
-
-    def fit_error(self, layer, fields):
-        return rules_fit_error(NAME, layer, fields)
 
     def same_target(self, layer, fields, marker):
         convrot = bool(marker.get("convrot"))
