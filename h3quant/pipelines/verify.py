@@ -374,10 +374,7 @@ def verify_checkpoint(
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     with Checkpoint(path, mmap=mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
-        have = block_indices(ckpt)
-        if not have:
-            raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
-        idx = choose_blocks(blocks, have, path)
+        idx = choose_blocks(blocks, block_indices(ckpt), path)
         if not _any_quantized(scan, ckpt, idx):
             raise VerifyError(f"blocks {idx} hold no quantized layer; nothing to verify", path=path)
         result = VerifyResult(str(path), str(reference) if reference else "dequantized",
@@ -479,7 +476,9 @@ def _release(ckpt: Checkpoint, stem: str) -> None:
 
 def choose_blocks(blocks, have: list[int], path) -> list[int]:
     """The block indices to check: ``blocks`` (a count, or indices that must exist) or the first
-    ``DEFAULT_BLOCKS``."""
+    ``DEFAULT_BLOCKS``. A checkpoint without any block is refused."""
+    if not have:
+        raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
     if blocks is None:
         return have[:DEFAULT_BLOCKS]
     if isinstance(blocks, int) and not isinstance(blocks, bool):

@@ -210,7 +210,7 @@ def _rank_body(ctx, spec: TpSpec, probe):
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
         root = find_prefix(ckpt.tensors)
-        idx = choose_blocks(spec.blocks, block_indices(ckpt, root), spec.path)
+        idx = verify.choose_blocks(spec.blocks, block_indices(ckpt, root), spec.path)
         for i in idx:
             block, info = shard_block(ckpt, scan, f"{root}blocks.{i}", i, comm, mode=spec.mode,
                                       device=dev, probe=probe, backend=spec.backend,
@@ -364,12 +364,6 @@ def _peak_rss() -> int:
     return int(kib) * (1 if sys.platform == "darwin" else 1024)
 
 
-def choose_blocks(blocks, have: list[int], path) -> list[int]:
-    if not have:
-        raise VerifyError("no blocks.{i} tensors: not an H3 DiT checkpoint", path=path)
-    return verify.choose_blocks(blocks, have, path)
-
-
 # ------------------------------------------------------------------------------ entry point
 
 
@@ -424,7 +418,7 @@ def _precheck(path, tp, blocks, mmap) -> None:
     with Checkpoint(path, mmap=mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
         root = find_prefix(ckpt.tensors)
-        idx = choose_blocks(blocks, block_indices(ckpt, root), path)
+        idx = verify.choose_blocks(blocks, block_indices(ckpt, root), path)
         if tp is None:
             return
         check_world(tp)
