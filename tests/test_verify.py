@@ -176,6 +176,20 @@ def test_verify_setup_errors(files):
         run(files["int8"], reference=files["w4a8"])
 
 
+def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_path):
+    from safetensors.torch import save_file
+
+    from h3quant.errors import VerifyError
+    from h3quant.pipelines.verify_tp import verify_tp
+
+    f = tmp_path / "no_blocks.safetensors"
+    save_file({"x_embedder.weight": torch.zeros(4, 4)}, str(f))
+    with pytest.raises(VerifyError, match="no blocks.*not an H3 DiT checkpoint"):
+        run(f)
+    with pytest.raises(VerifyError, match="no blocks.*not an H3 DiT checkpoint"):
+        verify_tp(f, tp=2)
+
+
 # ------------------------------------------------------------------- simulated NPU and MPS
 
 
