@@ -264,3 +264,26 @@ def test_stale_staging_is_removed_live_staging_is_kept(src, tmp_path):
     assert sum(p.name.startswith(atomic.STAGING_PREFIX) for p in tmp_path.iterdir()) == 1
     live.abort()
     assert names(tmp_path) == ["in.safetensors", "o.safetensors"]
+
+
+def test_another_runs_stale_cleanup_never_sees_a_staging_directory_before_its_lock(
+        tmp_path, monkeypatch):
+    """Two runs writing into one directory: the second run's stale clean-up, at the worst
+    moment of the first run's staging set-up, must not take the first run's directory."""
+    from h3quant.formats import atomic
+
+    real, raced = atomic._try_lock, []
+
+    def lock_after_a_cleanup(path):
+        if not raced:
+            raced.append(path)
+            atomic.clean_stale(tmp_path)  # what a concurrent run does when it starts
+        return real(path)
+
+    monkeypatch.setattr(atomic, "_try_lock", lock_after_a_cleanup)
+    stage = atomic._Stage(tmp_path)
+    try:
+        assert raced and stage.path.is_dir() and stage.lock_fd is not None
+        assert stage.path.name.endswith(atomic.STAGING_SUFFIX)
+    finally:
+        stage.remove()

@@ -38,6 +38,7 @@ from h3quant.errors import OutputError
 
 STAGING_PREFIX = ".h3quant-staging-"
 STAGING_SUFFIX = ".tmp"
+_UNLOCKED_SUFFIX = ".new"  # a staging directory before its lock is held (never cleaned as stale)
 LOCK_NAME = ".lock"
 MANIFEST_NAME = ".h3quant-output.json"
 MANIFEST_KIND = "h3quant-output"
@@ -253,9 +254,13 @@ class _Stage:
     """One locked staging directory in one parent directory."""
 
     def __init__(self, parent: Path):
-        self.path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-",
-                                          suffix=STAGING_SUFFIX, dir=parent))
-        self.lock_fd = _try_lock(self.path / LOCK_NAME)
+        # Made and locked under a name clean_stale() does not match, then renamed: another run's
+        # clean_stale() must never see a live staging directory before its lock is held.
+        born = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-",
+                                     suffix=_UNLOCKED_SUFFIX, dir=parent))
+        self.lock_fd = _try_lock(born / LOCK_NAME)
+        self.path = born.with_name(born.name[:-len(_UNLOCKED_SUFFIX)] + STAGING_SUFFIX)
+        os.rename(born, self.path)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
