@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from h3quant.pipelines.convert import ConvertOptions, compute, convert
+from h3quant.pipelines.convert import ConvertOptions, convert, io
 from h3quant.pipelines.convert.io import OffsetWriter
 from tests.test_convert import sha, small_h3, write
 
@@ -25,7 +25,7 @@ def _convert(src, dst, **kw):
 
 @pytest.fixture
 def kernel_copy(monkeypatch):
-    monkeypatch.setattr(compute, "_kernel_copy", [True])
+    monkeypatch.setattr(io, "_kernel_copy", [True])
 
 
 def test_copied_tensors_go_through_the_kernel_and_match_the_memory_path(src, tmp_path, monkeypatch,
@@ -38,7 +38,7 @@ def test_copied_tensors_go_through_the_kernel_and_match_the_memory_path(src, tmp
                         lambda self, *a: calls.append(a[0]) or real(self, *a))
     kernel = _convert(src, tmp_path / "k.safetensors")
     assert calls and "adaln_t_table" in calls  # the byte-for-byte tensors took the kernel path
-    monkeypatch.setattr(compute, "_kernel_copy", [False])
+    monkeypatch.setattr(io, "_kernel_copy", [False])
     calls.clear()
     memory = _convert(src, tmp_path / "m.safetensors")
     assert not calls
@@ -61,7 +61,7 @@ def test_a_kernel_that_refuses_part_way_falls_back_with_the_same_bytes(src, tmp_
 
     monkeypatch.setattr(os, "copy_file_range", flaky, raising=False)
     assert _convert(src, tmp_path / "flaky.safetensors", workers=1) == reference
-    assert compute._kernel_copy == [False]
+    assert io._kernel_copy == [False]
 
 
 def test_a_real_io_error_in_the_kernel_copy_fails_the_run(src, tmp_path, monkeypatch, kernel_copy):
@@ -74,3 +74,97 @@ def test_a_real_io_error_in_the_kernel_copy_fails_the_run(src, tmp_path, monkeyp
     assert "I/O error" in str(info.value) or isinstance(info.value, OSError)
     assert not (tmp_path / "out.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name != "in.safetensors"]
+
+
+# ------------------------------------------------- the copies start before torch is loaded
+_TIMELINE_CHILD = r"""
+import json, os, sys, threading
+
+seen = {}
+
+def hook(event, args):
+    if event == "import" and args[0] == "torch" and "torch" not in seen:
+        dst = sys.argv[2]
+        staged = [os.path.join(r, f) for r, _, fs in os.walk(os.path.dirname(dst)) for f in fs
+                  if ".h3quant-staging-" in r and f.endswith(".tmp") and f != ".lock"]
+        seen["torch"] = {"threads": sorted(t.name for t in threading.enumerate()),
+                         "staged": [os.path.getsize(p) for p in staged]}
+
+sys.addaudithook(hook)
+from h3quant.cli import main
+
+try:
+    main(["convert", sys.argv[1], sys.argv[2], "-q"])
+except SystemExit as exc:
+    seen["exit"] = exc.code
+print(json.dumps(seen))
+"""
+
+
+def test_the_copies_start_before_torch_is_imported(src, tmp_path):
+    """The CLI's convert opens its output and starts the byte-for-byte copies first, and only
+    then loads torch (1-2 s on a small machine) for the layers, while the copies run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    dst = tmp_path / "out" / "o.safetensors"
+    dst.parent.mkdir()
+    res = subprocess.run([sys.executable, "-c", _TIMELINE_CHILD, str(src), str(dst)],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen.get("exit") == 0, seen
+    assert "torch" in seen, "convert never imported torch"  # it has layers to encode
+    assert any(t.startswith("h3quant-copy") for t in seen["torch"]["threads"]), seen
+    # the output's temp file exists at its full planned size (header written) already
+    assert len(seen["torch"]["staged"]) == 1 and seen["torch"]["staged"][0] > 0, seen
+    assert dst.stat().st_size == seen["torch"]["staged"][0]
+
+
+def test_the_planning_and_copying_modules_do_not_import_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\n"
+            "import h3quant.cli.convert_cmd, h3quant.cli.render, h3quant.pipelines.convert\n"
+            "import h3quant.pipelines.convert.stream, h3quant.pipelines.convert.io\n"
+            "from h3quant.formats import registry\n"
+            "for t in registry.targets().values():\n"
+            "    if t.name.startswith('int8') or t.name == 'bf16':\n"
+            "        for layout in registry.layouts_of(registry.target_codec(t.name)):\n"
+            "            registry.with_layout(registry.target_codec(t.name), layout).marker(t, 256)\n"
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+class _FailingImport:
+    """Stands in for ``convert.run`` (the module that loads torch) and fails on first use."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __getattr__(self, name):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [ImportError("torch is broken"), KeyboardInterrupt()])
+def test_a_failure_while_torch_loads_leaves_nothing_behind(src, tmp_path, monkeypatch, exc):
+    """The copies are already running when torch loads: an import error or Ctrl-C there stops
+    them and removes every temporary, like any other failure."""
+    import sys
+    import threading
+
+    monkeypatch.setitem(sys.modules, "h3quant.pipelines.convert.run", _FailingImport(exc))
+    with pytest.raises(type(exc)):
+        convert(src, tmp_path / "o.safetensors", ConvertOptions(report=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("h3quant-copy")]

@@ -21,20 +21,13 @@ import torch
 from h3quant.convrot import check_group_size
 from h3quant.convrot.rotation import rotate_chunk_, rotate_dense, rotate_exact
 from h3quant.errors import FormatError, UnsupportedError
+from h3quant.formats.codecs.int8_tensorwise import int8_marker  # noqa: F401 (torch-free, re-exported)
 
 FORMAT = "int8_tensorwise"
 SCALE_MIN = 1e-30
 CHUNK_ELEMS = 1 << 20  # elements per internal row chunk (4 MiB as fp32)
 METHODS = ("exact", "dense", "fast")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def int8_marker(convrot: bool = True, group_size: int = 256) -> dict:
-    """The canonical ``.comfy_quant`` dict h3quant writes (key order is part of the bytes)."""
-    if not convrot:
-        return {"format": FORMAT}
-    check_group_size(group_size)
-    return {"format": FORMAT, "convrot": True, "convrot_groupsize": int(group_size)}
 
 
 def _row_step(k: int) -> int:

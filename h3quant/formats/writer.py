@@ -6,6 +6,9 @@ library's order (dtype width, then name) and the header is serialised the way th
 (compact JSON, metadata first with sorted keys, space padding to a multiple of 8), so the bytes
 equal ``safetensors.torch.save`` for the same tensors. Output goes to a temporary file beside the
 target and is renamed into place only when every byte has been written.
+
+Importing this module does not import torch (planning a layout is header work: ``convert`` opens
+its writers and starts copying before torch is loaded); the tensor helpers import it on use.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.formats.atomic import default_mode, open_temp, publish  # noqa: F401 (re-export)
 from h3quant.formats.dtypes import from_torch, itemsize, storage_key
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ def entry_for(name: str, tensor: torch.Tensor) -> Entry:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
+    import torch
+
     t = tensor.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from h3quant.convrot import check_group_size
 from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
 from h3quant.formats.rules import fit_error as rules_fit_error
 
 NAME = "int8_tensorwise"
+
+
+def int8_marker(convrot: bool = True, group_size: int = 256) -> dict:
+    """The canonical ``.comfy_quant`` dict h3quant writes (key order is part of the bytes).
+    Torch-free: ``convert`` plans (and starts writing) before torch is loaded."""
+    if not convrot:
+        return {"format": NAME}
+    check_group_size(group_size)
+    return {"format": NAME, "convrot": True, "convrot_groupsize": int(group_size)}
 
 
 class Int8Tensorwise(Codec):
@@ -28,8 +38,6 @@ class Int8Tensorwise(Codec):
         return self.name
 
     def marker(self, target, group_size):
-        from h3quant.formats.int8 import int8_marker
-
         return int8_marker(convrot=target.convrot, group_size=group_size)
 
     def fit_error(self, layer, fields):

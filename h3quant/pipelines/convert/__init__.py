@@ -7,8 +7,10 @@ Public API::
     write_report(path, report)          # atomic JSON
 
 The plan is computed from the input header alone; the run streams every tensor to its planned
-offset (see ``convert_run``), writes atomically (temp file / staging directory renamed into
-place) and leaves nothing at the output on any error or interrupt.
+offset (see ``convert.stream``), writes atomically (temp file / staging directory renamed into
+place) and leaves nothing at the output on any error or interrupt. Importing this package does
+not import torch: a run opens its output and starts the byte-for-byte copies first, then loads
+torch (``convert.run``) for the layers while the copies go on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from h3quant.formats.atomic import Outputs, write_bytes, write_file
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
-from h3quant.pipelines.convert.run import ConvertReport, LayerFailures, run_plan
+from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
+from h3quant.pipelines.convert.stream import run_plan
 
 __all__ = ["TARGETS", "ConvertOptions", "ConvertPlan", "ConvertReport", "LayerFailures", "convert",
            "plan_convert", "write_report"]

@@ -9,9 +9,7 @@ for the error report.
 
 from __future__ import annotations
 
-import errno
 import functools
-import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +26,6 @@ from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
 CHUNK_ELEMS = 1 << 20  # weight elements per row chunk (4 MB as fp32)
-COPY_CHUNK = 16 << 20  # bytes per copy chunk
 
 
 def rows_per_chunk(k: int) -> int:
@@ -242,32 +239,3 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:
     return torch.frombuffer(bytearray(lp.marker), dtype=torch.uint8)
-
-
-# errors meaning "the kernel cannot copy between these files": fall back to read + write
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF,
-                   errno.ETXTBSY, errno.EPERM}
-_kernel_copy = [hasattr(os, "copy_file_range")]
-
-
-def copy_tensor(item, reader: Reader, sink, progress) -> None:
-    """Copy one tensor's bytes unchanged: inside the kernel where it can (``copy_file_range``:
-    no user-space copy, no mapped pages), else in ``COPY_CHUNK`` pieces through memory."""
-    info, done = item.src, 0
-    if _kernel_copy[0] and info.nbytes:
-        fd, pos = reader.source_range(info)
-        try:
-            while done < info.nbytes:
-                n = sink.copy_range(item.out, done, fd, pos + done,
-                                    min(COPY_CHUNK, info.nbytes - done))
-                done += n
-                progress(n)
-            return
-        except OSError as exc:
-            if exc.errno not in _NO_KERNEL_COPY:
-                raise
-            _kernel_copy[0] = False  # this run goes on through memory (from byte ``done``)
-    for start, data in reader.chunks(info, COPY_CHUNK, first=done):
-        sink.write(item.out, start, data)
-        progress(len(data))
-

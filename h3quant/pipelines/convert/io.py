@@ -6,15 +6,19 @@ holding all codes of the model or quantizing every weight twice. ``OffsetWriter`
 ``Layout`` (so the bytes are identical to the library's) but lets each tensor be written, in
 pieces, at its own offset as soon as it is computed: one layer in flight, each weight quantized
 once.
+
+``copy_tensor`` writes a byte-for-byte tensor, inside the kernel where it can. Nothing here
+imports torch at import time: ``convert`` opens its writers and starts the copies first, and
+loads torch while they run (see ``convert.stream``); the tensor methods import it on use.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.formats.atomic import open_temp, publish
@@ -22,7 +26,11 @@ from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
 from h3quant.formats.writer import Layout
 
+if TYPE_CHECKING:
+    import torch
+
 FLUSH_BYTES = 256 << 20  # start writeback after this many new bytes (overlaps the final fsync)
+COPY_CHUNK = 16 << 20  # bytes per copy call (kernel-side or through memory)
 
 
 class OffsetWriter:
@@ -147,6 +155,8 @@ class OffsetWriter:
                 self._flush_wanted.set()
 
     def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        import torch
+
         t = tensor.detach().contiguous()
         if t.numel():
             self.write(name, start, t.view(-1).view(torch.uint8).numpy())
@@ -222,6 +232,8 @@ class Reader:
 
     def rows(self, info: TensorInfo, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)`` of a tensor (dim 0), as a tensor (may view the mapping)."""
+        import torch
+
         row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
         sf = self.ckpt.file_of(info.name)
         dtype = to_torch(info.dtype)
@@ -266,3 +278,47 @@ class Reader:
         if row:
             self.ckpt.file_of(info.name).prefetch(info, r0 * row, (r1 - r0) * row)
 
+
+
+class Sinks:
+    """Routes each output tensor name to the writer of its shard."""
+
+    def __init__(self, by_name: dict[str, OffsetWriter]):
+        self._by_name = by_name
+
+    def write(self, name: str, start: int, data) -> None:
+        self._by_name[name].write(name, start, data)
+
+    def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        self._by_name[name].write_tensor(name, tensor, start)
+
+    def copy_range(self, name: str, start: int, src_fd: int, src_pos: int, length: int) -> int:
+        return self._by_name[name].copy_range(name, start, src_fd, src_pos, length)
+
+
+# errors meaning "the kernel cannot copy between these files": fall back to read + write
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF,
+                   errno.ETXTBSY, errno.EPERM}
+_kernel_copy = [hasattr(os, "copy_file_range")]
+
+
+def copy_tensor(item, reader: Reader, sink, progress) -> None:
+    """Copy one tensor's bytes unchanged: inside the kernel where it can (``copy_file_range``:
+    no user-space copy, no mapped pages), else in ``COPY_CHUNK`` pieces through memory."""
+    info, done = item.src, 0
+    if _kernel_copy[0] and info.nbytes:
+        fd, pos = reader.source_range(info)
+        try:
+            while done < info.nbytes:
+                n = sink.copy_range(item.out, done, fd, pos + done,
+                                    min(COPY_CHUNK, info.nbytes - done))
+                done += n
+                progress(n)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            _kernel_copy[0] = False  # this run goes on through memory (from byte ``done``)
+    for start, data in reader.chunks(info, COPY_CHUNK, first=done):
+        sink.write(item.out, start, data)
+        progress(len(data))

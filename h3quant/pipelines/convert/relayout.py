@@ -10,13 +10,12 @@
   source's, so an NPU (which has no kernel for W4A8) runs exactly the same math.
 
 ``conversion_via`` decides, at plan time, which of these applies (else the layer is encoded).
+Planning must not load torch (``convert`` starts its copies first), so torch is imported on use.
 """
 
 from __future__ import annotations
 
 import functools
-
-import torch
 
 from h3quant.formats import registry
 from h3quant.formats.int8_kn import TRANSPOSE_BYTES, RowTransposer, transpose_stream
@@ -71,6 +70,8 @@ def _write_scale(lp, reader, sink, info, n: int) -> None:
     if info.numel == n:
         _copy_bytes(reader, info, sink, out)  # [N, 1] <-> [N]: the same bytes
     else:  # one tensorwise scale -> the kn form's [N]: the same value on every row
+        import torch
+
         s = reader.whole(info).to(torch.float32).reshape(())
         sink.write_tensor(out, s.expand(n).contiguous())
 
@@ -89,6 +90,8 @@ def relayout_layer(lp, reader, sink, progress) -> None:
 
 def grid_layer(lp, reader, sink, progress, codec) -> None:
     """W4A8 codes -> their int8 grid, row slabs at a time, written in the target layout."""
+    import torch
+
     from h3quant.formats.w4a8 import decode_w4a8_int8
 
     t, f = lp.inputs, lp.src_fields

@@ -15,8 +15,6 @@ re-rotates a whole weight. Row-wise scales make a row subset an exact sample of 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from h3quant.pipelines.convert.options import REPORT_SEED, REPORT_TOKENS
@@ -55,22 +53,3 @@ def layer_metrics(codec, lp, ref: torch.Tensor, out: dict) -> dict:
     rel, sqnr, cos = error_metrics(w_hat, ref)
     return {"weight_rel_l2": rel, "sqnr_db": sqnr, "cosine": cos,
             "output_rel_l2": error_metrics(y, y_ref)[0], "rows_sampled": int(ref.shape[0])}
-
-
-def summarize(layers: list[dict]) -> dict:
-    """Worst layer and mean / max errors over the layers that carry metrics."""
-    rows = [d for d in layers if d.get("metrics")]
-    if not rows:
-        return {"layers": 0}
-    rel = [d["metrics"]["weight_rel_l2"] for d in rows]
-    out = [d["metrics"]["output_rel_l2"] for d in rows]
-    sq = [d["metrics"]["sqnr_db"] for d in rows if math.isfinite(d["metrics"]["sqnr_db"])]
-    worst = max(rows, key=lambda d: d["metrics"]["output_rel_l2"])
-    return {
-        "layers": len(rows),
-        "worst_layer": worst["name"],
-        "worst_output_rel_l2": worst["metrics"]["output_rel_l2"],
-        "mean_weight_rel_l2": sum(rel) / len(rel), "max_weight_rel_l2": max(rel),
-        "mean_output_rel_l2": sum(out) / len(out), "max_output_rel_l2": max(out),
-        "mean_sqnr_db": sum(sq) / len(sq) if sq else math.inf,
-    }
