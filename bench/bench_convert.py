@@ -3,13 +3,20 @@
     python bench/bench_convert.py --blocks 1 2 --repeat 3 [--baseline /tmp/h3base] [--cleanup]
 
 For each block count: synthesizes (once, cached in --workdir) a full-dimension H3 bf16
-checkpoint (``synth --preset full --blocks N``: 2.37 GB for 1 block, 4.7 GB for 2). Then,
+checkpoint (``synth --preset full --blocks N``: 2.37 GB for 1 block, 3.15 GB for 2). Then,
 ``--repeat`` rounds, alternating:
 
-- ``floor``: read the whole input (16 MB unbuffered reads), write as many bytes as the
-  converted output has, fsync: the least any conversion must do;
+- ``floor``: the least any conversion must do, measured two ways after each convert run (in
+  alternating order), the faster one counting as that round's floor:
+  - ``plain``: read the whole input (16 MB unbuffered reads), then write as many bytes as the
+    converted output has, then fsync;
+  - ``flushed``: read the input and write the output's byte count interleaved (16 MB reads,
+    the output written in proportion, so both end together, as in a streaming conversion) while
+    a background thread ``fdatasync``s every 256 MB written (what convert's ``OffsetWriter``
+    does, so the disk works while the rest is still being written), then fsync;
 - ``after``: ``h3quant convert`` of this checkout (default options: exact rotation, report on,
-  one worker per CPU), in a subprocess; its peak RSS from ``os.wait4``;
+  one worker per CPU), in a subprocess; its peak RSS and user / system CPU seconds from
+  ``os.wait4``;
 - ``before``: the same command run from the ``--baseline`` checkout (an old tree's root).
 
 The best round of each is printed with its ratio to the best floor (time / floor time: 1.00 is
@@ -25,10 +32,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 CHUNK = 16 << 20
+FLUSH_BYTES = 256 << 20  # as convert's OffsetWriter: fdatasync in the background every 256 MB
 HERE = Path(__file__).resolve().parent.parent
 
 
@@ -43,8 +52,8 @@ def synth(path: Path, blocks: int) -> None:
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
 
 
-def floor(src: Path, out_bytes: int, scratch: Path) -> float:
-    """Seconds to read ``src`` and write+fsync ``out_bytes`` bytes (plain file I/O)."""
+def floor_plain(src: Path, out_bytes: int, scratch: Path) -> float:
+    """Seconds to read ``src``, then write ``out_bytes`` bytes and fsync (plain file I/O)."""
     buf = bytearray(CHUNK)
     t = time.perf_counter()
     with open(src, "rb", buffering=0) as fh:
@@ -60,8 +69,57 @@ def floor(src: Path, out_bytes: int, scratch: Path) -> float:
     return dt
 
 
-def run_convert(root: Path, src: Path, dst: Path, args) -> tuple[float, int, int]:
-    """(seconds, peak RSS bytes, output bytes) of one ``convert`` run from checkout ``root``."""
+def floor_flushed(src: Path, out_bytes: int, scratch: Path) -> float:
+    """Seconds to read ``src`` and write ``out_bytes`` bytes interleaved, with a background
+    ``fdatasync`` every ``FLUSH_BYTES`` written, then fsync."""
+    buf = bytearray(CHUNK)
+    in_bytes = src.stat().st_size
+    wanted = threading.Event()
+    done = False
+
+    def flusher(fd: int) -> None:
+        while True:
+            wanted.wait()
+            wanted.clear()
+            if done:
+                return
+            os.fdatasync(fd)
+
+    t = time.perf_counter()
+    with open(src, "rb", buffering=0) as fin, open(scratch, "wb", buffering=0) as fout:
+        th = threading.Thread(target=flusher, args=(fout.fileno(),), daemon=True)
+        th.start()
+        read = written = unflushed = 0
+        try:
+            while True:
+                n = fin.readinto(buf)
+                read += n
+                target = out_bytes if not n else min(out_bytes, read * out_bytes // in_bytes)
+                while written < target:
+                    w = fout.write(memoryview(buf)[:min(CHUNK, target - written)])
+                    written += w
+                    unflushed += w
+                    if unflushed >= FLUSH_BYTES:
+                        unflushed = 0
+                        wanted.set()
+                if not n:
+                    break
+        finally:
+            done = True
+            wanted.set()
+            th.join()
+        os.fsync(fout.fileno())
+    dt = time.perf_counter() - t
+    scratch.unlink()
+    return dt
+
+
+FLOORS = {"plain": floor_plain, "flushed": floor_flushed}
+
+
+def run_convert(root: Path, src: Path, dst: Path, args) -> tuple[float, int, int, float, float]:
+    """(seconds, peak RSS bytes, output bytes, user CPU s, system CPU s) of one ``convert`` run
+    from checkout ``root``."""
     cmd = [sys.executable, "-m", "h3quant", "convert", str(src), str(dst), "--to", args.to,
            "--overwrite", "--quiet"]
     if args.workers:
@@ -77,7 +135,7 @@ def run_convert(root: Path, src: Path, dst: Path, args) -> tuple[float, int, int
         raise SystemExit(f"convert ({root}) failed with exit code {os.waitstatus_to_exitcode(status)}")
     size = dst.stat().st_size
     dst.unlink()
-    return dt, usage.ru_maxrss * 1024, size
+    return dt, usage.ru_maxrss * 1024, size, usage.ru_utime, usage.ru_stime
 
 
 def main() -> None:
@@ -105,33 +163,44 @@ def main() -> None:
             out_bytes = None
             for rnd in range(args.repeat):
                 order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
-                for name in order:
-                    dt, rss, out_bytes = run_convert(variants[name], src, dst, args)
-                    r = {"s": dt, "rss": rss}
+                for i, name in enumerate(order):
+                    dt, rss, out_bytes, user, sys_s = run_convert(variants[name], src, dst, args)
+                    r = {"s": dt, "rss": rss, "user": user, "sys": sys_s}
                     print(json.dumps({"blocks": blocks, "round": rnd, "variant": name, **r}),
                           file=sys.stderr, flush=True)
                     if name not in best or dt < best[name]["s"]:
                         best[name] = r
-                    f = floor(src, out_bytes, args.workdir / "floor.tmp")
-                    print(json.dumps({"blocks": blocks, "round": rnd, "variant": "floor", "s": f}),
+                    floors = {}
+                    kinds = list(FLOORS) if (rnd + i) % 2 == 0 else list(reversed(FLOORS))
+                    for kind in kinds:
+                        floors[kind] = FLOORS[kind](src, out_bytes, args.workdir / "floor.tmp")
+                        key = f"floor-{kind}"
+                        if key not in best or floors[kind] < best[key]["s"]:
+                            best[key] = {"s": floors[kind], "rss": 0}
+                    f = min(floors.values())
+                    print(json.dumps({"blocks": blocks, "round": rnd, "variant": "floor", "s": f,
+                                      **{k: round(v, 3) for k, v in floors.items()}}),
                           file=sys.stderr, flush=True)
                     if "floor" not in best or f < best["floor"]["s"]:
                         best["floor"] = {"s": f, "rss": 0}
             in_bytes = src.stat().st_size
-            for name in ["floor", *variants]:
+            for name in ["floor", *(f"floor-{k}" for k in FLOORS), *variants]:
                 r = best[name]
                 rows.append((blocks, name, in_bytes, out_bytes, r["s"], r["rss"],
-                             r["s"] / best["floor"]["s"]))
+                             r["s"] / best["floor"]["s"], r.get("user"), r.get("sys")))
     finally:
         if args.cleanup:
             for blocks in args.blocks:
                 (args.workdir / f"full_b{blocks}_bf16.safetensors").unlink(missing_ok=True)
-    print(f"\n--to {args.to}, best of {args.repeat} alternating rounds; ratio = time / floor time")
-    print(f"{'blocks':>6} {'variant':>8} {'input GB':>9} {'output GB':>10} {'time s':>7} "
-          f"{'input MB/s':>11} {'peak RSS GB':>12} {'ratio':>6}")
-    for blocks, name, ib, ob, s, rss, ratio in rows:
-        print(f"{blocks:>6} {name:>8} {ib / 1e9:>9.2f} {ob / 1e9:>10.2f} {s:>7.1f} "
-              f"{ib / 1e6 / s:>11.0f} {rss / 1e9 if rss else float('nan'):>12.2f} {ratio:>6.2f}")
+    print(f"\n--to {args.to}, best of {args.repeat} alternating rounds; ratio = time / floor time "
+          "(floor: the faster of floor-plain and floor-flushed in each round)")
+    print(f"{'blocks':>6} {'variant':>13} {'input GB':>9} {'output GB':>10} {'time s':>7} "
+          f"{'input MB/s':>11} {'peak RSS GB':>12} {'ratio':>6} {'user s':>7} {'sys s':>6}")
+    for blocks, name, ib, ob, s, rss, ratio, user, sys_s in rows:
+        cpu = f"{user:>7.1f} {sys_s:>6.1f}" if user is not None else f"{'-':>7} {'-':>6}"
+        print(f"{blocks:>6} {name:>13} {ib / 1e9:>9.2f} {ob / 1e9:>10.2f} {s:>7.1f} "
+              f"{ib / 1e6 / s:>11.0f} {rss / 1e9 if rss else float('nan'):>12.2f} {ratio:>6.2f} "
+              f"{cpu}")
 
 
 if __name__ == "__main__":
