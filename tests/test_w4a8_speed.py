@@ -84,7 +84,7 @@ TABLES = {
 
 @pytest.mark.parametrize("kind", ["outliers", "heavy", "zeros"])
 @pytest.mark.parametrize("table", sorted(TABLES))
-@pytest.mark.parametrize("search", [0, 2, 3])
+@pytest.mark.parametrize("search", [0, 2, 3, 4])
 def test_fast_rows_choose_the_reference_scales_and_int8_weights(kind, table, search):
     tab = TABLES[table]
     x = rotate(_weights(7, kind=kind), 256)
@@ -140,3 +140,36 @@ def test_ambiguous_cells_are_redone_exactly(table):
     ref_s, ref_ch, ref_w8, target = _reference_rows(x, tab, search=2)
     assert torch.equal(s_ch, ref_ch)
     assert torch.equal(s_rel.view(torch.uint8), ref_s.view(torch.uint8))
+
+
+def test_integer_key_sort_equals_a_float_sort():
+    """``sort_floats`` (radix sort of int32 keys) gives the same values in the same order as
+    ``Tensor.sort``: signs, subnormals, zeros of both signs and infinities included."""
+    from h3quant.formats.w4a8_codebook import sort_floats
+
+    g = torch.Generator().manual_seed(9)
+    cases = [torch.randn(50000, generator=g) * torch.exp(torch.randn(50000, generator=g) * 8),
+             torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, float("inf"), -float("inf"),
+                           3.4e38, -3.4e38, 2.0, 2.0, -2.0]),
+             torch.rand(1000, generator=g) * 2 - 1]
+    for u in cases:
+        got = sort_floats(u)
+        want = u.sort().values
+        assert torch.equal(got, want)
+        assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(want[want == 0]).sort(descending=True).values)
+
+
+def test_fitted_codebook_is_unchanged_by_the_integer_sort():
+    """The k-means table from the radix-sorted sample equals the one from a float sort."""
+    from h3quant.formats import w4a8_codebook as C
+
+    x = rotate(_weights(13, n=64, k=1024, kind="heavy"), 256)
+    u = C.normalise_groups(x, 16)
+    fast = C.fit_codebook(u)
+    real = C.sort_floats
+    try:
+        C.sort_floats = lambda v: v.sort().values
+        slow = C.fit_codebook(u)
+    finally:
+        C.sort_floats = real
+    assert torch.equal(fast, slow)

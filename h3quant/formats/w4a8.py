@@ -270,10 +270,9 @@ def encode_w4a8(
     step = max(1, _ROW_ELEM_BUDGET // k)
     for r0 in range(0, n, step):
         rot = rotate(weight[r0:r0 + step].float(), convrot_groupsize)
-        if not torch.isfinite(rot).all():
-            raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{min(n, r0 + step) - 1})")
-        codes, sr, sc = encode_rows(rot, index, group_size, scale_search, levels)
-        packed[r0:r0 + step] = _pack(codes)
+        codes, sr, sc = encode_rows(rot, index, group_size, scale_search, levels, pack=True,
+                                    rows=(r0, min(n, r0 + step) - 1))
+        packed[r0:r0 + step] = codes
         s_rel[r0:r0 + step] = sr
         s_channel[r0:r0 + step] = sc
     return {"weight": packed, "weight_s_rel": s_rel, "weight_s_channel": s_channel,

@@ -43,6 +43,11 @@ def take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, idx.reshape(-1)).view(idx.shape)
 
 
+def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` for a 2-D ``table``: rows gathered through index_select, ``idx.shape + [C]``."""
+    return torch.index_select(table, 0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+
+
 class LevelIndex:
     """Exact nearest-level lookup for a sorted 16-level table, without a binary search per value.
 
@@ -135,13 +140,23 @@ def als_error(rotated: torch.Tensor, group_size: int, table: torch.Tensor) -> fl
     return (gx - approx).double().norm().item() / den if den > 0 else 0.0
 
 
+def sort_floats(u: torch.Tensor) -> torch.Tensor:
+    """Ascending sort of finite float32 values through their int32 bit patterns (monotone keys:
+    negatives' magnitude bits flipped), where torch sorts integers several times faster than
+    floats (radix sort). The same values in the same order as ``u.sort()`` (-0.0 before 0.0)."""
+    b = u.contiguous().view(torch.int32)
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)
+    s = torch.sort(key, stable=True).values
+    return (s ^ ((s >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
 def fit_codebook(u: torch.Tensor, iters: int = _KMEANS_ITERS) -> torch.Tensor:
     """1-D k-means (Lloyd) with 16 levels on normalised values, started from the frozen table.
 
     The values are sorted once, so each round is 15 binary searches plus prefix-sum differences.
     Returns a sorted float32 table clamped to [-1, 1]; an empty level keeps its previous value.
     """
-    u = u.reshape(-1).float().sort().values.double()  # same order as a float64 sort, faster
+    u = sort_floats(u.reshape(-1).float()).double()
     if u.numel() == 0:
         return FROZEN_CODEBOOK.to(u.device)
     csum = torch.cat([torch.zeros(1, dtype=torch.float64, device=u.device), u.cumsum(0)])

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take
+from h3quant.errors import FormatError
+from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take, take_rows
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -59,6 +60,31 @@ class DecodedLevels:
         # stored bin-major ([512, 128]): the candidate scales of one weight are neighbours
         self.value = value.t().reshape(-1).contiguous().to(table.device)
         self.code = code.to(torch.int32).t().reshape(-1).contiguous().to(table.device)
+        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def window(self, search: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidate windows of ``search``: ``(lanes, codes)``.
+
+        Row ``r = bin * 128 + bits`` holds, for each offset ``d`` of ``search_order(search)``
+        (``C`` of them), the nearest decoded level under the scale bits ``clamp(bits + d, 1,
+        0x7E)`` (the clamp baked in) and its code. ``lanes``: int64 ``[rows, L / 8]`` whose bytes
+        are the ``C`` levels as int8 (decoded levels are integers in [-127, 127]) padded to ``L``,
+        a multiple of 8: one 8-byte read gives a weight's candidates (for ``C <= 8``).
+        ``codes``: uint8 ``[rows * C]``, the code of candidate ``j`` of row ``r`` at ``r * C + j``.
+        """
+        if search not in self._windows:
+            d = torch.tensor(search_order(search), dtype=torch.int64)
+            c = d.numel()
+            bits = torch.arange(_ROWS, dtype=torch.int64)
+            cols = (bits.unsqueeze(1) + d).clamp_(1, E4M3_MAX_BITS)  # [128, C]
+            rows = (torch.arange(_BINS, dtype=torch.int64) * _ROWS).view(-1, 1, 1) + cols
+            idx = rows.view(-1).to(self.value.device)
+            width = -(-c // 8) * 8
+            lanes = torch.zeros(_BINS * _ROWS, width, dtype=torch.int8, device=self.value.device)
+            lanes[:, :c] = self.value.index_select(0, idx).view(-1, c).to(torch.int8)
+            codes = self.code.index_select(0, idx).to(torch.uint8).contiguous()
+            self._windows[search] = (lanes.view(torch.int64), codes)
+        return self._windows[search]
 
     def fine(self, index: LevelIndex) -> FineLevels:
         if getattr(self, "_fine", None) is None:
@@ -130,18 +156,23 @@ def search_order(search: int) -> list[int]:
 _SUM_ORDER_OK: dict[int, bool] = {}
 
 
-def _group_sum(v: torch.Tensor) -> torch.Tensor:
+def _group_sum(v: torch.Tensor, *, clobber: bool = False) -> torch.Tensor:
     """Sum over dim -2 of a group-major ``[..., G, M]`` tensor, rounded like ``sum(-1)`` of the
     row-major ``[M, G]`` layout (the reference encoder's order), so both choose the same scales.
 
     For G = 16 torch's vectorised inner reduction adds the two halves, then the eight partial
     sums in order; that order is reproduced with contiguous row adds (much faster than a
     reduction over 16 contiguous values) after a one-time self-check, else a transpose + sum.
+    ``clobber``: ``v`` is a temporary; the sums are made in its memory (the result may view it).
     """
     g = v.shape[-2]
     if g == 16 and _sum_order_ok(g):
-        a = v[..., :8, :] + v[..., 8:, :]
-        out = a[..., 0, :] + a[..., 1, :]
+        if clobber:  # the same adds in the same order, written over ``v`` (no new tensors)
+            a = v[..., :8, :].add_(v[..., 8:, :])
+            out = a[..., 0, :].add_(a[..., 1, :])
+        else:
+            a = v[..., :8, :] + v[..., 8:, :]
+            out = a[..., 0, :] + a[..., 1, :]
         for j in range(2, 8):
             out.add_(a[..., j, :])
         return out
@@ -161,8 +192,13 @@ def _sum_order_ok(g: int) -> bool:
 
 
 def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int,
-                levels: DecodedLevels | None = None, passes: int = ALS_PASSES):
+                levels: DecodedLevels | None = None, passes: int = ALS_PASSES, *,
+                pack: bool = False, rows: tuple[int, int] | None = None):
     """Rotated fp32 rows [n, K] -> (codes uint8 [n, K], s_rel e4m3 [n, K/G], s_channel f32 [n]).
+
+    ``pack``: return the codes packed two per byte (int8 [n, K/2], ``pack_nibbles``'s layout;
+    needs an even ``group_size``). A NaN or inf in ``x`` raises ``FormatError`` naming ``rows``
+    (the chunk's first and last row in the layer, for the message).
 
     Works group-major (``[G, groups]``): per-group sums and maxima become adds of contiguous
     rows and per-group scalars broadcast along rows.
@@ -177,15 +213,18 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
 
     # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
     #    rounds (scale = <x, l> / <l, l>, reassign); the last assignment only for the extremes
-    lo, hi = xt.amin(0), xt.amax(0)
+    lo, hi = xt.amin(0), xt.amax(0)  # NaN and inf show up here (amin / amax propagate NaN)
+    if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+        r0, r1 = rows if rows is not None else (0, n - 1)
+        raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{r1})")
     scale = torch.maximum(lo.neg(), hi)
     zero = scale == 0
     scale.masked_fill_(zero, 1.0)
     fine = levels.fine(index)
     for _ in range(passes):
         lv = fine.levels(xt, scale)
-        num = _group_sum(lv * xt)
-        den = _group_sum(lv.mul_(lv))
+        num = _group_sum(lv * xt, clobber=True)
+        den = _group_sum(lv.mul_(lv), clobber=True)
         fine.fix_ambiguous(xt, scale, num, den)
         new = num.div_(den.clamp_(min=_TINY))
         scale = torch.where((new > 0) & ~zero, new, scale)
@@ -200,19 +239,29 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
     bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
     # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
-    #    decoded levels reconstruct the group best (the first best in search order)
+    #    decoded levels reconstruct the group best (the first best in search order); one
+    #    8-byte window-table read gives a weight's candidate levels
     target = xt / s_ch_g
-    q = DecodedLevels.bins(target)  # [G, m]
-    bits = bits.to(torch.int32)
-    cand = torch.stack([(bits + d).clamp_(1, E4M3_MAX_BITS) for d in search_order(search)])
-    dec = take(levels.value, q.unsqueeze(0) + DecodedLevels.offsets(cand).unsqueeze(1))  # [C, G, m]
-    err = _group_sum(torch.sub(target, dec, out=dec).square_())  # [C, m]
-    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32)
-    for c in range(1, err.shape[0]):
-        better = err[c] < best_err
-        best_err = torch.minimum(best_err, err[c])
-        pick.masked_fill_(better, c)
-    best = torch.gather(cand, 0, pick.long().unsqueeze(0)).squeeze(0)
-    codes = take(levels.code, q.add_(DecodedLevels.offsets(best))).to(torch.uint8)
+    base = DecodedLevels.bins(target).add_(bits.to(torch.int32))  # [G, m]: window rows
+    lanes, codes_w = levels.window(search)
+    offsets = search_order(search)
+    c = len(offsets)
+    raw = take_rows(lanes, base) if lanes.shape[1] > 1 else take(lanes.view(-1), base)
+    dec = torch.empty(group_size, c, m, dtype=torch.float32, device=x.device)  # candidate-major
+    dec.copy_(raw.view(torch.int8).view(group_size, m, -1).permute(0, 2, 1)[:, :c])
+    err = _group_sum(torch.sub(target.unsqueeze(1), dec, out=dec).square_().view(group_size, c * m),
+                     clobber=True)
+    err = err.view(c, m)
+    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=x.device)
+    for j in range(1, c):  # the first best wins (strict <), as in search order
+        better = err[j] < best_err
+        best_err = torch.minimum(best_err, err[j])
+        pick.masked_fill_(better, j)
+    shift = torch.tensor(offsets, dtype=torch.int32, device=x.device)
+    best = take(shift, pick).add_(bits.to(torch.int32)).clamp_(1, E4M3_MAX_BITS)
+    codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
     s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)
+    if pack:
+        packed = (codes[0::2] | (codes[1::2] << 4)).t().contiguous()  # [m, G/2]
+        return packed.view(torch.int8).view(n, k // 2), s_rel.view(n, g), s_channel.contiguous()
     return codes.t().reshape(n, k), s_rel.view(n, g), s_channel.contiguous()
