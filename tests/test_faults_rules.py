@@ -105,3 +105,39 @@ def test_w4a8_source_with_a_zero_channel_scale_is_refused(tmp_path):
     f = save(tmp_path / "s.safetensors", t)
     res = cli("convert", f, tmp_path / "o.safetensors", "--to", "bf16")
     assert res.exit_code == 1 and "D102" in res.output
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_finite_weights_rule_finds_every_nan_and_inf_and_nothing_else(dtype):
+    """``weight_violation`` answers from one sum when the chunk is finite: every NaN / inf is
+    still found with its exact count and first index, and finite chunks whose sum overflows
+    (the values near the dtype's maximum) pass."""
+    from h3quant.formats.rules import weight_violation
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    assert weight_violation(torch.full((4, 64), big, dtype=dtype)) is None  # sum overflows
+    assert weight_violation(torch.tensor([big, -big, big], dtype=dtype)) is None
+    assert weight_violation(torch.empty(0, 8, dtype=dtype)) is None
+    for trial in range(40):
+        w = torch.randn(37, 53, generator=gen).to(dtype)
+        if trial % 3 == 0:
+            w[:, :5] = big  # overflowing sum around the bad values too
+        assert weight_violation(w) is None
+        bad = torch.randperm(w.numel(), generator=gen)[: 1 + trial % 4]
+        for i, pos in enumerate(bad.tolist()):
+            w.view(-1)[pos] = (float("nan"), float("inf"), float("-inf"))[(i + trial) % 3]
+        v = weight_violation(w, offset=1000)
+        assert v is not None and v.code == "D106"
+        assert f"{len(bad)} non-finite" in v.message
+        assert f"flat index {1000 + int(bad.min())})" in v.message
+
+
+def test_a_finite_weight_chunk_is_checked_without_an_elementwise_pass(monkeypatch):
+    from h3quant.formats.rules import weight_violation
+
+    sizes = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: sizes.append(t.numel()) or real(t))
+    assert weight_violation(torch.randn(195, 5376).bfloat16()) is None
+    assert sizes == [1]  # only the sum's

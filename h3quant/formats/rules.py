@@ -183,7 +183,13 @@ def weight_violation(values: torch.Tensor, offset: int = 0) -> Violation | None:
     """D106 when a float weight chunk holds NaN or infinity (``offset``: its first flat index)."""
     import torch
 
-    bad = ~torch.isfinite(values.reshape(-1))
+    flat = values.reshape(-1)
+    # Fast path: one sum instead of an isfinite pass (~70x cheaper on a bf16 chunk here; convert
+    # checks every source weight). A sum is finite only if every term is (inf and NaN absorb in
+    # IEEE addition); a finite chunk whose sum overflows goes on to the exact check below.
+    if flat.is_floating_point() and bool(torch.isfinite(flat.sum())):
+        return None
+    bad = ~torch.isfinite(flat)
     if not bad.any():
         return None
     first = offset + int(bad.nonzero()[0, 0])
