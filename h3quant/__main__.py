@@ -1,6 +1,6 @@
 """``python -m h3quant``: the same CLI as the ``h3quant`` console script."""
 
-from h3quant.cli import main
+from h3quant.cli import run
 
 if __name__ == "__main__":
-    main(prog_name="h3quant")
+    run()

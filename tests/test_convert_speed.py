@@ -168,3 +168,39 @@ def test_a_failure_while_torch_loads_leaves_nothing_behind(src, tmp_path, monkey
         convert(src, tmp_path / "o.safetensors", ConvertOptions(report=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
     assert not [t for t in threading.enumerate() if t.name.startswith("h3quant-copy")]
+
+
+# ------------------------------------------------------- no interpreter teardown after convert
+_EXIT_CHILD = r"""
+import atexit, sys
+atexit.register(lambda: sys.stderr.write("TEARDOWN\n"))
+from h3quant.cli import run
+run(sys.argv[1:])
+"""
+
+
+def test_a_finished_convert_process_exits_without_the_interpreter_teardown(src, tmp_path):
+    """After a successful convert the process ends at once (stdout and stderr flushed, the
+    output in place); failures and other commands exit the normal way."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def child(*args):
+        return subprocess.run([sys.executable, "-c", _EXIT_CHILD, *map(str, args)],
+                              capture_output=True, text=True, timeout=300, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+
+    dst = tmp_path / "o.safetensors"
+    res = child("convert", src, dst, "--json")
+    assert res.returncode == 0, res.stderr
+    assert "TEARDOWN" not in res.stderr
+    assert json.loads(res.stdout)["output_bytes"] == dst.stat().st_size  # stdout complete
+    assert "wrote" in res.stderr  # the summary line reached stderr
+    again = child("convert", src, dst)  # exists, no --overwrite: exit 2, the normal way
+    assert again.returncode == 2 and "TEARDOWN" in again.stderr, again.stderr
+    other = child("inspect", dst)
+    assert other.returncode == 0 and "TEARDOWN" in other.stderr
