@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.convrot import is_valid_group_size, rotate
+from h3quant.convrot import is_valid_group_size, rotate, rotate_group_major
 from h3quant.errors import FormatError, UnsupportedError
 from h3quant.formats.w4a8_codebook import (
     FROZEN_CODEBOOK,
@@ -22,6 +22,7 @@ from h3quant.formats.w4a8_codebook import (
 )
 from h3quant.formats.w4a8_encode import (
     DecodedLevels,
+    encode_groups,
     encode_rows,
 )
 
@@ -269,9 +270,10 @@ def encode_w4a8(
     s_channel = torch.empty(n, dtype=torch.float32, device=weight.device)
     step = max(1, _ROW_ELEM_BUDGET // k)
     for r0 in range(0, n, step):
-        rot = rotate(weight[r0:r0 + step].float(), convrot_groupsize)
-        codes, sr, sc = encode_rows(rot, index, group_size, scale_search, levels, pack=True,
-                                    rows=(r0, min(n, r0 + step) - 1))
+        rows = weight[r0:r0 + step]
+        xt = rotate_group_major(rows, convrot_groupsize, group_size)
+        codes, sr, sc = encode_groups(xt, rows.shape[0], index, scale_search, levels, pack=True,
+                                      rows=(r0, r0 + rows.shape[0] - 1))
         packed[r0:r0 + step] = codes
         s_rel[r0:r0 + step] = sr
         s_channel[r0:r0 + step] = sc

@@ -199,16 +199,25 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
     ``pack``: return the codes packed two per byte (int8 [n, K/2], ``pack_nibbles``'s layout;
     needs an even ``group_size``). A NaN or inf in ``x`` raises ``FormatError`` naming ``rows``
     (the chunk's first and last row in the layer, for the message).
+    """
+    n, k = x.shape
+    xt = x.reshape(n * k // group_size, group_size).t().contiguous()
+    return encode_groups(xt, n, index, search, levels, passes, pack=pack, rows=rows)
 
-    Works group-major (``[G, groups]``): per-group sums and maxima become adds of contiguous
-    rows and per-group scalars broadcast along rows.
+
+def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
+                  levels: DecodedLevels | None = None, passes: int = ALS_PASSES, *,
+                  pack: bool = False, rows: tuple[int, int] | None = None):
+    """``encode_rows`` of rows given group-major: ``xt`` [G, n * K / G] (``rotate_group_major``).
+
+    Works group-major: per-group sums and maxima become adds of contiguous rows and per-group
+    scalars broadcast along rows.
     """
     if levels is None:
         levels = DecodedLevels(index.table)
-    n, k = x.shape
-    g = k // group_size
-    m = n * g
-    xt = x.reshape(m, group_size).t().contiguous()  # [G, m]
+    group_size, m = xt.shape
+    g = m // n
+    k = g * group_size
     table = index.table
 
     # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
@@ -247,17 +256,17 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
     offsets = search_order(search)
     c = len(offsets)
     raw = take_rows(lanes, base) if lanes.shape[1] > 1 else take(lanes.view(-1), base)
-    dec = torch.empty(group_size, c, m, dtype=torch.float32, device=x.device)  # candidate-major
+    dec = torch.empty(group_size, c, m, dtype=torch.float32, device=xt.device)  # candidate-major
     dec.copy_(raw.view(torch.int8).view(group_size, m, -1).permute(0, 2, 1)[:, :c])
     err = _group_sum(torch.sub(target.unsqueeze(1), dec, out=dec).square_().view(group_size, c * m),
                      clobber=True)
     err = err.view(c, m)
-    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=x.device)
+    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
     for j in range(1, c):  # the first best wins (strict <), as in search order
         better = err[j] < best_err
         best_err = torch.minimum(best_err, err[j])
         pick.masked_fill_(better, j)
-    shift = torch.tensor(offsets, dtype=torch.int32, device=x.device)
+    shift = torch.tensor(offsets, dtype=torch.int32, device=xt.device)
     best = take(shift, pick).add_(bits.to(torch.int32)).clamp_(1, E4M3_MAX_BITS)
     codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
     s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)
