@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.errors import FormatError
-from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take, take_rows
+from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -63,14 +63,14 @@ class DecodedLevels:
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def window(self, search: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The candidate windows of ``search``: ``(lanes, codes)``.
+        """The candidate tables of ``search``: ``(levels, codes)``.
 
-        Row ``r = bin * 128 + bits`` holds, for each offset ``d`` of ``search_order(search)``
-        (``C`` of them), the nearest decoded level under the scale bits ``clamp(bits + d, 1,
-        0x7E)`` (the clamp baked in) and its code. ``lanes``: int64 ``[rows, L / 8]`` whose bytes
-        are the ``C`` levels as int8 (decoded levels are integers in [-127, 127]) padded to ``L``,
-        a multiple of 8: one 8-byte read gives a weight's candidates (for ``C <= 8``).
-        ``codes``: uint8 ``[rows * C]``, the code of candidate ``j`` of row ``r`` at ``r * C + j``.
+        For row ``r = bin * 128 + bits`` and the ``j``-th offset ``d`` of
+        ``search_order(search)`` (``C`` of them): the nearest decoded level under the scale bits
+        ``clamp(bits + d, 1, 0x7E)`` (the clamp baked in) and its code. ``levels``: int8
+        ``[C, rows]`` (decoded levels are integers in [-127, 127]: a quarter of the float
+        table's bytes to gather); ``codes``: uint8 ``[rows * C]``, candidate ``j`` of row ``r``
+        at ``r * C + j``.
         """
         if search not in self._windows:
             d = torch.tensor(search_order(search), dtype=torch.int64)
@@ -79,11 +79,9 @@ class DecodedLevels:
             cols = (bits.unsqueeze(1) + d).clamp_(1, E4M3_MAX_BITS)  # [128, C]
             rows = (torch.arange(_BINS, dtype=torch.int64) * _ROWS).view(-1, 1, 1) + cols
             idx = rows.view(-1).to(self.value.device)
-            width = -(-c // 8) * 8
-            lanes = torch.zeros(_BINS * _ROWS, width, dtype=torch.int8, device=self.value.device)
-            lanes[:, :c] = self.value.index_select(0, idx).view(-1, c).to(torch.int8)
+            lv = self.value.index_select(0, idx).view(-1, c).t().to(torch.int8).contiguous()
             codes = self.code.index_select(0, idx).to(torch.uint8).contiguous()
-            self._windows[search] = (lanes.view(torch.int64), codes)
+            self._windows[search] = (lv, codes)
         return self._windows[search]
 
     def fine(self, index: LevelIndex) -> FineLevels:
@@ -248,18 +246,18 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
     # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
-    #    decoded levels reconstruct the group best (the first best in search order); one
-    #    8-byte window-table read gives a weight's candidate levels
+    #    decoded levels reconstruct the group best (the first best in search order)
     target = xt / s_ch_g
     base = DecodedLevels.bins(target).add_(bits.to(torch.int32))  # [G, m]: window rows
-    lanes, codes_w = levels.window(search)
+    cand, codes_w = levels.window(search)
     offsets = search_order(search)
     c = len(offsets)
-    raw = take_rows(lanes, base) if lanes.shape[1] > 1 else take(lanes.view(-1), base)
-    dec = torch.empty(group_size, c, m, dtype=torch.float32, device=xt.device)  # candidate-major
-    dec.copy_(raw.view(torch.int8).view(group_size, m, -1).permute(0, 2, 1)[:, :c])
-    err = _group_sum(torch.sub(target.unsqueeze(1), dec, out=dec).square_().view(group_size, c * m),
-                     clobber=True)
+    flat = base.view(-1)
+    raw = torch.empty(c, group_size, m, dtype=torch.int8, device=xt.device)
+    for j in range(c):  # one gather per candidate (int8), then one vectorised conversion
+        torch.index_select(cand[j], 0, flat, out=raw[j].view(-1))
+    dec = raw.to(torch.float32)  # [C, G, m]
+    err = _group_sum(torch.sub(target, dec, out=dec).square_(), clobber=True)  # [C, m]
     err = err.view(c, m)
     best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
     for j in range(1, c):  # the first best wins (strict <), as in search order
