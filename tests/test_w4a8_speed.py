@@ -107,6 +107,8 @@ def test_decoded_levels_table_is_the_nearest_decoded_level():
             s = torch.tensor([bits], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
             dec = (table * s).round().clamp(-127, 127)
             idx = DecodedLevels.bins(t) + DecodedLevels.offsets(torch.tensor(bits))
+            rows = DecodedLevels.rows(t.view(1, -1), torch.tensor([bits], dtype=torch.uint8))
+            assert torch.equal(rows.view(-1), idx)
             got_v, got_c = lv.value[idx.long()], lv.code[idx.long()]
             best = (t.unsqueeze(-1) - dec).abs().min(-1).values
             assert torch.equal((t - got_v).abs(), best)

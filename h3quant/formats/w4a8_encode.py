@@ -100,6 +100,12 @@ class DecodedLevels:
         """Table offset (int32) of scale bit patterns ``bits`` (add to ``bins``)."""
         return bits.to(torch.int32)
 
+    @staticmethod
+    def rows(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """``bins(t) + offsets(bits)`` (``t`` [G, m], ``bits`` [m]) in fewer passes over ``t``."""
+        q = t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1).to(torch.int32)
+        return torch.add(bits.to(torch.int32).add_(_HALF_BINS * _ROWS), q, alpha=_ROWS)
+
 
 class FineLevels:
     """The nearest level VALUE of ``u = x / scale`` in one table read, for the ALS rounds.
@@ -248,7 +254,7 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
     #    decoded levels reconstruct the group best (the first best in search order)
     target = xt / s_ch_g
-    base = DecodedLevels.bins(target).add_(bits.to(torch.int32))  # [G, m]: window rows
+    base = DecodedLevels.rows(target, bits)  # [G, m]: table rows
     cand, codes_w = levels.window(search)
     offsets = search_order(search)
     c = len(offsets)
