@@ -148,8 +148,9 @@ class FineLevels:
         if bad.numel():
             x = xt.index_select(1, bad)
             lv = take(self.index.table, self.index.nearest(x / scale[bad]))
-            num[bad] = _group_sum(lv * x)
-            den[bad] = _group_sum(lv.mul_(lv))
+            sums = _group_sum(torch.stack([lv * x, lv.mul_(lv)]))  # [2, bad]
+            num.index_copy_(0, bad, sums[0])
+            den.index_copy_(0, bad, sums[1])
 
 
 def search_order(search: int) -> list[int]:
@@ -166,11 +167,12 @@ def _group_sum(v: torch.Tensor, *, clobber: bool = False) -> torch.Tensor:
 
     For G = 16 torch's vectorised inner reduction adds the two halves, then the eight partial
     sums in order; that order is reproduced with contiguous row adds (much faster than a
-    reduction over 16 contiguous values) after a one-time self-check, else a transpose + sum.
+    reduction over 16 contiguous values) after a one-time self-check, else (and for a few
+    columns, where the number of ops dominates) a transpose + ``sum(-1)``, the reference itself.
     ``clobber``: ``v`` is a temporary; the sums are made in its memory (the result may view it).
     """
     g = v.shape[-2]
-    if g == 16 and _sum_order_ok(g):
+    if g == 16 and v.shape[-1] >= 256 and _sum_order_ok(g):
         if clobber:  # the same adds in the same order, written over ``v`` (no new tensors)
             a = v[..., :8, :].add_(v[..., 8:, :])
             out = a[..., 0, :].add_(a[..., 1, :])
