@@ -203,3 +203,38 @@ def test_scalar_rejected():
 def test_hadamard_device_argument():
     assert torch.equal(hadamard(16, "cpu"), hadamard(16))
     assert torch.equal(hadamard(16, torch.device("cpu")), hadamard(16))
+
+
+@pytest.mark.parametrize("g,group", [(256, 16), (64, 16), (16, 16), (1024, 16), (256, 4), (256, 32)])
+@pytest.mark.parametrize("shape", [(48, 5376 // 256 * 256), (7, 1024), (1, 2048)])
+def test_group_major_rotation_is_the_transposed_rotation(g, group, shape):
+    """``rotate_group_major`` = ``rotate(x).reshape(-1, group).t()`` bit for bit: the direct
+    matmuls where the probe confirms them, else the fallback (the W4A8 encoder's bytes rest on
+    it); the probe says yes for the default W4A8 layout on MKL."""
+    from h3quant.convrot.rotation import group_major_matches, rotate_group_major
+
+    n, k = shape
+    if k % g:
+        pytest.skip("K not a multiple of g")
+    gen = torch.Generator().manual_seed(n + k + g)
+    x = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, k, generator=gen) * 2)
+    want = rotate(x, g).reshape(-1, group).t()
+    got = rotate_group_major(x.to(torch.bfloat16), g, group) if n == 7 else rotate_group_major(x, g, group)
+    if n == 7:
+        want = rotate(x.to(torch.bfloat16), g).reshape(-1, group).t()
+    assert got.shape == (group, n * k // group) and got.is_contiguous()
+    assert torch.equal(got, want)
+    if torch.backends.mkl.is_available() and (g, group) == (256, 16):
+        assert group_major_matches(g, group)
+
+
+def test_group_major_probe_refuses_a_different_summation(monkeypatch):
+    """A direct path that rounds differently is detected and not used."""
+    from h3quant.convrot import rotation as R
+
+    monkeypatch.setattr(R, "_GROUP_MAJOR_OK", {})
+    real = R._group_major_mm
+    monkeypatch.setattr(R, "_group_major_mm", lambda x, g, group: real(x, g, group) * (1 + 2**-20))
+    assert not R.group_major_matches(256, 16)
+    x = torch.randn(4, 512)
+    assert torch.equal(R.rotate_group_major(x, 256, 16), rotate(x, 256).reshape(-1, 16).t())

@@ -107,6 +107,8 @@ def test_decoded_levels_table_is_the_nearest_decoded_level():
             s = torch.tensor([bits], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
             dec = (table * s).round().clamp(-127, 127)
             idx = DecodedLevels.bins(t) + DecodedLevels.offsets(torch.tensor(bits))
+            rows = DecodedLevels.rows(t.view(1, -1), torch.tensor([bits], dtype=torch.uint8))
+            assert torch.equal(rows.view(-1), idx)
             got_v, got_c = lv.value[idx.long()], lv.code[idx.long()]
             best = (t.unsqueeze(-1) - dec).abs().min(-1).values
             assert torch.equal((t - got_v).abs(), best)
@@ -173,3 +175,26 @@ def test_fitted_codebook_is_unchanged_by_the_integer_sort():
     finally:
         C.sort_floats = real
     assert torch.equal(fast, slow)
+
+
+def test_pool_encodes_the_same_bytes_and_reports_the_first_bad_rows(monkeypatch):
+    """Row chunks on a thread pool: byte-identical output; a non-finite value outside the
+    codebook sample is reported with its chunk's rows (the first bad chunk in row order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(W, "_ROW_ELEM_BUDGET", 64 * 1024)  # 64 rows per chunk: many chunks
+    w = _weights(21, n=64, k=1024)
+    one = encode_w4a8(w)
+    bits = {k: (lambda t: t.view(torch.uint8) if t.dtype != torch.float32 else t) for k in one}
+    with ThreadPoolExecutor(3) as pool:
+        par = encode_w4a8(w, pool=pool)
+        assert all(torch.equal(bits[k](one[k]), bits[k](par[k])) for k in one)
+        big = _weights(22, n=2048, k=1024)
+        row_ids = torch.arange(2048.0).view(-1, 1).expand(-1, 1024).contiguous()
+        sampled = set(CB.sample_rows(row_ids)[:, 0].long().tolist())
+        late = next(r for r in range(1000, 2048) if r not in sampled)
+        later = next(r for r in range(late // 64 * 64 + 64, 2048) if r not in sampled)
+        big[later, 3] = float("inf")
+        big[late, 7] = float("nan")
+        with pytest.raises(W.FormatError, match=rf"NaN or inf \(rows {late // 64 * 64}\.\.{late // 64 * 64 + 63}\)"):
+            encode_w4a8(big, pool=pool)

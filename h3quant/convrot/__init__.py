@@ -6,7 +6,7 @@ The group-size checks come from ``groups`` (no torch); the rotation functions ar
 
 from h3quant.convrot.groups import GroupSizeError, check_group_size, is_valid_group_size
 
-_LAZY = ("hadamard", "rotate", "rotate_dense", "rotate_exact")
+_LAZY = ("hadamard", "rotate", "rotate_dense", "rotate_exact", "rotate_group_major")
 
 __all__ = ["GroupSizeError", "check_group_size", "is_valid_group_size", *_LAZY]
 

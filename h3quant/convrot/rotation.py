@@ -225,6 +225,50 @@ def rotate_chunk_(
     return _rotate_mm_(x32, g, out)
 
 
+def _group_major_mm(xf: torch.Tensor, g: int, group: int) -> torch.Tensor:
+    """The fast path's two matmuls arranged to write ``[group, n * K / group]`` directly."""
+    a, b = _split(g)
+    t = torch.matmul(hadamard(b, xf.device).t(), xf.view(-1, b).t())  # [group, n * K / group]
+    if a == 1:
+        return t
+    return torch.matmul(t.view(-1, a), hadamard(a, xf.device).t()).view(b, -1)
+
+
+_GROUP_MAJOR_OK: dict[tuple[int, int, str], bool] = {}
+
+
+def group_major_matches(g: int, group: int, device: torch.device | str = "cpu") -> bool:
+    """Whether ``_group_major_mm`` reproduces ``rotate``'s values bit for bit here (the BLAS
+    may sum a product of other operand layouts in another order); probed once, cached."""
+    device = torch.device(device)
+    key = (g, group, str(device))
+    with _HALVES_LOCK:
+        if key not in _GROUP_MAJOR_OK:
+            gen = torch.Generator().manual_seed(g + group)
+            x = torch.randn(8, 4 * g, generator=gen)
+            x = (x * torch.exp(3.0 * torch.randn(x.shape, generator=gen))).to(device)
+            want = rotate(x, g).reshape(-1, group).t()
+            _GROUP_MAJOR_OK[key] = torch.equal(_group_major_mm(x, g, group), want)
+        return _GROUP_MAJOR_OK[key]
+
+
+def rotate_group_major(x: torch.Tensor, g: int, group: int) -> torch.Tensor:
+    """``rotate(x, g)`` of ``[n, K]`` rows, returned group-major: ``[group, n * K / group]``,
+    element ``[j, q]`` being column ``j`` of the ``q``-th run of ``group`` consecutive columns
+    (``rotate(x, g).reshape(-1, group).t()``), the layout a per-group encoder works in.
+
+    On CPU, when ``g = a * group`` with ``H_g = H_a (x) H_group`` (``_split``), the two matmuls
+    of the fast path can write this layout directly, with no transposing copy of the result:
+    used where ``group_major_matches`` confirms the same bits as ``rotate`` (MKL: g = 256 and
+    16 with group 16), else ``rotate`` followed by the transpose.
+    """
+    _check_last_dim(x, g)
+    if x.dim() == 2 and x.device.type == "cpu" and _split(g)[1] == group \
+            and group_major_matches(g, group, x.device):
+        return _group_major_mm(x.to(torch.float32).contiguous(), g, group)
+    return rotate(x, g).reshape(-1, group).t().contiguous()
+
+
 def rotate(x: torch.Tensor, g: int, *, butterfly: bool | None = None) -> torch.Tensor:
     """Blockwise ConvRot rotation of the last dim, fp32 result on ``x``'s device.
 

@@ -9,9 +9,11 @@ with ``s = s_channel``.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import torch
 
-from h3quant.convrot import is_valid_group_size, rotate
+from h3quant.convrot import is_valid_group_size, rotate, rotate_group_major
 from h3quant.errors import FormatError, UnsupportedError
 from h3quant.formats.w4a8_codebook import (
     FROZEN_CODEBOOK,
@@ -22,6 +24,7 @@ from h3quant.formats.w4a8_codebook import (
 )
 from h3quant.formats.w4a8_encode import (
     DecodedLevels,
+    encode_groups,
     encode_rows,
 )
 
@@ -232,6 +235,7 @@ def encode_w4a8(
     convrot_groupsize: int = 256,
     codebook: str = "auto",
     scale_search: int = _SCALE_SEARCH_ULPS,
+    pool: Executor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize a float weight [N, K] to W4A8 local tensors (no ``weight_correction``, ever).
 
@@ -240,6 +244,8 @@ def encode_w4a8(
     always stored as ``weight_codebook``: a file without it decodes ``level = code - 8``.
     ``scale_search``: e4m3 neighbours (+-ulps) of each group scale tried at the final
     assignment; 0 is kitchen's plain rounding, each step costs about one more assignment pass.
+    ``pool``: an executor (e.g. a thread pool) that encodes the row chunks in parallel once the
+    table is chosen; the output is the same, byte for byte.
     """
     if codebook not in ("auto", "frozen", "fit"):
         raise FormatError(f"codebook must be 'auto', 'frozen' or 'fit', got {codebook!r}")
@@ -267,13 +273,26 @@ def encode_w4a8(
     packed = torch.empty(n, k // 2, dtype=torch.int8, device=weight.device)
     s_rel = torch.empty(n, k // group_size, dtype=torch.float8_e4m3fn, device=weight.device)
     s_channel = torch.empty(n, dtype=torch.float32, device=weight.device)
+    levels.fine(index), levels.window(scale_search)  # built once, before any worker reads them
+
+    def chunk(r0: int, r1: int) -> None:
+        xt = rotate_group_major(weight[r0:r1], convrot_groupsize, group_size)
+        codes, sr, sc = encode_groups(xt, r1 - r0, index, scale_search, levels, pack=True,
+                                      rows=(r0, r1 - 1))
+        packed[r0:r1], s_rel[r0:r1], s_channel[r0:r1] = codes, sr, sc  # disjoint rows
+
     step = max(1, _ROW_ELEM_BUDGET // k)
-    for r0 in range(0, n, step):
-        rot = rotate(weight[r0:r0 + step].float(), convrot_groupsize)
-        codes, sr, sc = encode_rows(rot, index, group_size, scale_search, levels, pack=True,
-                                    rows=(r0, min(n, r0 + step) - 1))
-        packed[r0:r0 + step] = codes
-        s_rel[r0:r0 + step] = sr
-        s_channel[r0:r0 + step] = sc
+    spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    if pool is None:
+        for span in spans:
+            chunk(*span)
+    else:  # row chunks are independent once the table is chosen: same bytes in any order
+        futures = [pool.submit(chunk, *span) for span in spans]
+        try:
+            for fut in futures:  # the first failure in row order is the one reported
+                fut.result()
+        finally:
+            for fut in futures:
+                fut.cancel()
     return {"weight": packed, "weight_s_rel": s_rel, "weight_s_channel": s_channel,
             "weight_codebook": table.to(torch.float32, copy=True)}

@@ -43,11 +43,6 @@ def take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, idx.reshape(-1)).view(idx.shape)
 
 
-def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``table[idx]`` for a 2-D ``table``: rows gathered through index_select, ``idx.shape + [C]``."""
-    return torch.index_select(table, 0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
-
-
 class LevelIndex:
     """Exact nearest-level lookup for a sorted 16-level table, without a binary search per value.
 

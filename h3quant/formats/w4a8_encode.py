@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.errors import FormatError
-from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take, take_rows
+from h3quant.formats.w4a8_codebook import ALS_PASSES, LevelIndex, take
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -63,14 +63,14 @@ class DecodedLevels:
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def window(self, search: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The candidate windows of ``search``: ``(lanes, codes)``.
+        """The candidate tables of ``search``: ``(levels, codes)``.
 
-        Row ``r = bin * 128 + bits`` holds, for each offset ``d`` of ``search_order(search)``
-        (``C`` of them), the nearest decoded level under the scale bits ``clamp(bits + d, 1,
-        0x7E)`` (the clamp baked in) and its code. ``lanes``: int64 ``[rows, L / 8]`` whose bytes
-        are the ``C`` levels as int8 (decoded levels are integers in [-127, 127]) padded to ``L``,
-        a multiple of 8: one 8-byte read gives a weight's candidates (for ``C <= 8``).
-        ``codes``: uint8 ``[rows * C]``, the code of candidate ``j`` of row ``r`` at ``r * C + j``.
+        For row ``r = bin * 128 + bits`` and the ``j``-th offset ``d`` of
+        ``search_order(search)`` (``C`` of them): the nearest decoded level under the scale bits
+        ``clamp(bits + d, 1, 0x7E)`` (the clamp baked in) and its code. ``levels``: int8
+        ``[C, rows]`` (decoded levels are integers in [-127, 127]: a quarter of the float
+        table's bytes to gather); ``codes``: uint8 ``[rows * C]``, candidate ``j`` of row ``r``
+        at ``r * C + j``.
         """
         if search not in self._windows:
             d = torch.tensor(search_order(search), dtype=torch.int64)
@@ -79,11 +79,9 @@ class DecodedLevels:
             cols = (bits.unsqueeze(1) + d).clamp_(1, E4M3_MAX_BITS)  # [128, C]
             rows = (torch.arange(_BINS, dtype=torch.int64) * _ROWS).view(-1, 1, 1) + cols
             idx = rows.view(-1).to(self.value.device)
-            width = -(-c // 8) * 8
-            lanes = torch.zeros(_BINS * _ROWS, width, dtype=torch.int8, device=self.value.device)
-            lanes[:, :c] = self.value.index_select(0, idx).view(-1, c).to(torch.int8)
+            lv = self.value.index_select(0, idx).view(-1, c).t().to(torch.int8).contiguous()
             codes = self.code.index_select(0, idx).to(torch.uint8).contiguous()
-            self._windows[search] = (lanes.view(torch.int64), codes)
+            self._windows[search] = (lv, codes)
         return self._windows[search]
 
     def fine(self, index: LevelIndex) -> FineLevels:
@@ -101,6 +99,12 @@ class DecodedLevels:
     def offsets(bits: torch.Tensor) -> torch.Tensor:
         """Table offset (int32) of scale bit patterns ``bits`` (add to ``bins``)."""
         return bits.to(torch.int32)
+
+    @staticmethod
+    def rows(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """``bins(t) + offsets(bits)`` (``t`` [G, m], ``bits`` [m]) in fewer passes over ``t``."""
+        q = t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1).to(torch.int32)
+        return torch.add(bits.to(torch.int32).add_(_HALF_BINS * _ROWS), q, alpha=_ROWS)
 
 
 class FineLevels:
@@ -144,8 +148,9 @@ class FineLevels:
         if bad.numel():
             x = xt.index_select(1, bad)
             lv = take(self.index.table, self.index.nearest(x / scale[bad]))
-            num[bad] = _group_sum(lv * x)
-            den[bad] = _group_sum(lv.mul_(lv))
+            sums = _group_sum(torch.stack([lv * x, lv.mul_(lv)]))  # [2, bad]
+            num.index_copy_(0, bad, sums[0])
+            den.index_copy_(0, bad, sums[1])
 
 
 def search_order(search: int) -> list[int]:
@@ -162,11 +167,12 @@ def _group_sum(v: torch.Tensor, *, clobber: bool = False) -> torch.Tensor:
 
     For G = 16 torch's vectorised inner reduction adds the two halves, then the eight partial
     sums in order; that order is reproduced with contiguous row adds (much faster than a
-    reduction over 16 contiguous values) after a one-time self-check, else a transpose + sum.
+    reduction over 16 contiguous values) after a one-time self-check, else (and for a few
+    columns, where the number of ops dominates) a transpose + ``sum(-1)``, the reference itself.
     ``clobber``: ``v`` is a temporary; the sums are made in its memory (the result may view it).
     """
     g = v.shape[-2]
-    if g == 16 and _sum_order_ok(g):
+    if g == 16 and v.shape[-1] >= 256 and _sum_order_ok(g):
         if clobber:  # the same adds in the same order, written over ``v`` (no new tensors)
             a = v[..., :8, :].add_(v[..., 8:, :])
             out = a[..., 0, :].add_(a[..., 1, :])
@@ -199,16 +205,25 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
     ``pack``: return the codes packed two per byte (int8 [n, K/2], ``pack_nibbles``'s layout;
     needs an even ``group_size``). A NaN or inf in ``x`` raises ``FormatError`` naming ``rows``
     (the chunk's first and last row in the layer, for the message).
+    """
+    n, k = x.shape
+    xt = x.reshape(n * k // group_size, group_size).t().contiguous()
+    return encode_groups(xt, n, index, search, levels, passes, pack=pack, rows=rows)
 
-    Works group-major (``[G, groups]``): per-group sums and maxima become adds of contiguous
-    rows and per-group scalars broadcast along rows.
+
+def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
+                  levels: DecodedLevels | None = None, passes: int = ALS_PASSES, *,
+                  pack: bool = False, rows: tuple[int, int] | None = None):
+    """``encode_rows`` of rows given group-major: ``xt`` [G, n * K / G] (``rotate_group_major``).
+
+    Works group-major: per-group sums and maxima become adds of contiguous rows and per-group
+    scalars broadcast along rows.
     """
     if levels is None:
         levels = DecodedLevels(index.table)
-    n, k = x.shape
-    g = k // group_size
-    m = n * g
-    xt = x.reshape(m, group_size).t().contiguous()  # [G, m]
+    group_size, m = xt.shape
+    g = m // n
+    k = g * group_size
     table = index.table
 
     # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
@@ -239,25 +254,25 @@ def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int
     bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
     # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
-    #    decoded levels reconstruct the group best (the first best in search order); one
-    #    8-byte window-table read gives a weight's candidate levels
+    #    decoded levels reconstruct the group best (the first best in search order)
     target = xt / s_ch_g
-    base = DecodedLevels.bins(target).add_(bits.to(torch.int32))  # [G, m]: window rows
-    lanes, codes_w = levels.window(search)
+    base = DecodedLevels.rows(target, bits)  # [G, m]: table rows
+    cand, codes_w = levels.window(search)
     offsets = search_order(search)
     c = len(offsets)
-    raw = take_rows(lanes, base) if lanes.shape[1] > 1 else take(lanes.view(-1), base)
-    dec = torch.empty(group_size, c, m, dtype=torch.float32, device=x.device)  # candidate-major
-    dec.copy_(raw.view(torch.int8).view(group_size, m, -1).permute(0, 2, 1)[:, :c])
-    err = _group_sum(torch.sub(target.unsqueeze(1), dec, out=dec).square_().view(group_size, c * m),
-                     clobber=True)
+    flat = base.view(-1)
+    raw = torch.empty(c, group_size, m, dtype=torch.int8, device=xt.device)
+    for j in range(c):  # one gather per candidate (int8), then one vectorised conversion
+        torch.index_select(cand[j], 0, flat, out=raw[j].view(-1))
+    dec = raw.to(torch.float32)  # [C, G, m]
+    err = _group_sum(torch.sub(target, dec, out=dec).square_(), clobber=True)  # [C, m]
     err = err.view(c, m)
-    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=x.device)
+    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
     for j in range(1, c):  # the first best wins (strict <), as in search order
         better = err[j] < best_err
         best_err = torch.minimum(best_err, err[j])
         pick.masked_fill_(better, j)
-    shift = torch.tensor(offsets, dtype=torch.int32, device=x.device)
+    shift = torch.tensor(offsets, dtype=torch.int32, device=xt.device)
     best = take(shift, pick).add_(bits.to(torch.int32)).clamp_(1, E4M3_MAX_BITS)
     codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
     s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)

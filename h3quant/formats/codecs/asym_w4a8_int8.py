@@ -77,11 +77,12 @@ class AsymW4A8Int8(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
-    def encode(self, w, marker, method):
+    def encode(self, w, marker, method, pool=None):
         from h3quant.formats.w4a8 import encode_w4a8
 
         return encode_w4a8(w, group_size=marker["group_size"],
-                           convrot_groupsize=marker["convrot_groupsize"], codebook="auto")
+                           convrot_groupsize=marker["convrot_groupsize"], codebook="auto",
+                           pool=pool)
 
     def report_grid(self, out, marker):
         from h3quant.formats.w4a8 import decode_w4a8, decode_w4a8_int8

@@ -122,8 +122,12 @@ class Codec:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
         return rows["weight"]
 
-    def encode(self, w: torch.Tensor, marker: dict | None, method: str) -> dict[str, torch.Tensor]:
-        """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside)."""
+    def encode(self, w: torch.Tensor, marker: dict | None, method: str,
+               pool=None) -> dict[str, torch.Tensor]:
+        """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside).
+
+        ``pool``: an executor a whole-layer codec (``chunked = False``) may spread its row
+        chunks over; row-chunked codecs are called per chunk and ignore it."""
         import torch
 
         return {"weight": w.to(torch.bfloat16)}

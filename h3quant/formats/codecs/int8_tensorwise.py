@@ -83,7 +83,7 @@ class Int8Tensorwise(Codec):
         return decode_int8(q, s, convrot=bool(fields.get("convrot")),
                            group_size=fields.get("convrot_groupsize", 256), dtype=torch.float32)
 
-    def encode(self, w, marker, method):
+    def encode(self, w, marker, method, pool=None):
         from h3quant.formats.int8 import encode_int8
 
         q, s = encode_int8(w, convrot=bool(marker.get("convrot")),
