@@ -238,10 +238,39 @@ def test_w4a8_output_tensor_set_and_error(tmp_path):
         assert ((w - w_hat).norm() / w.norm()).item() < 0.2
     assert parse_header_metadata(meta) == dict.fromkeys(block_linears(1), w4a8_marker())
     assert all(lay["metrics"]["weight_rel_l2"] < 0.2 for lay in report.layers)
-    # layers encoded concurrently (workers) or one by one: the same bytes
+    # row chunks on the workers or all on one thread: the same bytes
     out1 = tmp_path / "w4_1.safetensors"
     convert(src, out1, ConvertOptions(target="w4a8", workers=1, report=False))
     assert sha(out1) == sha(out)
+
+
+def test_w4a8_layer_row_chunks_run_on_the_workers(tmp_path, monkeypatch):
+    """One W4A8 layer at a time, its row chunks spread over the workers (after the codebook
+    choice): several threads encode, and the bytes equal a one-thread run."""
+    import threading
+
+    from h3quant.formats import w4a8 as W
+
+    monkeypatch.setattr(W, "_ROW_ELEM_BUDGET", 4096)  # many chunks per tiny layer
+    threads: dict[int, set[str]] = {}  # per layer (its DecodedLevels table): encoding threads
+    keep = []
+    real = W.encode_groups
+
+    def spy(xt, n, index, search, levels, *args, **kwargs):
+        keep.append(levels)
+        threads.setdefault(id(levels), set()).add(threading.current_thread().name)
+        return real(xt, n, index, search, levels, *args, **kwargs)
+
+    monkeypatch.setattr(W, "encode_groups", spy)
+    src = write(tmp_path / "in.safetensors", small_h3(blocks=1))
+    par, one = tmp_path / "par.safetensors", tmp_path / "one.safetensors"
+    convert(src, par, ConvertOptions(target="w4a8", workers=3, report=False))
+    assert len(threads) == len(block_linears(1))
+    assert any(len(names) >= 2 for names in threads.values())  # old design: one thread per layer
+    threads.clear()
+    convert(src, one, ConvertOptions(target="w4a8", workers=1, report=False))
+    assert all(names == {"MainThread"} for names in threads.values())
+    assert sha(par) == sha(one)
 
 
 def test_int8_to_w4a8_and_back_through_the_int8_grid(int8_file, tmp_path):

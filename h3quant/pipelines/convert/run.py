@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -91,25 +90,13 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
 
 
 def _convert_layers(layers, run, pool, opts, stream) -> None:
-    """Layers one after another, their row chunks on the pool; W4A8 layers (one encoder call
-    per layer: its codebook is fitted on the whole layer) run ``workers`` at a time instead."""
-    if pool is None or opts.codec.chunked:
-        for lp in layers:
-            if stream.failed():
-                return
-            run(lp, pool=pool)
-        return
-    pending: deque = deque()
-    try:
-        for lp in layers:
-            pending.append(pool.submit(run, lp, pool=None))
-            if len(pending) >= opts.workers:
-                pending.popleft().result()
-        while pending:
-            pending.popleft().result()
-    finally:
-        for fut in pending:
-            fut.cancel()
+    """Layers one after another, their row chunks on the pool (a W4A8 layer chooses its
+    codebook from the whole layer first, then encodes its row chunks on the pool too): one
+    layer in memory at a time, every worker busy until the layer's last chunk."""
+    for lp in layers:
+        if stream.failed():
+            return
+        run(lp, pool=pool)
 
 
 def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None:
