@@ -206,7 +206,7 @@ def test_hadamard_device_argument():
 
 
 @pytest.mark.parametrize("g,group", [(256, 16), (64, 16), (16, 16), (1024, 16), (256, 4), (256, 32)])
-@pytest.mark.parametrize("shape", [(48, 5376 // 256 * 256), (7, 1024), (1, 2048)])
+@pytest.mark.parametrize("shape", [(48, 6144), (7, 1024), (1, 2048)])
 def test_group_major_rotation_is_the_transposed_rotation(g, group, shape):
     """``rotate_group_major`` = ``rotate(x).reshape(-1, group).t()`` bit for bit: the direct
     matmuls where the probe confirms them, else the fallback (the W4A8 encoder's bytes rest on
@@ -214,8 +214,6 @@ def test_group_major_rotation_is_the_transposed_rotation(g, group, shape):
     from h3quant.convrot.rotation import group_major_matches, rotate_group_major
 
     n, k = shape
-    if k % g:
-        pytest.skip("K not a multiple of g")
     gen = torch.Generator().manual_seed(n + k + g)
     x = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, k, generator=gen) * 2)
     want = rotate(x, g).reshape(-1, group).t()
