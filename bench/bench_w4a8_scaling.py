@@ -1,13 +1,14 @@
-"""How W4A8 conversion time scales with cores: ``convert --to w4a8 --workers W`` side by side.
+"""How W4A8 conversion time scales with cores: ``convert --to w4a8`` on 1, 2, ... cores.
 
-    python bench/bench_w4a8_scaling.py --workers 1 2 --repeat 2 [--blocks 1] [--baseline DIR]
+    python bench/bench_w4a8_scaling.py --cores 1 2 --repeat 2 [--blocks 1] [--baseline DIR]
 
 Synthesizes (once, cached in --workdir) a full-dimension H3 bf16 checkpoint with ``--blocks``
-blocks, then runs ``h3quant convert IN OUT --to w4a8 --workers W --quiet`` for every W,
-alternating, ``--repeat`` rounds, each in its own process (peak RSS and CPU from ``os.wait4``).
-Prints the best round of each: wall seconds, user/system CPU seconds, peak RSS, the speedup over
-the first W (wall) and the parallel efficiency (speedup / W). ``--baseline`` adds the same runs
-from an old checkout's root (its own --workers handling). Prints numbers; asserts nothing.
+blocks, then runs ``h3quant convert IN OUT --to w4a8 --workers C --quiet`` pinned to C cores
+(``taskset -c 0-(C-1)``, so torch's own threads see C cores too) for every C, alternating,
+``--repeat`` rounds, each in its own process (peak RSS and CPU from ``os.wait4``). Prints the
+best round of each: wall seconds, user/system CPU seconds, peak RSS, the speedup over the
+first C (wall) and the parallel efficiency (speedup per added core). ``--baseline`` adds the
+same runs from an old checkout's root. Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -34,6 +36,8 @@ def synth(path: Path, blocks: int) -> None:
 def run(root: Path, src: Path, dst: Path, workers: int) -> dict:
     cmd = [sys.executable, "-m", "h3quant", "convert", str(src), str(dst), "--to", "w4a8",
            "--workers", str(workers), "--overwrite", "--quiet"]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", f"0-{workers - 1}", *cmd]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=root,
                             env=dict(os.environ, PYTHONPATH=str(root)))
@@ -50,7 +54,8 @@ def run(root: Path, src: Path, dst: Path, workers: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--cores", dest="workers", type=int, nargs="+", default=[1, 2],
+                    help="core counts to pin to (and --workers for convert)")
     ap.add_argument("--blocks", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2, help="alternating rounds; the best is shown")
     ap.add_argument("--baseline", type=Path, help="root of an old checkout, run side by side")
@@ -75,7 +80,7 @@ def main() -> None:
     in_gb = src.stat().st_size / 1e9
     print(f"\nconvert --to w4a8, {args.blocks} full block(s) ({in_gb:.2f} GB bf16), "
           f"{os.cpu_count()} CPUs, best of {args.repeat} alternating rounds")
-    print(f"{'variant':>8} {'workers':>7} {'wall s':>7} {'user s':>7} {'sys s':>6} "
+    print(f"{'variant':>8} {'cores':>7} {'wall s':>7} {'user s':>7} {'sys s':>6} "
           f"{'peak RSS GB':>11} {'speedup':>7} {'efficiency':>10}")
     for name, _ in variants:
         first = best[(name, args.workers[0])]["wall"]
