@@ -15,6 +15,7 @@ import torch
 
 from h3quant.convrot import is_valid_group_size, rotate, rotate_group_major
 from h3quant.errors import FormatError, UnsupportedError
+from h3quant.formats.codecs.asym_w4a8_int8 import w4a8_marker
 from h3quant.formats.w4a8_codebook import (
     FROZEN_CODEBOOK,
     LevelIndex,
@@ -47,9 +48,6 @@ _SCALE_SEARCH_ULPS = 2
 _ROW_ELEM_BUDGET = 1 << 18  # fp32 values per encode/decode chunk (1 MB per working tensor: cache-sized)
 
 
-def w4a8_marker(group_size: int = 16, convrot_groupsize: int = 256) -> dict:
-    """The canonical per-layer marker object (key order matters for the written bytes)."""
-    return {"format": FORMAT_NAME, "group_size": group_size, "convrot_groupsize": convrot_groupsize}
 
 
 def relative_l2(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -9,6 +9,12 @@ NAME = "asym_w4a8_int8"
 GROUP = 16  # the group size h3quant writes (ComfyUI's default)
 
 
+def w4a8_marker(group_size: int = GROUP, convrot_groupsize: int = 256) -> dict:
+    """The canonical per-layer marker object (key order matters for the written bytes); here,
+    torch-free, so planning a W4A8 conversion does not import torch."""
+    return {"format": NAME, "group_size": group_size, "convrot_groupsize": convrot_groupsize}
+
+
 class AsymW4A8Int8(Codec):
     name = NAME
     description = "4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on"
@@ -31,8 +37,6 @@ class AsymW4A8Int8(Codec):
         return f"{NAME} G={f.get('group_size', GROUP)} g={f.get('convrot_groupsize', 256)}"
 
     def marker(self, target, group_size):
-        from h3quant.formats.w4a8 import w4a8_marker
-
         return w4a8_marker(group_size=GROUP, convrot_groupsize=group_size)
 
     def fit_error(self, layer, fields):
