@@ -45,7 +45,8 @@ FORMAT_NAME = "asym_w4a8_int8"
 # e4m3 neighbours of each group scale tried by the final assignment (one ulp is 6-12.5%).
 # Measured on [512, 5376] Gaussian: 0 -> 0.0730, 1 -> 0.0719, 2 -> 0.0714, 3 -> 0.0711.
 _SCALE_SEARCH_ULPS = 2
-_ROW_ELEM_BUDGET = 1 << 18  # fp32 values per encode/decode chunk (1 MB per working tensor: cache-sized)
+_ROW_ELEM_BUDGET = 1 << 19  # fp32 values per encode/decode chunk (2 MB per working tensor; measured
+# 6 % faster encoding than 1 << 18, fewer per-chunk small ops; 1 << 20 was slower)
 
 
 

@@ -228,11 +228,11 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
 
     # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
     #    rounds (scale = <x, l> / <l, l>, reassign); the last assignment only for the extremes
-    lo, hi = xt.amin(0), xt.amax(0)  # NaN and inf show up here (amin / amax propagate NaN)
-    if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+    lo, hi = xt.amin(0), xt.amax(0)
+    scale = torch.maximum(lo.neg(), hi)  # NaN or inf anywhere in a group makes it non-finite
+    if not bool(torch.isfinite(scale).all()):  # (amin, amax and maximum propagate NaN)
         r0, r1 = rows if rows is not None else (0, n - 1)
         raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{r1})")
-    scale = torch.maximum(lo.neg(), hi)
     zero = scale == 0
     scale.masked_fill_(zero, 1.0)
     fine = levels.fine(index)
@@ -277,6 +277,7 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
     s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)
     if pack:
-        packed = (codes[0::2] | (codes[1::2] << 4)).t().contiguous()  # [m, G/2]
+        high = codes[1::2].mul_(16).add_(codes[0::2])  # in place: byte = even | odd << 4
+        packed = high.t().contiguous()  # [m, G/2]
         return packed.view(torch.int8).view(n, k // 2), s_rel.view(n, g), s_channel.contiguous()
     return codes.t().reshape(n, k), s_rel.view(n, g), s_channel.contiguous()
