@@ -106,7 +106,8 @@ def test_decoded_levels_table_is_the_nearest_decoded_level():
         for bits in (1, 2, 17, 56, 100, 0x7E):
             s = torch.tensor([bits], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
             dec = (table * s).round().clamp(-127, 127)
-            idx = DecodedLevels.bins(t) + DecodedLevels.offsets(torch.tensor(bits))
+            q = torch.floor(2 * t).clamp(-256, 255)
+            idx = ((q + 256) * 128 + bits).to(torch.int32)  # the table's row: (bin, scale bits)
             rows = DecodedLevels.rows(t.view(1, -1), torch.tensor([bits], dtype=torch.uint8))
             assert torch.equal(rows.view(-1), idx)
             got_v, got_c = lv.value[idx.long()], lv.code[idx.long()]

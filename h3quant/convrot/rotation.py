@@ -127,14 +127,14 @@ def _rotate_halves(xf: torch.Tensor, g: int) -> torch.Tensor:
 
 
 _HALVES_OK: dict[tuple[int, str], bool] = {}
-_HALVES_LOCK = threading.Lock()
+_PROBE_LOCK = threading.Lock()  # the one-time BLAS probes below
 
 
 def halves_match_dense(g: int, device: torch.device | str = "cpu") -> bool:
     """Whether ``_rotate_halves`` reproduces ``rotate_dense`` bit for bit here (probed, cached)."""
     device = torch.device(device)
     key = (g, str(device))
-    with _HALVES_LOCK:
+    with _PROBE_LOCK:
         if key not in _HALVES_OK:
             ok = True
             gen = torch.Generator().manual_seed(g)
@@ -242,7 +242,7 @@ def group_major_matches(g: int, group: int, device: torch.device | str = "cpu") 
     may sum a product of other operand layouts in another order); probed once, cached."""
     device = torch.device(device)
     key = (g, group, str(device))
-    with _HALVES_LOCK:
+    with _PROBE_LOCK:
         if key not in _GROUP_MAJOR_OK:
             gen = torch.Generator().manual_seed(g + group)
             x = torch.randn(8, 4 * g, generator=gen)

@@ -49,8 +49,6 @@ _ROW_ELEM_BUDGET = 1 << 19  # fp32 values per encode/decode chunk (2 MB per work
 # 6 % faster encoding than 1 << 18, fewer per-chunk small ops; 1 << 20 was slower)
 
 
-
-
 def relative_l2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     """||w - w_hat|| / ||w|| accumulated in float64 over chunks (0.0 when both are zero)."""
     if w.shape != w_hat.shape:

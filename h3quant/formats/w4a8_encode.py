@@ -9,14 +9,15 @@ the assignment needs is a table indexed by (scale bits, half-unit bin of the tar
 - the boundaries between consecutive decoded integers lie on multiples of 1/2, i.e. on bin
   edges, so every value in a bin has the same nearest decoded level (a value exactly on a
   boundary is equally far from both: same error);
-- a candidate scale then costs one add and one table read per weight, instead of a nearest-level
-  search, two decodes and a comparison.
+- a candidate scale then costs one table read per weight, instead of a nearest-level search,
+  two decodes and a comparison.
 
-The table is 512 x 128 entries (bin-major, so the candidates of one weight share a cache
-line). The ALS rounds read the nearest level VALUE from a fine grid over [-1, 1] (``FineLevels``)
-and redo exactly the few groups that touch a cell holding a level midpoint. Chunks are
-processed group-major (``[G, groups]``) so per-group sums are contiguous row adds, in the same
-rounding order as the reference's ``sum(-1)``.
+The table is 512 x 128 entries (rows ``bin * 128 + bits``); ``DecodedLevels.window`` turns it
+into one int8 table per candidate offset (the scale-bit clamp baked in), so the candidates of a
+weight are C gathers with one shared row index. The ALS rounds read the nearest level VALUE
+from a fine grid over [-1, 1] (``FineLevels``) and redo exactly the few groups that touch a cell
+holding a level midpoint. Chunks are processed group-major (``[G, groups]``) so per-group sums
+are contiguous row adds, in the same rounding order as the reference's ``sum(-1)``.
 
 The scale chosen per group, the row scales and the decoded int8 weights equal the previous
 (row-major, search-based) encoder's; only the code chosen among codes that decode to the same
@@ -90,19 +91,9 @@ class DecodedLevels:
         return self._fine
 
     @staticmethod
-    def bins(t: torch.Tensor) -> torch.Tensor:
-        """Table offset (int32) of the bin ``floor(2 t)``, clamped to [-256, 255] (``t`` finite)."""
-        q = t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1)
-        return q.add_(_HALF_BINS).mul_(_ROWS).to(torch.int32)
-
-    @staticmethod
-    def offsets(bits: torch.Tensor) -> torch.Tensor:
-        """Table offset (int32) of scale bit patterns ``bits`` (add to ``bins``)."""
-        return bits.to(torch.int32)
-
-    @staticmethod
     def rows(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """``bins(t) + offsets(bits)`` (``t`` [G, m], ``bits`` [m]) in fewer passes over ``t``."""
+        """Table row of each weight: ``(floor(2 t) + 256) * 128 + bits`` (int32, ``t`` [G, m]
+        finite, ``bits`` [m] its group's e4m3 scale bits), ``floor(2 t)`` clamped to [-256, 255]."""
         q = t.mul(2.0).floor_().clamp_(-_HALF_BINS, _HALF_BINS - 1).to(torch.int32)
         return torch.add(bits.to(torch.int32).add_(_HALF_BINS * _ROWS), q, alpha=_ROWS)
 

@@ -214,7 +214,7 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         w = torch.empty(n, k, dtype=torch.float32)
         for r0, r1, rows in _chunked(n, k, lambda a, b: (a, b, src.rows(a, b)), workers, pool):
             w[r0:r1] = rows
-    out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool if workers > 1 else None)
+    out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
     _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
     _check_planned(lp, out, n, opts.codec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)

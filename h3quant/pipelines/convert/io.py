@@ -279,7 +279,6 @@ class Reader:
             self.ckpt.file_of(info.name).prefetch(info, r0 * row, (r1 - r0) * row)
 
 
-
 class Sinks:
     """Routes each output tensor name to the writer of its shard."""
 

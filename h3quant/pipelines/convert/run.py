@@ -73,7 +73,7 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     try:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,
                                 bar=bar, results=results, failures=failures)
-        _convert_layers(layers, run, pool, opts, stream)
+        _convert_layers(layers, run, pool, stream)
         stream.copying.result()
         for entry in results.values():  # collect the report tasks before the files close
             if isinstance(entry.get("metrics"), Future):
@@ -89,7 +89,7 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     return results
 
 
-def _convert_layers(layers, run, pool, opts, stream) -> None:
+def _convert_layers(layers, run, pool, stream) -> None:
     """Layers one after another, their row chunks on the pool (a W4A8 layer chooses its
     codebook from the whole layer first, then encodes its row chunks on the pool too): one
     layer in memory at a time, every worker busy until the layer's last chunk."""

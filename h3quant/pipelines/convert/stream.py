@@ -30,6 +30,11 @@ from h3quant.pipelines.convert.result import ConvertReport, build_report
 COPY_THREAD = "h3quant-copy"  # name prefix of the copy thread
 
 
+def shard_of(plan: ConvertPlan) -> dict[str, str]:
+    """Output tensor name -> the shard file that holds it."""
+    return {e.name: s for s, sp in plan.shards.items() for e in sp.entries}
+
+
 def by_input_offset(items, info_of) -> list:
     return sorted(items, key=lambda x: (str(info_of(x).file), info_of(x).begin))
 
@@ -63,8 +68,7 @@ class CopyStream:
     def __enter__(self) -> "CopyStream":
         try:
             writers = open_writers(self.plan, self._stack, self.out)
-            self.sinks = Sinks({e.name: writers[s] for s, sp in self.plan.shards.items()
-                                for e in sp.entries})
+            self.sinks = Sinks({name: writers[s] for name, s in shard_of(self.plan).items()})
             self._io = ThreadPoolExecutor(1, thread_name_prefix=COPY_THREAD)
             self._stack.callback(self._stop_copies)  # runs first on exit: before the writers
             copies = by_input_offset(self.plan.all_copies(), lambda c: c.src)
@@ -139,7 +143,7 @@ def open_writers(plan: ConvertPlan, stack: contextlib.ExitStack, out: Path) -> d
 
 def write_index(plan: ConvertPlan, tmp: Path) -> None:
     """The shard index, written last (after every shard file is complete)."""
-    weight_map = {e.name: s for s, sp in plan.shards.items() for e in sp.entries}
+    weight_map = shard_of(plan)
     meta = dict(plan.index_metadata)
     meta["total_size"] = sum(sp.layout.data_bytes for sp in plan.shards.values())
     body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
