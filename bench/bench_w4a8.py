@@ -4,12 +4,16 @@ Each (shape, encoder) run is its own subprocess (peak RSS per run, no shared cac
 ``after`` (this checkout), ``before`` (the h3quant of ``--baseline``, an old checkout's root),
 ``kitchen`` (comfy-kitchen's ``AsymW4A8Int8Layout``). The weight is a seeded bf16 Gaussian
 (std 0.02) with outlier input columns (1% of columns x 10..40) and a few hot rows (x 4).
-Encoders run alternately, ``--repeat`` rounds; the best round of each is printed: encode wall
-and CPU seconds, ns per weight (CPU), MB/s of bf16 input (wall), peak RSS, relative L2 error of
-decode(encode(W)) against W, and the before/after speed ratio. Prints numbers; asserts nothing.
+An h3quant encoder runs as ``convert`` runs it: where its tree has ``h3quant.alloc`` (the glibc
+malloc thresholds ``convert`` sets), that is applied first (column ``alloc``). ``--warm``
+encodes the first eighth of the rows once before the measured run, as in the second and later
+layers of a whole-model conversion. Encoders run alternately, ``--repeat`` rounds; the best
+round of each is printed: encode wall, CPU (user + system) and system seconds, ns per weight
+(CPU), MB/s of bf16 input (wall), peak RSS, relative L2 error of decode(encode(W)) against W,
+and the before/after speed ratio (CPU). Prints numbers; asserts nothing.
 
     python bench/bench_w4a8.py --baseline /tmp/h3base --threads 1 --rows 2048
-    python bench/bench_w4a8.py --shapes 5376x7168 --threads 1 --repeat 3
+    python bench/bench_w4a8.py --shapes 5376x7168 --threads 1 --repeat 3 --warm
 """
 
 from __future__ import annotations
@@ -53,21 +57,35 @@ def _worker(args) -> None:
 
     n, k = (int(v) for v in args.worker_shape.split("x"))
     w = make_weight(n, k)
-    t0, c0 = time.perf_counter(), time.process_time()
+    alloc = False
     if args.worker_encoder in ("before", "after"):
-        tensors = encode_w4a8(w, codebook=args.codebook)
+        try:  # what ``convert`` does before it encodes (absent from older trees)
+            from h3quant.alloc import keep_freed_memory
+        except ImportError:
+            pass
+        else:
+            alloc = keep_freed_memory()
+
+        def encode(x):
+            return encode_w4a8(x, codebook=args.codebook)
     else:
         import comfy_kitchen.tensor  # noqa: F401  (registers the layouts)
         from comfy_kitchen.tensor.base import QuantizedTensor
 
-        qt = QuantizedTensor.from_float(w, "AsymW4A8Int8Layout")
-        tensors = {key[len("L."):]: v for key, v in qt.state_dict("L.weight").items()}
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        def encode(x):
+            qt = QuantizedTensor.from_float(x, "AsymW4A8Int8Layout")
+            return {key[len("L."):]: v for key, v in qt.state_dict("L.weight").items()}
+    if args.warm:
+        encode(w[: max(1, n // 8)])
+    t0, c0 = time.perf_counter(), os.times()
+    tensors = encode(w)
+    wall, c1 = time.perf_counter() - t0, os.times()
+    cpu, sys_s = (c1.user - c0.user) + (c1.system - c0.system), c1.system - c0.system
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     cb = tensors.get("weight_codebook")
     fitted = cb is not None and not torch.equal(cb.float(), FROZEN_CODEBOOK)
     err = relative_l2(w.float(), decode_w4a8(tensors))
-    print(json.dumps({"wall": wall, "cpu": cpu, "peak_rss_mib": peak, "rel_l2": err,
+    print(json.dumps({"wall": wall, "cpu": cpu, "sys": sys_s, "alloc": alloc, "peak_rss_mib": peak, "rel_l2": err,
                       "fitted": fitted, "weights": n * k, "root": str(Path(
                           sys.modules["h3quant"].__file__).resolve().parent.parent)}))
 
@@ -77,6 +95,8 @@ def _run(shape: str, encoder: str, args) -> dict | None:
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-shape", shape,
            "--worker-encoder", encoder, "--threads", str(args.threads), "--codebook", args.codebook]
+    if args.warm:
+        cmd.append("--warm")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
         print(f"  {encoder} failed:\n{proc.stderr.strip()[-2000:]}", file=sys.stderr)
@@ -96,6 +116,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="root of an old checkout: adds the 'before' encoder")
     ap.add_argument("--repeat", type=int, default=1, help="alternating rounds; the best is shown")
     ap.add_argument("--no-kitchen", action="store_true", help="skip comfy-kitchen")
+    ap.add_argument("--warm", action="store_true", help="encode an eighth of the rows once first (steady state)")
     ap.add_argument("--worker-shape", help=argparse.SUPPRESS)
     ap.add_argument("--worker-encoder", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -104,8 +125,9 @@ def main() -> None:
         return
 
     encoders = (["before"] if args.baseline else []) + ["after"] + ([] if args.no_kitchen else ["kitchen"])
-    print(f"threads={args.threads} repeat={args.repeat} codebook={args.codebook}")
-    print(f"{'shape':>12} {'encoder':>8} {'wall s':>8} {'cpu s':>8} {'ns/weight':>10} {'MB/s':>8} "
+    print(f"threads={args.threads} repeat={args.repeat} codebook={args.codebook} warm={args.warm}")
+    print(f"{'shape':>12} {'encoder':>8} {'alloc':>5} {'wall s':>8} {'cpu s':>8} {'sys s':>7} "
+          f"{'ns/weight':>10} {'MB/s':>8} "
           f"{'peak RSS MiB':>13} {'rel L2':>10} {'fitted':>6} {'speedup':>8}")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
@@ -125,7 +147,8 @@ def main() -> None:
             mbps = r["weights"] * 2 / 1e6 / r["wall"]
             ratio = (f"{best['before']['cpu'] / r['cpu']:7.2f}x" if "before" in best and enc == "after"
                      else "")
-            print(f"{shape:>12} {enc:>8} {r['wall']:8.2f} {r['cpu']:8.2f} "
+            print(f"{shape:>12} {enc:>8} {r.get('alloc', False)!s:>5} {r['wall']:8.2f} {r['cpu']:8.2f} "
+                  f"{r.get('sys', 0.0):7.2f} "
                   f"{r['cpu'] / r['weights'] * 1e9:10.1f} {mbps:8.1f} {r['peak_rss_mib']:13.0f} "
                   f"{r['rel_l2']:10.6f} {r['fitted']!s:>6} {ratio:>8}", flush=True)
 

@@ -68,10 +68,11 @@ class DecodedLevels:
 
         For row ``r = bin * 128 + bits`` and the ``j``-th offset ``d`` of
         ``search_order(search)`` (``C`` of them): the nearest decoded level under the scale bits
-        ``clamp(bits + d, 1, 0x7E)`` (the clamp baked in) and its code. ``levels``: int8
-        ``[C, rows]`` (decoded levels are integers in [-127, 127]: a quarter of the float
-        table's bytes to gather); ``codes``: uint8 ``[rows * C]``, candidate ``j`` of row ``r``
-        at ``r * C + j``.
+        ``clamp(bits + d, 1, 0x7E)`` (the clamp baked in) and its code. ``levels``: int64
+        ``[W, rows]`` holding the ``C`` levels of a row as int8 bytes, eight per word (decoded
+        levels are integers in [-127, 127]), so one gather per word fetches eight candidates;
+        candidate ``j`` is byte ``j % 8`` of word ``j // 8`` (``gather_candidates``).
+        ``codes``: uint8 ``[rows * C]``, candidate ``j`` of row ``r`` at ``r * C + j``.
         """
         if search not in self._windows:
             d = torch.tensor(search_order(search), dtype=torch.int64)
@@ -80,7 +81,11 @@ class DecodedLevels:
             cols = (bits.unsqueeze(1) + d).clamp_(1, E4M3_MAX_BITS)  # [128, C]
             rows = (torch.arange(_BINS, dtype=torch.int64) * _ROWS).view(-1, 1, 1) + cols
             idx = rows.view(-1).to(self.value.device)
-            lv = self.value.index_select(0, idx).view(-1, c).t().to(torch.int8).contiguous()
+            lv = self.value.index_select(0, idx).view(-1, c).to(torch.int8)  # [rows, C]
+            words = -(-c // 8)
+            packed = torch.zeros(lv.shape[0], words * 8, dtype=torch.int8, device=lv.device)
+            packed[:, :c] = lv
+            lv = packed.view(torch.int64).t().contiguous()  # [W, rows]
             codes = self.code.index_select(0, idx).to(torch.uint8).contiguous()
             self._windows[search] = (lv, codes)
         return self._windows[search]
@@ -142,6 +147,20 @@ class FineLevels:
             sums = _group_sum(torch.stack([lv * x, lv.mul_(lv)]))  # [2, bad]
             num.index_copy_(0, bad, sums[0])
             den.index_copy_(0, bad, sums[1])
+
+
+def gather_candidates(cand: torch.Tensor, c: int, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[C, *rows.shape]``: the ``C`` candidate decoded levels of every table row in
+    ``rows`` (``cand`` from ``DecodedLevels.window``). One int64 gather fetches eight candidates;
+    the strided int8 bytes are then converted straight into their candidate-major places (one
+    copy per word: much faster than a gather per candidate plus a conversion)."""
+    flat = rows.reshape(-1)
+    out = torch.empty(c, flat.numel(), dtype=torch.float32, device=rows.device)
+    for w in range(cand.shape[0]):
+        got = torch.index_select(cand[w], 0, flat).view(torch.int8).view(-1, 8)
+        j = min(8, c - 8 * w)
+        out[8 * w:8 * w + j].copy_(got[:, :j].t())
+    return out.view(c, *rows.shape)
 
 
 def search_order(search: int) -> list[int]:
@@ -251,11 +270,7 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     cand, codes_w = levels.window(search)
     offsets = search_order(search)
     c = len(offsets)
-    flat = base.view(-1)
-    raw = torch.empty(c, group_size, m, dtype=torch.int8, device=xt.device)
-    for j in range(c):  # one gather per candidate (int8), then one vectorised conversion
-        torch.index_select(cand[j], 0, flat, out=raw[j].view(-1))
-    dec = raw.to(torch.float32)  # [C, G, m]
+    dec = gather_candidates(cand, c, base)  # [C, G, m]
     err = _group_sum(torch.sub(target, dec, out=dec).square_(), clobber=True)  # [C, m]
     err = err.view(c, m)
     best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)

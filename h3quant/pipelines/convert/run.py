@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FormatError, H3QuantError
 from h3quant.formats import registry, rules
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
@@ -62,6 +63,7 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     order, their row chunks on ``workers`` threads; returns each layer's report entry. Waits
     for the copies; raises ``LayerFailures`` when any layer failed (after trying them all)."""
     opts = plan.options
+    keep_freed_memory()  # chunk temporaries reused, not page-faulted in again (see h3quant.alloc)
     results: dict[str, dict] = {}
     failures: list[dict] = []
     layers = by_input_offset(plan.layers, lambda lp: lp.weight)
