@@ -13,11 +13,12 @@ the assignment needs is a table indexed by (scale bits, half-unit bin of the tar
   two decodes and a comparison.
 
 The table is 512 x 128 entries (rows ``bin * 128 + bits``); ``DecodedLevels.window`` turns it
-into one int8 table per candidate offset (the scale-bit clamp baked in), so the candidates of a
-weight are C gathers with one shared row index. The ALS rounds read the nearest level VALUE
-from a fine grid over [-1, 1] (``FineLevels``) and redo exactly the few groups that touch a cell
-holding a level midpoint. Chunks are processed group-major (``[G, groups]``) so per-group sums
-are contiguous row adds, in the same rounding order as the reference's ``sum(-1)``.
+into a table of the C candidate offsets' levels per row (the scale-bit clamp baked in), packed
+as int8 bytes eight to an int64 word, so the candidates of a weight are one gather per word.
+The ALS rounds read the nearest level VALUE from a fine grid over [-1, 1] (``FineLevels``) and
+redo exactly the few groups that touch a cell holding a level midpoint. Chunks are processed
+group-major (``[G, groups]``) so per-group sums are contiguous row adds, in the same rounding
+order as the reference's ``sum(-1)``.
 
 The scale chosen per group, the row scales and the decoded int8 weights equal the previous
 (row-major, search-based) encoder's; only the code chosen among codes that decode to the same
@@ -115,6 +116,7 @@ class FineLevels:
     def __init__(self, index: LevelIndex, bins: int = 1 << 16):
         self.index = index
         self.bins = bins
+        self._mids = index.mids_ext[:-1].contiguous()  # fp32, as LevelIndex.nearest compares
         table = index.table
         mids = ((table[1:].double() + table[:-1].double()) * 0.5)
         edges = torch.linspace(-1.0, 1.0, bins + 1, dtype=torch.float64)
@@ -124,26 +126,37 @@ class FineLevels:
         a, b = torch.searchsorted(mids, lo), torch.searchsorted(mids, hi)
         lut = table[a.clamp(max=15)].clone()
         lut[a != b] = float("nan")
-        self.lut = lut.float().contiguous()
-        self._half = torch.tensor(bins * 0.5, dtype=torch.float32)
+        # end cells repeated ``pad`` times on each side (one more at the top, for u = 1.25):
+        # values within +-REACH land in them without a clamp
+        self.pad = pad = bins // 8
+        self.lut = torch.cat([lut[:1].expand(pad), lut, lut[-1:].expand(pad + 1)]).float().contiguous()
+        self._offset = torch.tensor(bins * 0.5 + pad, dtype=torch.float32)
 
-    def levels(self, xt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    REACH = 1.25  # |x / scale| up to which the padded table needs no clamp
+
+    def levels(self, xt: torch.Tensor, scale: torch.Tensor, reach: float = float("inf")) -> torch.Tensor:
         """Level values for ``xt / scale`` ([G, m] / [m]); NaN where a cell is ambiguous.
 
-        The cell index is ``x * (half / scale) + half``: a few ulps from ``x / scale * half +
-        half``, far inside the guard margin; the factor is capped so that it stays finite.
+        The cell index is ``x * (half / scale) + half + pad``: a few ulps from the exact
+        ``x / scale * half + half + pad``, far inside the guard margin; the factor is capped so
+        that it stays finite. ``reach``: a bound on ``|x / scale|``; at most ``REACH``, the
+        cells need no clamp (the end cells' copies hold the values beyond [-1, 1]).
         """
         half = self.bins * 0.5
         f = torch.reciprocal(scale).mul_(half).clamp_(max=_F_CAP)
-        cell = torch.addcmul(self._half, xt, f).clamp_(0, self.bins - 1).to(torch.int32)
-        return take(self.lut, cell)
+        cell = torch.addcmul(self._offset, xt, f)
+        if not reach <= self.REACH:
+            cell.clamp_(0, self.lut.numel() - 1)
+        return take(self.lut, cell.to(torch.int32))
 
     def fix_ambiguous(self, xt, scale, num, den) -> None:
         """Redo, exactly, the groups whose sums met an ambiguous cell (NaN)."""
         bad = torch.isnan(num).nonzero().view(-1)
         if bad.numel():
             x = xt.index_select(1, bad)
-            lv = take(self.index.table, self.index.nearest(x / scale[bad]))
+            # the number of midpoints below each value (ties to the lower level): the index's
+            # nearest level, as one binary search over the fp32 midpoints
+            lv = take(self.index.table, torch.bucketize(x / scale[bad], self._mids, out_int32=True))
             sums = _group_sum(torch.stack([lv * x, lv.mul_(lv)]))  # [2, bad]
             num.index_copy_(0, bad, sums[0])
             den.index_copy_(0, bad, sums[1])
@@ -161,6 +174,31 @@ def gather_candidates(cand: torch.Tensor, c: int, rows: torch.Tensor) -> torch.T
         j = min(8, c - 8 * w)
         out[8 * w:8 * w + j].copy_(got[:, :j].t())
     return out.view(c, *rows.shape)
+
+
+def _squared_diff(target: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
+    """``(target - dec) ** 2`` into ``dec`` (``target`` broadcast over the candidates): mse_loss's
+    unreduced kernel computes ``d = a - b; d * d`` in one pass, the same two roundings as a
+    subtraction then a square (one-time self-check, else the two passes)."""
+    if _mse_ok():
+        return torch._C._nn.mse_loss(dec, target.expand_as(dec), 0, out=dec)
+    return torch.sub(target, dec, out=dec).square_()
+
+
+_MSE_OK: list[bool] = []
+
+
+def _mse_ok() -> bool:
+    if not _MSE_OK:
+        gen = torch.Generator().manual_seed(3)
+        a = torch.randn(3, 4096, generator=gen) * torch.exp(torch.randn(3, 4096, generator=gen) * 4)
+        b = torch.randn(4096, generator=gen).mul_(50).round_()
+        try:
+            got = torch._C._nn.mse_loss(a.clone(), b.expand_as(a), 0, out=torch.empty_like(a))
+        except (AttributeError, RuntimeError, TypeError):
+            got = None
+        _MSE_OK.append(got is not None and torch.equal(got, (b - a).square()))
+    return _MSE_OK[0]
 
 
 def search_order(search: int) -> list[int]:
@@ -239,15 +277,17 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
     #    rounds (scale = <x, l> / <l, l>, reassign); the last assignment only for the extremes
     lo, hi = xt.amin(0), xt.amax(0)
-    scale = torch.maximum(lo.neg(), hi)  # NaN or inf anywhere in a group makes it non-finite
-    if not bool(torch.isfinite(scale).all()):  # (amin, amax and maximum propagate NaN)
+    absmax = torch.maximum(lo.neg(), hi)  # NaN or inf anywhere in a group makes it non-finite
+    if not bool(torch.isfinite(absmax).all()):  # (amin, amax and maximum propagate NaN)
         r0, r1 = rows if rows is not None else (0, n - 1)
         raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{r1})")
-    zero = scale == 0
-    scale.masked_fill_(zero, 1.0)
+    zero = absmax == 0
+    scale = absmax.masked_fill(zero, 1.0)
     fine = levels.fine(index)
-    for _ in range(passes):
-        lv = fine.levels(xt, scale)
+    for p in range(passes):
+        # |x / scale| <= 1 in the first round (scale = the group's abs-max), else measured
+        reach = 1.0 if p == 0 else float((absmax / scale).amax())
+        lv = fine.levels(xt, scale, reach)
         num = _group_sum(lv * xt, clobber=True)
         den = _group_sum(lv.mul_(lv), clobber=True)
         fine.fix_ambiguous(xt, scale, num, den)
@@ -271,7 +311,7 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     offsets = search_order(search)
     c = len(offsets)
     dec = gather_candidates(cand, c, base)  # [C, G, m]
-    err = _group_sum(torch.sub(target, dec, out=dec).square_(), clobber=True)  # [C, m]
+    err = _group_sum(_squared_diff(target, dec), clobber=True)  # [C, m]
     err = err.view(c, m)
     best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
     for j in range(1, c):  # the first best wins (strict <), as in search order
