@@ -199,3 +199,62 @@ def test_pool_encodes_the_same_bytes_and_reports_the_first_bad_rows(monkeypatch)
         big[late, 7] = float("nan")
         with pytest.raises(W.FormatError, match=rf"NaN or inf \(rows {late // 64 * 64}\.\.{late // 64 * 64 + 63}\)"):
             encode_w4a8(big, pool=pool)
+
+
+def test_fine_levels_need_no_clamp_within_their_reach():
+    """The padded fine table read without a clamp (values within +-REACH) gives the clamped
+    lookup's levels, NaN (ambiguous) cells included; beyond the reach the clamp still runs."""
+    from h3quant.formats.w4a8_encode import FineLevels
+
+    g = torch.Generator().manual_seed(21)
+    for table in TABLES.values():
+        fine = FineLevels(CB.LevelIndex(table))
+        scale = torch.rand(4096, generator=g) + 0.01
+        u = (torch.rand(16, 4096, generator=g) * 2 - 1) * FineLevels.REACH
+        u[0, :8] = torch.tensor([1.0, -1.0, 1.25, -1.25, 0.0, 1 - 2**-20, -1 + 2**-20, 2**-30])
+        x = u * scale
+        reach = float((x.abs() / scale).amax())
+        assert reach <= FineLevels.REACH
+        free, clamped = fine.levels(x, scale, reach), fine.levels(x, scale)
+        torch.testing.assert_close(free, clamped, rtol=0, atol=0, equal_nan=True)
+        want = table[CB.LevelIndex(table).nearest(x / scale)]
+        ok = ~torch.isnan(free)
+        assert torch.equal(free[ok], want[ok]) and ok.float().mean() > 0.99
+        far = x * 40  # |x / scale| up to 50: the clamp keeps the cells in the table
+        ends = fine.levels(far, scale)
+        beyond = (far / scale).abs() > 1
+        want_end = torch.where(far > 0, table[-1], table[0])
+        assert torch.equal(ends[beyond], want_end[beyond])
+
+
+def test_second_round_past_the_reach_takes_the_clamped_lookup(monkeypatch):
+    """With the reach lowered below what heavy-tailed groups show in the second ALS round,
+    those rounds take the clamped lookup, and the encoder still picks the reference scales."""
+    from h3quant.formats.w4a8_encode import FineLevels
+
+    seen = []
+    real = FineLevels.levels
+    monkeypatch.setattr(FineLevels, "REACH", 1.02)
+    monkeypatch.setattr(FineLevels, "levels", lambda self, xt, s, reach=float("inf"):
+                        seen.append(reach) or real(self, xt, s, reach))
+    x = rotate(_weights(7, kind="heavy"), 256)
+    codes, s_rel, s_ch = encode_rows(x, CB.LevelIndex(FROZEN_CODEBOOK), 16, 2)
+    assert min(seen) <= FineLevels.REACH < max(seen)
+    ref_s, ref_ch, _, _ = _reference_rows(x, FROZEN_CODEBOOK)
+    assert torch.equal(s_ch, ref_ch)
+    assert torch.equal(s_rel.view(torch.uint8), ref_s.view(torch.uint8))
+
+
+def test_one_pass_squared_differences_match_the_two_pass_ones(monkeypatch):
+    """mse_loss's unreduced kernel is used only after a self-check; with it refused, the plain
+    subtraction and square give the same bytes."""
+    from h3quant.formats import w4a8_encode as WE
+
+    w = _weights(17, n=40, k=1024, kind="outliers")
+    assert WE._mse_ok()
+    fast = encode_w4a8(w, codebook="auto")
+    monkeypatch.setattr(WE, "_MSE_OK", [False])
+    slow = encode_w4a8(w, codebook="auto")
+    for key in fast:
+        assert torch.equal(fast[key].view(torch.uint8) if fast[key].dtype == torch.float8_e4m3fn else fast[key],
+                           slow[key].view(torch.uint8) if slow[key].dtype == torch.float8_e4m3fn else slow[key])
