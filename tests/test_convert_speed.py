@@ -203,3 +203,79 @@ def test_a_finished_convert_process_exits_without_the_interpreter_teardown(src, 
     assert again.returncode == 2 and "TEARDOWN" in again.stderr, again.stderr
     other = child("inspect", dst)
     assert other.returncode == 0 and "TEARDOWN" in other.stderr
+
+
+# ------------------------------------------- W4A8 outputs written while the next layer encodes
+def test_w4a8_outputs_are_written_behind_with_the_same_bytes(src, tmp_path, monkeypatch):
+    """A W4A8 layer's outputs go to the writer thread (the next layer encodes meanwhile); the
+    file equals one written in line."""
+    import threading
+
+    from h3quant.pipelines.convert.io import Sinks
+
+    writers: set[str] = set()
+    real = Sinks.write_tensor
+
+    def spy(self, name, tensor, start=0):
+        if name.endswith(".weight_s_channel"):
+            writers.add(threading.current_thread().name)
+        return real(self, name, tensor, start)
+
+    monkeypatch.setattr(Sinks, "write_tensor", spy)
+    behind = _convert(src, tmp_path / "behind.safetensors", target="w4a8")
+    assert writers and all(t.startswith("h3quant-write") for t in writers), writers
+    monkeypatch.setattr(Sinks, "write_behind",
+                        lambda self, tensors: [self.write_tensor(n, t) for n, t in tensors.items()])
+    writers.clear()
+    inline = _convert(src, tmp_path / "inline.safetensors", target="w4a8")
+    assert writers == {"MainThread"}
+    assert behind == inline
+
+
+@pytest.mark.parametrize("layer", ["blocks.0.attn.qkv_proj", "blocks.0.mlp.fc2"])  # first, last
+def test_a_failed_write_behind_fails_the_run_and_leaves_nothing(src, tmp_path, monkeypatch, layer):
+    real = OffsetWriter.write
+
+    def full(self, name, start, data):
+        if name == f"{layer}.weight":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, name, start, data)
+
+    monkeypatch.setattr(OffsetWriter, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        convert(src, tmp_path / "out.safetensors", ConvertOptions(target="w4a8", report=False))
+    assert not [p for p in tmp_path.iterdir() if p.name != "in.safetensors"]
+
+
+def test_one_batch_in_flight_at_most():
+    """``write_behind`` returns at once, but the next call waits for the batch before it (one
+    finished layer held in memory, not a queue of them); ``wait_behind`` raises its error."""
+    import threading
+    import time
+
+    from h3quant.pipelines.convert.io import Sinks
+
+    gate, order = threading.Event(), []
+
+    class Slow:
+        def write_tensor(self, name, tensor, start=0):
+            if name == "a":
+                gate.wait(10)
+            if name == "c":
+                raise OSError(errno.EIO, "I/O error")
+            order.append(name)
+
+    sinks = Sinks({"a": Slow(), "b": Slow(), "c": Slow()})
+    sinks.write_behind({"a": None})  # returns while "a" is still being written
+    second = threading.Thread(target=sinks.write_behind, args=({"b": None},))
+    second.start()
+    time.sleep(0.2)
+    assert second.is_alive() and order == []  # waits for "a"
+    gate.set()
+    second.join(10)
+    sinks.wait_behind()
+    assert order == ["a", "b"]
+    sinks.write_behind({"c": None})
+    with pytest.raises(OSError, match="I/O error"):
+        sinks.wait_behind()
+    sinks.close()

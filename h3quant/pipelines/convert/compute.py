@@ -224,9 +224,9 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
-    for suffix, tensor in out.items():
-        sink.write_tensor(f"{lp.name}.{suffix}", tensor)
-    sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
+    tensors = {f"{lp.name}.{suffix}": tensor for suffix, tensor in out.items()}
+    tensors[f"{lp.name}.comfy_quant"] = _marker_tensor(lp)
+    sink.write_behind(tensors)  # written while the next layer encodes
     return samples
 
 

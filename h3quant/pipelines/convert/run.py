@@ -76,6 +76,7 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,
                                 bar=bar, results=results, failures=failures)
         _convert_layers(layers, run, pool, stream)
+        stream.sinks.wait_behind()  # the last layer's outputs (a write error is raised here)
         stream.copying.result()
         for entry in results.values():  # collect the report tasks before the files close
             if isinstance(entry.get("metrics"), Future):

@@ -69,6 +69,7 @@ class CopyStream:
         try:
             writers = open_writers(self.plan, self._stack, self.out)
             self.sinks = Sinks({name: writers[s] for name, s in shard_of(self.plan).items()})
+            self._stack.callback(self.sinks.close)  # before the writers complete or abort
             self._io = ThreadPoolExecutor(1, thread_name_prefix=COPY_THREAD)
             self._stack.callback(self._stop_copies)  # runs first on exit: before the writers
             copies = by_input_offset(self.plan.all_copies(), lambda c: c.src)
