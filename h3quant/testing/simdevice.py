@@ -334,6 +334,14 @@ class _SimNpuRuntime(types.ModuleType):
     def _lazy_init(self) -> None:
         return None
 
+    def _is_in_bad_fork(self) -> bool:  # torch.manual_seed asks before seeding the device
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Nothing to seed: simulated NPU tensors draw from the CPU generator, which
+        ``torch.manual_seed`` has already seeded."""
+        return None
+
 
 def ensure_npu_device_type() -> None:
     """Make ``torch.device("npu")`` valid: rename the PrivateUse1 backend to "npu" and register a
