@@ -2,8 +2,9 @@
 
 The encoders work in row chunks whose temporaries are a few MB each (the W4A8 candidate levels
 of a 512K-value chunk: 10 MB). glibc serves such blocks with ``mmap`` until its adaptive
-threshold has grown past them, and returns them to the kernel on ``free``; every reuse then
-page-faults the block in again, zero-filled. Measured on the 2-core development VM, a fresh
+threshold has grown past them, returning them to the kernel on ``free``, and even then trims
+the heap whenever more than twice that threshold lies free at its top; every reuse then
+page-faults the memory in again, zero-filled. Measured on the 2-core development VM, a fresh
 process encoding one W4A8 layer spent about as much CPU in the kernel as in the encoder (about
 24 ns of system time per weight against 22 of user time); with the settings below the system
 time is under 1 ns per weight and the bytes are the same (``bench/bench_w4a8.py`` prints both).
