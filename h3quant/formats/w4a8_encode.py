@@ -128,7 +128,7 @@ class FineLevels:
         lut[a != b] = float("nan")
         # end cells repeated ``pad`` times on each side (one more at the top, for u = 1.25):
         # values within +-REACH land in them without a clamp
-        self.pad = pad = bins // 8
+        pad = bins // 8
         self.lut = torch.cat([lut[:1].expand(pad), lut, lut[-1:].expand(pad + 1)]).float().contiguous()
         self._offset = torch.tensor(bins * 0.5 + pad, dtype=torch.float32)
 
@@ -312,7 +312,6 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     c = len(offsets)
     dec = gather_candidates(cand, c, base)  # [C, G, m]
     err = _group_sum(_squared_diff(target, dec), clobber=True)  # [C, m]
-    err = err.view(c, m)
     best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
     for j in range(1, c):  # the first best wins (strict <), as in search order
         better = err[j] < best_err

@@ -25,7 +25,7 @@ from h3quant.errors import ContainerError
 from h3quant.formats.atomic import open_temp, publish
 from h3quant.formats.container import TensorInfo
 from h3quant.formats.dtypes import itemsize, to_torch
-from h3quant.formats.writer import Layout
+from h3quant.formats.writer import Layout, tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -156,11 +156,8 @@ class OffsetWriter:
                 self._flush_wanted.set()
 
     def write_tensor(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
-        import torch
-
-        t = tensor.detach().contiguous()
-        if t.numel():
-            self.write(name, start, t.view(-1).view(torch.uint8).numpy())
+        if tensor.numel():
+            self.write(name, start, tensor_bytes(tensor))
 
     def missing(self) -> list[str]:
         return [n for n, size in self._sizes.items() if self._done[n] != size]

@@ -7,7 +7,6 @@ computed in ``convert.report``.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
 from h3quant.errors import ConvertError
@@ -55,10 +54,7 @@ class ConvertReport:
 
 def build_report(plan, results: dict[str, dict], elapsed: float) -> ConvertReport:
     """The report of a finished run of ``plan`` (a ``ConvertPlan``); ``results`` maps each
-    layer run to its entry (``metrics`` may still be a ``Future`` of the report worker)."""
-    for entry in results.values():
-        if isinstance(entry.get("metrics"), Future):
-            entry["metrics"] = entry["metrics"].result()
+    layer run to its entry (``convert_layers`` has resolved the report workers' metrics)."""
     base = plan.to_dict()
     layers = [results.get(lp.name, lp.to_dict()) for lp in plan.layers]
     base["layers"] = layers
