@@ -33,6 +33,13 @@ def _r(code: str, name: str, severity: Severity, rule: str) -> None:
 
 
 E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741 (I = info, as E and W)
+# Naming rules (official / diffusers / fp8 inputs of convert): FORMATS.md 12.
+_r("N301", "naming-mixed", E, "a checkpoint uses one naming: not both diffusers and ComfyUI names")
+_r("N302", "qkv-missing", E, "split attention projections come as a complete to_q, to_k, to_v")
+_r("N303", "qkv-partner-shape", E, "to_q, to_k, to_v share one dtype and shape; SwiGLU rows are even")
+_r("N304", "qkv-heads", E, "a fused per-head qkv_proj has a q_norm whose width divides rows / 3")
+_r("N305", "fp8-scale", E, "an fp8 weight's scale is F32/BF16/F16, one value per tensor or per row, "
+   "finite and positive")
 # Container (safetensors) rules: FORMATS.md 1.
 _r("C101", "header-length", E, "the u64 header length is bounded (100 MB) and 8 + n fits in the file")
 _r("C102", "header-utf8", E, "the header is valid UTF-8")

@@ -57,6 +57,12 @@ def _group_size(ctx, param, value):
                    "npu = int8_tensorwise_kn, pre-transposed [K, N] with an [N] scale, which "
                    "Ascend's npu_quant_matmul takes as is (ComfyUI does not load it). From an "
                    "int8 file the change of layout only moves the codes (no requantization).")
+@click.option("--naming", type=click.Choice(["auto", "comfy", "official", "diffusers"]),
+              default="auto", show_default=True,
+              help="Naming of IN: auto detects it (diffusers names; official = model-NNNNN-of-"
+                   "MMMMM shards, whose names equal ComfyUI's but whose fused q/k/v rows are "
+                   "per head). A non-ComfyUI or fp8 input is re-laid out as ComfyUI's single "
+                   "file (staged beside OUT) before it is converted.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -69,7 +75,8 @@ def _group_size(ctx, param, value):
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
 @handle_errors
-def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, overwrite,
+def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, naming,
+            overwrite,
             dry_run, as_json, quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -87,6 +94,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
       h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
+      h3quant convert FL2VA/transformer h3_int8.safetensors          # official shards
+      h3quant convert transformer/ h3_bf16.safetensors --to bf16     # diffusers: re-layout
     """
     from h3quant.cli.render import render_plan, summary_line
     from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
@@ -96,7 +105,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
                              exclude=tuple(exclude), group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
-                             overwrite=overwrite, rotation=rotation, layout=layout)
+                             overwrite=overwrite, rotation=rotation, layout=layout,
+                             naming=naming)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

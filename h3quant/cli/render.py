@@ -17,6 +17,18 @@ def render_plan(d: dict) -> str:
              + (f", layout {d['layout']}" if d.get("layout", "canonical") != "canonical" else "")
              + f", preset {d['preset']}"
              + (" (H3 detected)" if d["h3"] else "")]
+    naming = d.get("naming")
+    if naming:
+        lines.append(f"input naming {naming['naming']} ({naming['evidence']}): re-laid out as "
+                     "ComfyUI's single file, then converted")
+        for t in naming["targets"]:
+            ops = [] if t["op"] == "copy" else [t["op"]]
+            ops += ["fp8 decoded"] if t["fp8"] else []
+            if ops or t["sources"] != [t["name"]]:
+                lines.append(f"  {' + '.join(t['sources'])} -> {t['name']}"
+                             + (f"  [{', '.join(ops)}]" if ops else ""))
+        for name in naming["unused"]:
+            lines.append(f"  not used by ComfyUI, not written: {name}")
     by = {}
     for lay in d["layers"]:
         by.setdefault(lay["action"], []).append(lay)

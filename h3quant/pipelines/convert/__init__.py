@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from h3quant.formats.atomic import Outputs, write_bytes, write_file
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
-from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
+from h3quant.pipelines.convert import adopt
+from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, check_paths, input_paths
 from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
 
@@ -37,7 +39,19 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     options = options or ConvertOptions()
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
-        return build_plan(ckpt, src, dst, options, dry_run=dry_run)
+        det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        if mapping.trivial:
+            return build_plan(ckpt, src, dst, options, dry_run=dry_run)
+        warnings = check_paths(ckpt, src, dst, False, options.overwrite, dry_run=True)
+        with adopt.staging_dir(dst) as tmp:
+            staged = adopt.header_only(mapping, ckpt.metadata, options.codec.quantized,
+                                       tmp / adopt.staged_name(src))
+            with Checkpoint(staged, mmap=False) as sck:
+                plan = build_plan(sck, staged, dst, options, dry_run=True)
+    plan.src = src
+    plan.warnings = warnings + plan.warnings
+    plan.naming = {"detected": det.naming, "evidence": det.evidence, **mapping.to_dict()}
+    return plan
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOptions | None = None,
@@ -51,6 +65,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
+        det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        if not mapping.trivial:
+            return _convert_adopted(ckpt, src, dst, options, det, mapping, progress, log,
+                                    report_path)
         plan = build_plan(ckpt, src, dst, options)
         with Outputs(inputs=input_paths(ckpt, src), overwrite=options.overwrite,
                      log=log) as outs:
@@ -66,6 +84,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))
         return report
+
+
+def _convert_adopted(ckpt, src, dst, options, det, mapping, progress, log, report_path):
+    """A non-ComfyUI or fp8 input: staged as ComfyUI's single file beside ``dst``, then
+    converted from there (see ``convert.adopt``)."""
+    check_paths(ckpt, src, dst, False, options.overwrite)
+    log(f"input naming: {det.naming} ({det.evidence}); staging ComfyUI's single file")
+    for name in mapping.unused:
+        log(f"not used by ComfyUI, not written: {name}")
+    with adopt.staging_dir(dst) as tmp:
+        staged = adopt.stage(ckpt, mapping, tmp / adopt.staged_name(src),
+                             options.codec.quantized)
+        ckpt.check_unchanged()
+        report = convert(staged, dst, replace(options, naming="comfy"), progress=progress,
+                         log=log, report_path=report_path)
+    report.input = str(src)
+    report.extra["naming"] = {"detected": det.naming, "evidence": det.evidence, **mapping.to_dict()}
+    return report
 
 
 def report_bytes(report: dict) -> bytes:

@@ -44,6 +44,7 @@ class ConvertOptions:
     overwrite: bool = False
     rotation: str = "exact"  # int8 ConvRot: "exact" (bit-identical to comfy-kitchen) or "fast"
     layout: str = "canonical"  # int8: "canonical" [N, K] or "npu" (int8_tensorwise_kn, [K, N])
+    naming: str = "auto"  # the input's naming: auto (detected), comfy, official or diffusers
     _patterns: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,9 @@ class ConvertOptions:
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
+        if self.naming not in ("auto", "comfy", "official", "diffusers"):
+            raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
+                               f"got {self.naming!r}")
         if self.workers is None:
             object.__setattr__(self, "workers", max(1, min(os.cpu_count() or 1, 8)))
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:

@@ -69,6 +69,7 @@ class ConvertPlan:
     index_metadata: dict
     input_bytes: int
     warnings: list[str] = field(default_factory=list)
+    naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
 
     @property
     def output_bytes(self) -> int:
@@ -95,6 +96,7 @@ class ConvertPlan:
             "files": [{"name": s.name, "bytes": s.layout.file_bytes, "tensors": len(s.entries)}
                       for s in self.shards.values()],
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+            **({"naming": self.naming} if self.naming else {}),
         }
 
 

@@ -1,0 +1,239 @@
+"""Which naming an H3 checkpoint uses, and how its tensors map onto ComfyUI's single file.
+
+Three namings are known (FORMATS.md 12):
+
+- ``comfy``: ComfyUI's single file (``blocks.N.attn.qkv_proj`` ... ``video_patch_proj``), the
+  layout every other h3quant command reads and the only one ComfyUI loads;
+- ``official``: the native release shards (``model-000NN-of-000MM.safetensors`` + index). Same
+  names as ComfyUI, but each fused ``attn.qkv_proj`` holds its rows per head:
+  ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]`` (``head_dim`` rows each) where ComfyUI has
+  ``[q_all; k_all; v_all]``. The names alone cannot tell it from ComfyUI's file, so it is
+  recognised by its shard file names (or chosen with ``--naming official``);
+- ``diffusers``: ``MiniMaxH3Transformer3DModel`` shards: renamed modules, split ``to_q`` /
+  ``to_k`` / ``to_v``, and the SwiGLU ``ff.net.0.proj`` in ``[value; gate]`` order where
+  ComfyUI's ``mlp.fc1`` is ``[gate; value]``.
+
+Everything here works on names and shapes only and never imports torch. ``plan_mapping`` gives,
+for every ComfyUI tensor, its source tensors and the row operation to apply; tensors ComfyUI has
+no place for are returned separately so the caller reports them. The rename table is the single
+place to correct should a convention turn out different.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from h3quant.errors import FormatError
+
+NAMINGS = ("comfy", "official", "diffusers")
+
+# diffusers -> ComfyUI renames, applied in order to each name (first matching rule of each kind).
+DIFFUSERS_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^proj_in\.", "video_patch_proj."),
+    (r"^audio_proj_in\.", "audio_patch_proj."),
+    (r"^context_embedder\.", "condition_proj."),
+    (r"^time_embedder\.linear_1\.", "time_embedder.proj_in."),
+    (r"^time_embedder\.linear_2\.", "time_embedder.proj_out."),
+    (r"^norm_out\.linear\.", "final_layer.adaln_proj.linear."),
+    (r"^norm_out\.norm\.", "final_layer.norm."),
+    (r"^proj_out\.", "final_layer.video_out."),
+    (r"^audio_proj_out\.", "final_layer.audio_out."),
+    (r"^token_refiner\.refiner_blocks\.", "token_refiner.blocks."),
+    (r"^transformer_blocks\.", "blocks."),
+    (r"\.attn\.to_out\.0\.", ".attn.out_proj."),
+    (r"\.attn\.norm_q\.", ".attn.q_norm."),
+    (r"\.attn\.norm_k\.", ".attn.k_norm."),
+    (r"\.ff\.net\.0\.proj\.", ".mlp.fc1."),
+    (r"\.ff\.net\.2\.", ".mlp.fc2."),
+)
+_SPLIT_QKV = re.compile(r"^(?P<stem>.*)\.attn\.to_(?P<part>[qkv])\.(?P<kind>weight|bias)$")
+_DIFFUSERS_HINT = re.compile(
+    r"^(?:transformer_blocks\.|proj_in\.|audio_proj_in\.|context_embedder\.|norm_out\.|"
+    r"proj_out\.|audio_proj_out\.|time_embedder\.linear_[12]\.|token_refiner\.refiner_blocks\.)"
+    r"|\.attn\.to_[qkvo]|\.ff\.net\.")
+_COMFY_HINT = re.compile(
+    r"^(?:blocks\.\d+\.|video_patch_proj\.|audio_patch_proj\.|condition_proj\.|final_layer\.|"
+    r"time_embedder\.proj_(?:in|out)\.|token_refiner\.blocks\.)|\.attn\.qkv_proj\.|\.mlp\.fc[12]\.")
+OFFICIAL_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+# fp8 weights: the scale companions a loader multiplies in, and the ones it does not use.
+FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+FP8_SCALES = ("scale_weight", "weight_scale")
+FP8_UNUSED = ("scale_input", "input_scale")
+
+# Row operations (``Target.op``)
+COPY = "copy"  # the source as it is
+FUSE_QKV = "fuse-qkv"  # [to_q; to_k; to_v]
+DEINTERLEAVE_QKV = "deinterleave-qkv"  # per-head [q_h; k_h; v_h] -> [q_all; k_all; v_all]
+SWAP_HALVES = "swap-halves"  # [value; gate] -> [gate; value]
+OP_TEXT = {
+    FUSE_QKV: "q/k/v fused as [q; k; v]",
+    DEINTERLEAVE_QKV: "per-head [q_h; k_h; v_h] rows regrouped as [q; k; v]",
+    SWAP_HALVES: "SwiGLU halves swapped: [value; gate] -> [gate; value]",
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    scale: str | None = None  # fp8: the scale tensor multiplied in
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    sources: tuple[Source, ...]
+    op: str = COPY
+    heads: int = 0  # DEINTERLEAVE_QKV only
+
+    @property
+    def fp8(self) -> bool:
+        return any(s.dtype in FP8_DTYPES for s in self.sources)
+
+    def describe(self) -> str:
+        src = " + ".join(s.name for s in self.sources)
+        notes = [OP_TEXT[self.op]] if self.op in OP_TEXT else []
+        if self.fp8:
+            notes.append("fp8 decoded" + (f" x {self.sources[0].scale}"
+                                          if self.sources[0].scale else ""))
+        return f"{src} -> {self.name}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+@dataclass
+class Mapping:
+    naming: str
+    targets: list[Target] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)  # source tensors ComfyUI does not load
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing to do: every target is its own source, unchanged."""
+        return all(t.op == COPY and len(t.sources) == 1 and t.sources[0].name == t.name
+                   and not t.fp8 for t in self.targets) and not self.unused
+
+    def to_dict(self) -> dict:
+        return {"naming": self.naming, "unused": list(self.unused),
+                "targets": [{"name": t.name, "sources": [s.name for s in t.sources],
+                             "op": t.op, "fp8": t.fp8} for t in self.targets]}
+
+
+@dataclass(frozen=True)
+class Detection:
+    naming: str
+    evidence: str
+    fp8: bool
+
+
+def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
+           shard_names: list[str] | None = None) -> Detection:
+    """The naming of a checkpoint from its tensor names (``{name: (dtype, shape)}``) and, for
+    the official release whose names equal ComfyUI's, its shard file names. Refuses a file
+    that mixes diffusers and ComfyUI block names (a half-renamed file)."""
+    diff = sorted(n for n in tensors if _DIFFUSERS_HINT.search(n))
+    comfy = sorted(n for n in tensors if _COMFY_HINT.search(n))
+    fp8 = any(d in FP8_DTYPES for d, _ in tensors.values())
+    if diff and comfy:
+        raise FormatError(
+            f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "
+            f"{len(comfy)} ComfyUI name(s) (e.g. {comfy[0]}) in one file; convert from the "
+            "original download", tensor=diff[0], code="N301")
+    if diff:
+        return Detection("diffusers", f"diffusers names (e.g. {diff[0]})", fp8)
+    shards = shard_names or []
+    if len(shards) > 1 and all(OFFICIAL_SHARD.match(s) for s in shards):
+        return Detection("official", "native names in model-NNNNN-of-MMMMM shards", fp8)
+    return Detection("comfy", "ComfyUI names", fp8)
+
+
+def _rename(name: str) -> str:
+    for pattern, repl in DIFFUSERS_RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def _fail(code: str, msg: str, tensor: str) -> FormatError:
+    return FormatError(f"[{code}] {msg}", tensor=tensor, code=code)
+
+
+def _source(tensors, name: str) -> Source:
+    dtype, shape = tensors[name]
+    scale = None
+    if dtype in FP8_DTYPES and name.endswith(".weight"):
+        stem = name[: -len(".weight")]
+        scale = next((f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors), None)
+    return Source(name, dtype, tuple(shape), scale)
+
+
+def _heads(tensors, stem: str, rows: int, naming: str) -> int:
+    """Number of heads of ``stem``'s attention, from its ``q_norm`` width (head_dim)."""
+    for norm in (f"{stem}.attn.q_norm.weight", f"{stem}.attn.norm_q.weight"):
+        if norm in tensors and len(tensors[norm][1]) == 1:
+            d = tensors[norm][1][0]
+            if d and rows % (3 * d) == 0:
+                return rows // (3 * d)
+    raise _fail("N304", f"{naming} qkv_proj of {rows} rows: no q_norm of a width dividing "
+                f"rows / 3 to find the heads from", f"{stem}.attn.qkv_proj.weight")
+
+
+def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -> Mapping:
+    """Every ComfyUI tensor of ``tensors`` (in ``naming``) with its sources and row operation.
+
+    Raises ``FormatError`` (code N302: a missing q, k or v; N303: q, k, v of different shapes;
+    N304: heads not derivable) before anything is read."""
+    if naming not in NAMINGS:
+        raise FormatError(f"unknown naming {naming!r} (known: {', '.join(NAMINGS)})")
+    out = Mapping(naming)
+    consumed: set[str] = set()
+    for name in tensors:  # fp8 scale companions travel with their weight
+        stem, _, suffix = name.rpartition(".")
+        if suffix in FP8_SCALES and tensors.get(f"{stem}.weight", ("",))[0] in FP8_DTYPES:
+            consumed.add(name)
+        elif suffix in FP8_UNUSED or (suffix == "comfy_quant"
+                                      and tensors.get(f"{stem}.weight", ("",))[0] in FP8_DTYPES):
+            out.unused.append(name)
+            consumed.add(name)
+    groups: dict[tuple[str, str], dict[str, str]] = {}
+    for name in sorted(tensors):
+        if name in consumed:
+            continue
+        m = _SPLIT_QKV.match(name) if naming == "diffusers" else None
+        if m:
+            groups.setdefault((m["stem"], m["kind"]), {})[m["part"]] = name
+            continue
+        target = _rename(name) if naming == "diffusers" else name
+        src = _source(tensors, name)
+        op = COPY
+        if naming == "diffusers" and ".ff.net.0.proj." in name:
+            op = SWAP_HALVES
+            if src.shape[0] % 2:
+                raise _fail("N303", f"SwiGLU projection of odd rows {src.shape[0]}", name)
+        elif naming == "official" and name.endswith(".attn.qkv_proj.weight"):
+            op = DEINTERLEAVE_QKV
+            stem = name[: -len(".attn.qkv_proj.weight")]
+            out.targets.append(Target(target, (src,), op,
+                                      _heads(tensors, stem, src.shape[0], naming)))
+            continue
+        out.targets.append(Target(target, (src,), op))
+    for (stem, kind), parts in sorted(groups.items()):
+        missing = [p for p in "qkv" if p not in parts]
+        if missing:
+            raise _fail("N302", f"attention {stem}: to_{'/to_'.join(missing)}.{kind} missing "
+                        f"(found to_{'/to_'.join(sorted(parts))})", f"{stem}.attn.to_q.{kind}")
+        srcs = tuple(_source(tensors, parts[p]) for p in "qkv")
+        shapes = {s.shape for s in srcs}
+        dtypes = {s.dtype for s in srcs}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise _fail("N303", f"attention {stem}: to_q/to_k/to_v.{kind} differ: "
+                        + ", ".join(f"{s.dtype} {list(s.shape)}" for s in srcs),
+                        parts["q"])
+        out.targets.append(Target(_rename(f"{stem}.attn.qkv_proj.{kind}"), srcs, FUSE_QKV))
+    names = [t.name for t in out.targets]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise _fail("N301", f"two source tensors map onto {dup[0]} (a half-renamed file)",
+                    dup[0])
+    out.targets.sort(key=lambda t: t.name)
+    out.unused.sort()
+    return out
