@@ -252,3 +252,43 @@ def test_errors(comfy, tmp_path):
     shape = dict(f8)
     shape["blocks.0.mlp.fc2.scale_weight"] = torch.ones(3, dtype=torch.float32)
     _cli_fails(shape, tmp_path, "N305")
+
+
+def _cli(*args):
+    return CliRunner().invoke(cli_main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("kind", ["comfy", "official", "diffusers", "fp8"])
+def test_inspect_and_validate_know_each_naming(comfy, tmp_path, kind):
+    if kind == "fp8":
+        src = tmp_path / "f8.safetensors"
+        save_file(_fp8(comfy, torch.float8_e4m3fn, True)[0], src)
+    elif kind == "comfy":
+        src = tmp_path / "c.safetensors"
+        save_file(comfy, src)
+    else:
+        src = _shards(_official(comfy) if kind == "official" else _diffusers(comfy),
+                      tmp_path / "in")
+    res = _cli("inspect", src, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["naming"]["naming"] == ("comfy" if kind == "fp8" else kind)
+    assert doc["naming"]["fp8_scaled"] == (8 if kind == "fp8" else 0)  # block 0: 4, refiner fc1/fc2: 4
+    assert "naming" in _cli("inspect", src).output
+    res = _cli("validate", src, "--deep", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["checked"]["topology"] is not None
+
+
+def test_validate_gives_naming_codes(comfy, tmp_path):
+    dif = _diffusers(comfy)
+    no_k = {n: t for n, t in dif.items() if n != "transformer_blocks.0.attn.to_k.weight"}
+    save_file(no_k, tmp_path / "nok.safetensors")
+    res = _cli("validate", tmp_path / "nok.safetensors", "--json")
+    assert res.exit_code != 0 and "N302" in res.output
+    f8, _ = _fp8(comfy, torch.float8_e4m3fn, True)
+    f8["blocks.0.mlp.fc1.scale_weight"][3] = float("nan")
+    save_file(f8, tmp_path / "nan.safetensors")
+    assert _cli("validate", tmp_path / "nan.safetensors").exit_code == 0  # values: --deep only
+    res = _cli("validate", tmp_path / "nan.safetensors", "--deep", "--json")
+    assert res.exit_code != 0 and "N305" in res.output

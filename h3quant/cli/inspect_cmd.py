@@ -47,6 +47,7 @@ def render(res) -> str:
                "quantized layers")
     topo = res.topology
     out.append("topology     " + (_topology_line(topo) if topo else "not a recognised H3 DiT"))
+    out.append("naming       " + _naming_line(res.naming))
     out.append("metadata     " + (", ".join(res.metadata_keys) or "(none)"))
     c = res.findings
     out.append(f"findings     {c['error']} errors, {c['warning']} warnings, {c['info']} notes"
@@ -71,6 +72,18 @@ def render(res) -> str:
         out += ["", format_table(["layer", "format", "N", "K", "size", "bpw", "marker", "layout",
                                   "NZ", "dtypes"], rows, {2, 3, 4, 5})]
     return "\n".join(out)
+
+
+def _naming_line(n: dict) -> str:
+    if n.get("error"):
+        return f"unreadable: [{n['error']['code']}] {n['error']['message']}"
+    text = {"comfy": "ComfyUI single file", "official": "official native shards",
+            "diffusers": "diffusers shards"}[n["naming"]] + f" ({n['evidence']})"
+    if n["fp8_scaled"]:
+        text += f", {n['fp8_scaled']} scaled fp8 weight(s)"
+    if n["naming"] != "comfy" or n["fp8_scaled"]:
+        text += "; `convert` re-lays it out as ComfyUI's single file"
+    return text
 
 
 def _topology_line(topo: dict) -> str:

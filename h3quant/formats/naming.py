@@ -147,6 +147,48 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     return Detection("comfy", "ComfyUI names", fp8)
 
 
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
+
+
+def check_fp8_scales(mapping: Mapping, tensors) -> None:
+    """Shape and dtype rules of the fp8 scales (N305): F32/BF16/F16, one value per tensor
+    (``[]`` / ``[1]``) or per output row (``[N]`` / ``[N, 1]``)."""
+    for t in mapping.targets:
+        for s in t.sources:
+            if s.scale is None:
+                continue
+            dtype, shape = tensors[s.scale]
+            n = s.shape[0] if s.shape else 1
+            count = 1
+            for d in shape:
+                count *= d
+            if dtype not in SCALE_DTYPES:
+                raise _fail("N305", f"fp8 scale is {dtype}; expected one of "
+                            f"{', '.join(sorted(SCALE_DTYPES))}", s.scale)
+            if count not in (1, n) or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
+                raise _fail("N305", f"fp8 scale shape {list(shape)}: expected one value per "
+                            f"tensor ([] or [1]) or per output row ([{n}] or [{n}, 1])", s.scale)
+
+
+def fp8_scaled_weights(tensors) -> set[str]:
+    """The fp8 weights stored with a scale companion (ComfyUI's scaled-fp8 layout)."""
+    return {n for n, (d, _) in tensors.items() if d in FP8_DTYPES and n.endswith(".weight")
+            and any(f"{n[:-len('.weight')]}.{s}" in tensors for s in FP8_SCALES)}
+
+
+def staged_entries(mapping: Mapping, quantized_target: bool = False
+                   ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ComfyUI name -> (dtype, shape) of the staged single file: fp8 becomes F32 (for a
+    quantized target) or BF16; a fused q/k/v has three times its parts' rows."""
+    out = {}
+    for t in mapping.targets:
+        s = t.sources[0]
+        dtype = ("F32" if quantized_target else "BF16") if t.fp8 else s.dtype
+        shape = ((3 * s.shape[0],) + tuple(s.shape[1:])) if t.op == FUSE_QKV else s.shape
+        out[t.name] = (dtype, tuple(shape))
+    return out
+
+
 def _rename(name: str) -> str:
     for pattern, repl in DIFFUSERS_RENAMES:
         name = re.sub(pattern, repl, name)

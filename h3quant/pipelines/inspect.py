@@ -20,6 +20,7 @@ from h3quant.formats.markers import (
     parse_header_metadata,
 )
 from h3quant.formats.schemes import layer_report
+from h3quant.pipelines import naming_view
 
 MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
 
@@ -84,6 +85,7 @@ class InspectResult:
     layer_counts: dict[str, int]  # {layers, quantized, other_tensors}
     bits_per_weight: dict[str, float | None]  # {all, quantized}
     topology: dict | None
+    naming: dict  # {naming, evidence, fp8_scaled, error} (pipelines.naming_view)
     metadata_keys: list[str]
     findings: dict[str, int]  # container + marker findings by severity (validate details them)
     bytes_read: int  # tensor-data bytes read (marker tensors only)
@@ -164,6 +166,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
                 "quantized": _bpw(sum(r.weight_bytes for r in quant), sum(r.params for r in quant)),
             },
             topology=topology_summary(ckpt.tensors, quantized),
+            naming=naming_view.summary(ckpt),
             metadata_keys=sorted(ckpt.metadata),
             findings=counts,
             bytes_read=reader.bytes_read,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding, Severity, all_rules
+from h3quant.pipelines import naming_view
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.schemes import check_layer
 from h3quant.pipelines.inspect import scan
@@ -97,7 +98,9 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     if got is None:
         return
     layer_scan = got[0]
-    findings.extend(layer_scan.findings)
+    scaled = fp8_scaled(ckpt)  # ComfyUI's scaled fp8: a scale companion, no marker
+    findings.extend(f for f in layer_scan.findings
+                    if not (f.code == "M109" and f.tensor in scaled))
     checked["stages"].append("markers")
     checked["layers"] = len(layer_scan.layers)
     checked["quantized_layers"] = len(layer_scan.quantized)
@@ -118,6 +121,8 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
 
         res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
         findings.extend(res or [])
+        if scaled:
+            _guard("fp8 scales", where, findings, naming_view.check_scale_values, ckpt)
         checked["stages"].append("deep")
 
 
@@ -128,13 +133,25 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
         if exc.name == "h3quant.formats.topology":
             return []
         raise
-    detection = topology.detect(ckpt.tensors)
+    named, viewed = naming_view.view(ckpt)  # N301-N305 raised, listed by _guard
+    checked["naming"] = named
+    tensors = ckpt.tensors if viewed is None else viewed  # as ComfyUI names them
+    detection = topology.detect(tensors)
     if detection is None:
         return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
                         "topology checks skipped", file=str(ckpt.path))]
-    quantized = {n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+                 if viewed is None else {})
     checked["topology"] = topology.summary(detection, quantized)
-    return list(topology.check(ckpt.tensors, detection, quantized))
+    return list(topology.check(tensors, detection, quantized))
+
+
+def fp8_scaled(ckpt: Checkpoint) -> set[str]:
+    """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
+    from h3quant.formats.naming import fp8_scaled_weights
+
+    weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
+    return weights | {w[: -len(".weight")] for w in weights}
 
 
 def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:

@@ -15,7 +15,6 @@ target, or rounded once to BF16 (nearest even) for ``--to bf16``.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -32,12 +31,13 @@ from h3quant.formats.naming import (
     Detection,
     Mapping,
     Target,
+    check_fp8_scales,
     detect,
     plan_mapping,
+    staged_entries,
 )
 from h3quant.formats.writer import Entry, Layout, StreamingWriter, plan_layout
 
-SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
@@ -47,42 +47,13 @@ def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Ma
     if naming != "auto":
         det = Detection(naming, "chosen with --naming", det.fp8)
     mapping = plan_mapping(tensors, det.naming)
-    for t in mapping.targets:
-        _check_fp8_scale(t, tensors)
+    check_fp8_scales(mapping, tensors)
     return det, mapping
 
 
-def _check_fp8_scale(t: Target, tensors) -> None:
-    for s in t.sources:
-        if s.scale is None:
-            continue
-        dtype, shape = tensors[s.scale]
-        n = s.shape[0] if s.shape else 1
-        if dtype not in SCALE_DTYPES:
-            raise FormatError(f"[N305] fp8 scale is {dtype}; expected one of "
-                              f"{', '.join(sorted(SCALE_DTYPES))}", tensor=s.scale, code="N305")
-        if math.prod(shape) not in (1, n) or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
-            raise FormatError(f"[N305] fp8 scale shape {list(shape)}: expected one value per "
-                              f"tensor ([] or [1]) or per output row ([{n}] or [{n}, 1])",
-                              tensor=s.scale, code="N305")
-
-
-def staged_dtype(t: Target, dtype: str, quantized_target: bool) -> str:
-    if t.fp8:
-        return "F32" if quantized_target else "BF16"
-    return dtype
-
-
-def _shape(t: Target) -> tuple[int, ...]:
-    s = t.sources[0].shape
-    if t.op == FUSE_QKV:
-        return (3 * s[0],) + tuple(s[1:])
-    return s
-
-
 def staged_layout(mapping: Mapping, metadata: dict[str, str], quantized_target: bool) -> Layout:
-    entries = [Entry(t.name, staged_dtype(t, t.sources[0].dtype, quantized_target), _shape(t))
-               for t in mapping.targets]
+    entries = [Entry(n, d, sh) for n, (d, sh) in
+               staged_entries(mapping, quantized_target).items()]
     return plan_layout(entries, dict(metadata))
 
 
