@@ -19,7 +19,7 @@ def _size(n: int) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True,
               help="Widths: 'tiny' (hidden 512, fast tests) or 'full' (the real H3 dims, "
                    "hidden 5376: ~0.77 GB per DiT block plus ~1.6 GB of token refiner and "
@@ -31,11 +31,21 @@ def _size(n: int) -> str:
                    "time_embedder.proj_in/proj_out.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
+@click.option("--naming", type=click.Choice(["comfy", "official", "diffusers"]), default="comfy",
+              show_default=True,
+              help="Layout written: comfy = ComfyUI's single file; official = a directory of "
+                   "model-NNNNN-of-MMMMM shards + index, q/k/v rows per head; diffusers = a "
+                   "directory of diffusion_pytorch_model shards, diffusers names, split "
+                   "to_q/to_k/to_v, SwiGLU as [value; gate].")
+@click.option("--dtype", "wdtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True,
+              help="fp8: the DiT and refiner block linears as float8_e4m3fn codes with a "
+                   "per-tensor F32 scale_weight (ComfyUI's scaled fp8).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @handle_errors
-def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, overwrite: bool,
-            quiet: bool) -> None:
+def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, naming: str,
+            wdtype: str, overwrite: bool, quiet: bool) -> None:
     """Write a synthetic, unquantized H3-shaped checkpoint to OUT.
 
     The file has the real H3 DiT tensor names, dtypes and shapes (FORMATS.md 5) with seeded
@@ -48,6 +58,8 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth h3_tiny.safetensors
       h3quant synth h3_tiny_full.safetensors --form full --seed 7
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
+      h3quant synth h3_official/ --naming official      # shards + index, as released
+      h3quant synth h3_diffusers/ --naming diffusers --dtype fp8
     """
     from h3quant.formats.atomic import Outputs
     from h3quant.formats.topology import BLOCK_LINEARS, config_for
@@ -57,11 +69,20 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
     # Rough size for the progress decision: 2 bytes per element of the big 16-bit tensors.
     per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in BLOCK_LINEARS))
     approx = per_block * (cfg.blocks + cfg.refiner_blocks)
+    relayout = naming != "comfy" or wdtype != "bf16"
     with Outputs(overwrite=overwrite, log=log) as outs:
-        staged = outs.add(out)  # checked before any work; appears only when complete
-        result = synth_checkpoint(staged, preset=preset, blocks=blocks, form=form, seed=seed,
+        # checked before any work; appears only when complete
+        staged = outs.add(out, directory=naming != "comfy")
+        plain = staged.parent / (staged.name + ".comfy.safetensors") if relayout else staged
+        result = synth_checkpoint(plain, preset=preset, blocks=blocks, form=form, seed=seed,
                                   progress=not quiet and approx >= PROGRESS_MIN_BYTES
                                   and sys.stderr.isatty())
+        if relayout:
+            from h3quant.synth_layouts import write_layout
+
+            nbytes = write_layout(plain, staged, naming, fp8=wdtype == "fp8")
+            plain.unlink()
+            result = type(result)(out, result.config, nbytes, result.tensors)
     if not quiet:
         c = result.config
         log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
