@@ -114,6 +114,8 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
             weight_map.update({e.name: fname for n in part for e in plan[n]})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        cls = "MiniMaxH3Transformer3DModel" if layout == "diffusers" else "MiniMaxH3"
+        (out / "config.json").write_text(json.dumps({"_class_name": cls}) + "\n")
         return total
 
 

@@ -90,6 +90,7 @@ def _shards(tensors: dict[str, torch.Tensor], d: Path) -> Path:
         fname = f"model-{i:05d}-of-00002.safetensors"
         save_file({n: tensors[n].contiguous() for n in part}, d / fname)
         weight_map.update(dict.fromkeys(part, fname))
+    (d / "config.json").write_text("{}")  # the official release ships one
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
                                                                 "weight_map": weight_map}))
     return d
@@ -148,7 +149,7 @@ def test_bf16_relayout_is_bit_exact(comfy, tmp_path, kind):
     tensors = load_file(d / "model-00001-of-00002.safetensors")
     tensors.update(load_file(d / "model-00002-of-00002.safetensors"))
     assert detect({n: (str(t.dtype), tuple(t.shape)) for n, t in tensors.items()},
-                  sorted(p.name for p in d.glob("*.safetensors"))).naming == kind
+                  sorted(p.name for p in d.glob("*.safetensors")), True).naming == kind
     out = tmp_path / "out.safetensors"
     convert(d, out, _opts(target="bf16"))
     assert out.is_file()  # ComfyUI's single file, not a directory of shards

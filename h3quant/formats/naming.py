@@ -127,7 +127,7 @@ class Detection:
 
 
 def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
-           shard_names: list[str] | None = None) -> Detection:
+           shard_names: list[str] | None = None, has_config: bool = False) -> Detection:
     """The naming of a checkpoint from its tensor names (``{name: (dtype, shape)}``) and, for
     the official release whose names equal ComfyUI's, its shard file names. Refuses a file
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
@@ -142,8 +142,9 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     if diff:
         return Detection("diffusers", f"diffusers names (e.g. {diff[0]})", fp8)
     shards = shard_names or []
-    if len(shards) > 1 and all(OFFICIAL_SHARD.match(s) for s in shards):
-        return Detection("official", "native names in model-NNNNN-of-MMMMM shards", fp8)
+    if has_config and len(shards) > 1 and all(OFFICIAL_SHARD.match(s) for s in shards):
+        return Detection("official", "native names in model-NNNNN-of-MMMMM shards beside "
+                         "config.json", fp8)
     return Detection("comfy", "ComfyUI names", fp8)
 
 

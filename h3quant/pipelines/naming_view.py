@@ -23,13 +23,18 @@ def _shards(ckpt: Checkpoint) -> list[str] | None:
     return [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None
 
 
+def has_config(ckpt: Checkpoint) -> bool:
+    """A ``config.json`` beside the shards (the official release ships one)."""
+    return bool(ckpt.files) and (ckpt.files[0].path.parent / "config.json").is_file()
+
+
 def summary(ckpt: Checkpoint) -> dict:
     """{naming, evidence, fp8_scaled, error}: ``error`` holds a naming rule's code and message
     when the file breaks one (``validate`` lists it)."""
     tensors = _headers(ckpt)
     scaled = sorted(naming.fp8_scaled_weights(tensors))
     try:
-        det = naming.detect(tensors, _shards(ckpt))
+        det = naming.detect(tensors, _shards(ckpt), has_config(ckpt))
         mapping = naming.plan_mapping(tensors, det.naming)
         naming.check_fp8_scales(mapping, tensors)
     except FormatError as exc:
@@ -43,7 +48,7 @@ def view(ckpt: Checkpoint) -> tuple[str, dict | None]:
     """(naming, ComfyUI-named tensors) where the file is not a plain ComfyUI one, else
     (``comfy``, None). Raises ``FormatError`` (N301-N305)."""
     tensors = _headers(ckpt)
-    det = naming.detect(tensors, _shards(ckpt))
+    det = naming.detect(tensors, _shards(ckpt), has_config(ckpt))
     mapping = naming.plan_mapping(tensors, det.naming)
     naming.check_fp8_scales(mapping, tensors)
     if mapping.trivial:

@@ -36,6 +36,7 @@ from h3quant.formats.naming import (
     plan_mapping,
     staged_entries,
 )
+from h3quant.pipelines.naming_view import has_config
 from h3quant.formats.writer import Entry, Layout, StreamingWriter, plan_layout
 
 
@@ -43,7 +44,8 @@ from h3quant.formats.writer import Entry, Layout, StreamingWriter, plan_layout
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
     """The input's naming (detected, or ``naming``) and its map onto ComfyUI's names."""
     tensors = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
-    det = detect(tensors, [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None)
+    det = detect(tensors, [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None,
+                 has_config(ckpt))
     if naming != "auto":
         det = Detection(naming, "chosen with --naming", det.fp8)
     mapping = plan_mapping(tensors, det.naming)
