@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_convert import block_linears, read_all, sha, small_h3, write
 
-from h3quant.errors import FormatError, OutputError, UnsupportedError
+from h3quant.errors import FormatError, OutputError
 from h3quant.formats.atomic import MANIFEST_NAME
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.markers import (
@@ -191,23 +191,21 @@ def test_broken_marker_without_header_is_refused(int8_file, tmp_path):
     assert info.value.tensor == "blocks.0.mlp.fc2" and info.value.exit_code == 2
 
 
-def test_unsupported_input_format_is_rejected_naming_the_layer(tmp_path):
+def test_fp8_input_layer_is_decoded_then_converted(tmp_path):
+    """A ComfyUI float8_e4m3fn layer (marker + weight_scale) is taken in: decoded exactly
+    (code x scale, in fp32), then encoded; its marker is not written."""
     t = small_h3(blocks=1)
     w = t.pop("blocks.0.mlp.fc1.weight")
-    t["blocks.0.mlp.fc1.weight"] = w.float().to(torch.float8_e4m3fn)
-    t["blocks.0.mlp.fc1.weight_scale"] = torch.tensor(1.0)
+    codes = w.float().to(torch.float8_e4m3fn)
+    t["blocks.0.mlp.fc1.weight"] = codes
+    t["blocks.0.mlp.fc1.weight_scale"] = torch.tensor(0.5)
     t["blocks.0.mlp.fc1" + MARKER_SUFFIX] = marker_tensor({"format": "float8_e4m3fn"})
     src = write(tmp_path / "fp8.safetensors", t)
-    with pytest.raises(UnsupportedError, match="float8_e4m3fn") as info:
-        convert(src, tmp_path / "o.safetensors", ConvertOptions())
-    assert info.value.tensor == "blocks.0.mlp.fc1"
-    assert not (tmp_path / "o.safetensors").exists()
-    # not selected (excluded): copied unchanged, its marker kept in the header table
-    report = convert(src, tmp_path / "o.safetensors", ConvertOptions(exclude=("fc1",)))
-    assert {lay["name"]: lay["action"] for lay in report.layers}["blocks.0.mlp.fc1"] == \
-        "untouched"
-    _, meta, _ = read_all(tmp_path / "o.safetensors")
-    assert parse_header_metadata(meta)["blocks.0.mlp.fc1"] == {"format": "float8_e4m3fn"}
+    convert(src, tmp_path / "o.safetensors", ConvertOptions(target="bf16", report=False))
+    tensors, _, _ = read_all(tmp_path / "o.safetensors")
+    assert torch.equal(tensors["blocks.0.mlp.fc1.weight"],
+                       (codes.float() * 0.5).to(torch.bfloat16))
+    assert "blocks.0.mlp.fc1" + MARKER_SUFFIX not in tensors
 
 
 # ----------------------------------------------------------------------------- W4A8

@@ -73,6 +73,11 @@ OP_TEXT = {
 }
 
 
+def is_fp8_weight(name: str, dtype: str) -> bool:
+    """An fp8 weight to decode (not an fp8 companion such as W4A8's ``weight_s_rel``)."""
+    return dtype in FP8_DTYPES and name.endswith(".weight")
+
+
 @dataclass(frozen=True)
 class Source:
     name: str
@@ -90,7 +95,7 @@ class Target:
 
     @property
     def fp8(self) -> bool:
-        return any(s.dtype in FP8_DTYPES for s in self.sources)
+        return any(is_fp8_weight(s.name, s.dtype) for s in self.sources)
 
     def describe(self) -> str:
         src = " + ".join(s.name for s in self.sources)
@@ -133,7 +138,7 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
     diff = sorted(n for n in tensors if _DIFFUSERS_HINT.search(n))
     comfy = sorted(n for n in tensors if _COMFY_HINT.search(n))
-    fp8 = any(d in FP8_DTYPES for d, _ in tensors.values())
+    fp8 = any(is_fp8_weight(n, d) for n, (d, _) in tensors.items())
     if diff and comfy:
         raise FormatError(
             f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "

@@ -25,7 +25,6 @@ from h3quant.errors import FormatError
 from h3quant.formats.checkpoint import Checkpoint
 from h3quant.formats.naming import (
     DEINTERLEAVE_QKV,
-    FP8_DTYPES,
     FUSE_QKV,
     SWAP_HALVES,
     Detection,
@@ -33,6 +32,7 @@ from h3quant.formats.naming import (
     Target,
     check_fp8_scales,
     detect,
+    is_fp8_weight,
     plan_mapping,
     staged_entries,
 )
@@ -77,7 +77,7 @@ def decode_fp8(ckpt: Checkpoint, src):
 
 
 def _read(ckpt: Checkpoint, src):
-    return decode_fp8(ckpt, src) if src.dtype in FP8_DTYPES else ckpt.read(src.name)
+    return decode_fp8(ckpt, src) if is_fp8_weight(src.name, src.dtype) else ckpt.read(src.name)
 
 
 def build_target(ckpt: Checkpoint, t: Target):
