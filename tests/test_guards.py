@@ -48,7 +48,7 @@ def test_header_only_commands_do_not_import_torch(tmp_path):
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import h3quant.cli.inspect_cmd, h3quant.cli.validate_cmd, h3quant.formats.registry\n"
+        "import h3quant.cli.inspect_cmd, h3quant.cli.validate_cmd, h3quant.formats.codecs.registry\n"
         "from h3quant.cli import main\n"
         f"for args in (['inspect', {str(dst)!r}, '--layers'], ['validate', {str(dst)!r}]):\n"
         "    r = CliRunner().invoke(main, args)\n"
@@ -89,7 +89,7 @@ def test_no_private_imports_across_modules():
 
 def test_private_import_detector_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from h3quant.formats.markers import _x\nfrom h3quant.formats import markers\n"
+    bad.write_text("from h3quant.formats.rules.markers import _x\nfrom h3quant.formats import markers\n"
                    "markers._y\n")
     assert len(_private_imports(bad)) == 2
 
@@ -99,7 +99,7 @@ def test_block_linears_defined_once():
               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
               if isinstance(node, ast.Assign)
               and any(isinstance(t, ast.Name) and t.id == "BLOCK_LINEARS" for t in node.targets)]
-    assert owners == ["h3quant/formats/topology.py"]
+    assert owners == ["h3quant/formats/rules/topology.py"]
 
 
 # Words that only make sense next to files users do not have, or to a review's numbering.
@@ -182,7 +182,7 @@ def test_a_dtype_this_torch_lacks_is_a_clear_error(monkeypatch):
     import torch
 
     from h3quant.errors import UnsupportedError
-    from h3quant.formats.dtypes import to_torch
+    from h3quant.formats.container.dtypes import to_torch
 
     monkeypatch.delattr(torch, "float8_e8m0fnu", raising=False)
     with pytest.raises(UnsupportedError, match="no float8_e8m0fnu"):

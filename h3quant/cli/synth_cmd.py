@@ -49,8 +49,8 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth h3_tiny_full.safetensors --form full --seed 7
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
     """
-    from h3quant.formats.atomic import Outputs
-    from h3quant.formats.topology import BLOCK_LINEARS, config_for
+    from h3quant.formats.container.atomic import Outputs
+    from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
     from h3quant.synth import synth_checkpoint
 
     cfg = config_for(preset, blocks=blocks, form=form)

@@ -188,7 +188,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
     if parallel:
-        from h3quant.pipelines.verify_model import ModelInputs
+        from h3quant.pipelines.verify.model import ModelInputs
 
         inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed) \
             if whole_model else None
@@ -198,7 +198,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
                    sigma, depth, plot, seed, as_json, no_mmap)
-    from h3quant.pipelines.verify import Thresholds, verify_checkpoint
+    from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
     th = Thresholds(magnitude_factor=magnitude_factor)
@@ -217,7 +217,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     from tqdm import tqdm
 
     from h3quant.cli import verify_model_view as view
-    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+    from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
     if plot:
         view.require_matplotlib()
@@ -251,7 +251,7 @@ def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp,
                      tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6):
     from h3quant.cli.common import EXIT_USAGE
     from h3quant.cli.verify_tp_view import render_tp
-    from h3quant.pipelines.verify_tp import verify_tp
+    from h3quant.pipelines.verify.tp import verify_tp
 
     if reference is not None:
         click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "

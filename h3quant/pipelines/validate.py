@@ -14,8 +14,8 @@ from pathlib import Path
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding, Severity, all_rules
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.schemes import check_layer
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.schemes import check_layer
 from h3quant.pipelines.inspect import scan
 
 # Container codes after which nothing in that file can be read.
@@ -114,7 +114,7 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     checked["stages"].append("topology")
 
     if deep:
-        from h3quant.formats.deep import deep_check
+        from h3quant.formats.rules.deep import deep_check
 
         res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
         findings.extend(res or [])
@@ -123,9 +123,9 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
 
 def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     try:
-        from h3quant.formats import topology
+        from h3quant.formats.rules import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.topology":
+        if exc.name == "h3quant.formats.rules.topology":
             return []
         raise
     detection = topology.detect(ckpt.tensors)

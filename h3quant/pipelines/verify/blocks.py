@@ -15,7 +15,7 @@ layer  every quantized linear of the chosen blocks on ``tokens`` seeded rows (fc
        dequantized weights) it catches runtime defects only: an activation rotation or quantizer
        that differs from the weight's, a scale applied twice, a fused SwiGLU path that differs
        from the plain one, a backend that disagrees with the CPU reference.
-block  the real H3 block (h3quant.runtime.block: per-segment adaLN rows, RMSNorm eps 1e-5, q/k
+block  the real H3 block (h3quant.runtime.model.block: per-segment adaLN rows, RMSNorm eps 1e-5, q/k
        norm + split-half RoPE, attention, fused SwiGLU MLP) on ``tokens`` seeded hidden states
        packed as a small text | audio | video layout at ``sigma``, conditioned with the file's
        own time embedding and RoPE frequencies: its residual update (output - input) against
@@ -59,12 +59,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_checkpoint
-from h3quant.formats import registry
-from h3quant.formats.markers import QuantFormat
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.codecs import registry
+from h3quant.formats.rules.markers import QuantFormat
 from h3quant.pipelines.metrics import error_metrics, json_safe
-from h3quant.runtime.block import (
+from h3quant.runtime.model.block import (
     FloatLinear,
     build_block,
     quantized_linear,

@@ -4,7 +4,7 @@
 Two kinds of rule:
 
 * **tensor rules** (header only): dtypes and shapes of a layer's tensors and the marker field
-  combinations (``layer_violations``). ``formats.schemes`` builds validate's tensor specs from
+  combinations (``layer_violations``). ``formats.rules.schemes`` builds validate's tensor specs from
   the same constants, the codecs' ``fit_error`` (convert) and the loader (verify) call
   ``layer_violations`` directly.
 * **data rules** (``validate --deep`` and convert's source check): scales finite and positive

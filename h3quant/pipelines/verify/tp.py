@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_checkpoint
-from h3quant.pipelines import verify
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.pipelines.verify import blocks as verify
 from h3quant.pipelines.metrics import error_metrics, json_safe
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
@@ -45,7 +45,7 @@ PER_RANK_TOLERANCE = 0.05
 
 
 def _small_model_inputs():
-    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.pipelines.verify.model import ModelInputs
 
     return ModelInputs(frames=2, height=4, width=4, audio_frames=4, text_tokens=8)
 
@@ -120,7 +120,7 @@ class TpSpec:
     backend: str | None = None  # runtime backend forced for the local layers
     sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
     model: bool = False  # the whole forward (every block) instead of per-block checks
-    model_inputs: object = None  # pipelines.verify_model.ModelInputs (None: a small default)
+    model_inputs: object = None  # pipelines.verify.model.ModelInputs (None: a small default)
     depth: int | None = None  # --model: only the first N blocks
     rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
@@ -253,7 +253,7 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
     """``--model``: the whole forward with sharded blocks on every rank; rank 0 then runs the
     runtime's single-device H3Model on the same inputs and compares every block's hidden state
     and the final video / audio outputs."""
-    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.model.model import H3Model
     from h3quant.runtime.tp.model import TpH3Model
 
@@ -312,7 +312,7 @@ def _final(outputs) -> dict:
 def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
     """Outputs of block ``i`` on one device, and the relative L2 difference of that block's
     output from the runtime's ordinary single-device block."""
-    from h3quant.runtime.block import runtime_block
+    from h3quant.runtime.model.block import runtime_block
     from h3quant.runtime.loader import load_blocks
 
     comm = LocalCollectives()

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats import registry
-from h3quant.formats.dtypes import FLOAT_DTYPES
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.pipelines.metrics import error_metrics, json_safe
 
 
