@@ -92,7 +92,7 @@ def set_header_layer(meta: dict, layer: str, fields: dict | None) -> None:
 
 @functools.lru_cache(maxsize=1)
 def tiny_files() -> dict[str, Path]:
-    """The synthetic tiny H3 (1 block, BF16) and its int8 ConvRot version, made once per session
+    """The synthetic tiny H3 (1 block, BF16) and its int8 ConvRot version, made once per test run
     for both test modules (a temp dir removed at exit)."""
     from h3quant.synth import synth_checkpoint
 
