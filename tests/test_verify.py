@@ -194,7 +194,7 @@ def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_p
 
 
 def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
-    from h3quant.cli.verify_cmd import render
+    from h3quant.cli.verify_view import render_blocks as render
     from h3quant.testing.sim_npu import simulated_npu
 
     with simulated_npu() as sim:

@@ -63,7 +63,8 @@ from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.layers import scan_checkpoint
 from h3quant.formats.codecs import registry
 from h3quant.formats.rules.markers import QuantFormat
-from h3quant.pipelines.metrics import error_metrics, json_safe
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 from h3quant.runtime.model.block import (
     FloatLinear,
     build_block,
@@ -105,6 +106,9 @@ class Thresholds:
     def rel_err(self, fmt: QuantFormat | str | None) -> float:
         return self.rel_err_w4a8 if fmt is not None and registry.low_bit([fmt]) else self.rel_err_int8
 
+    def block_limit(self, formats) -> float:
+        return SqnrLimits(self.block_sqnr_db_int8, self.block_sqnr_db_w4a8).limit(formats)
+
 
 @dataclass
 class LayerCheck:
@@ -141,7 +145,7 @@ class DataCheck:
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(Verdict):
     path: str
     reference: str  # the reference checkpoint, or "dequantized"
     device: str
@@ -163,16 +167,11 @@ class VerifyResult:
         out += [f"{d.check} {d.name}: {d.detail}" for d in self.data if not d.passed]
         return out
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
         """JSON-ready; non-finite numbers (a NaN error, an infinite SQNR) become strings."""
-        return json_safe({
+        return self.verdict_dict({
             "path": self.path, "reference": self.reference, "device": self.device,
             "blocks": self.blocks, "tokens": self.tokens, "seed": self.seed,
-            "passed": self.passed, "failures": self.failures,
             "thresholds": asdict(self.thresholds),
             "layers": [asdict(c) for c in self.layers],
             "block_checks": [asdict(b) for b in self.block_checks],
@@ -456,8 +455,7 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
                                               inputs[name], tdev, dtype, th))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
-    w4 = registry.low_bit(fmts)
-    limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8
+    limit = th.block_limit(fmts)
     result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
 
 

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.codecs import registry
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
-from h3quant.pipelines.metrics import error_metrics, json_safe
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,7 @@ class ModelInputs:
         return video, audio, text
 
 
-@dataclass(frozen=True)
-class ModelThresholds:
-    sqnr_db_int8: float = 20.0
-    sqnr_db_w4a8: float = 8.0
-
-    def limit(self, formats) -> float:
-        return self.sqnr_db_w4a8 if registry.low_bit(formats) else self.sqnr_db_int8
+ModelThresholds = SqnrLimits  # the outputs and the last hidden state are held to the block limits
 
 
 @dataclass
@@ -78,7 +72,7 @@ class OutputCheck:
 
 
 @dataclass
-class ModelVerifyResult:
+class ModelVerifyResult(Verdict):
     path: str
     reference: str  # the reference checkpoint, or "dequantized"
     device: str
@@ -101,18 +95,12 @@ class ModelVerifyResult:
         return [f"{o.name}: SQNR {o.sqnr_db:.2f} dB < {o.limit_db} dB"
                 for o in self.outputs if not o.passed]
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
-
-        return json_safe({
+        return self.verdict_dict({
             "mode": "model", "path": self.path, "reference": self.reference,
             "device": self.device, "inputs": asdict(self.inputs),
             "blocks_total": self.blocks_total, "depth": self.depth,
             "final_layer_run": self.final_layer_run, "formats": self.formats,
-            "passed": self.passed, "failures": self.failures,
             "thresholds": asdict(self.thresholds),
             "outputs": [asdict(o) for o in self.outputs],
             "drift": [asdict(d) for d in self.drift],

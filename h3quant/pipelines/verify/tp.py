@@ -28,7 +28,8 @@ from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.layers import scan_checkpoint
 from h3quant.pipelines.verify import blocks as verify
-from h3quant.pipelines.metrics import error_metrics, json_safe
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import Verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
 from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
@@ -75,7 +76,7 @@ class RankStats:
 
 
 @dataclass
-class TpResult:
+class TpResult(Verdict):
     path: str
     device: str
     backend: str
@@ -97,14 +98,8 @@ class TpResult:
                 self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
                 for c in self.checks if not c.passed]
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items()}
-        d["passed"], d["failures"] = self.passed, self.failures
-        return json_safe(d)
+        return self.verdict_dict(asdict(self))
 
 
 @dataclass(frozen=True)
