@@ -36,6 +36,19 @@ def test_import_contracts_are_kept():
     assert "0 broken" in proc.stdout and "6 kept" in proc.stdout, proc.stdout
 
 
+def test_public_api_type_checks():
+    """mypy over the public API (the files listed in pyproject.toml's [tool.mypy])."""
+    proc = _run("-m", "mypy", "--no-incremental")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Success: no issues found" in proc.stdout, proc.stdout
+
+
+def test_package_ships_its_type_hints():
+    assert (PKG / "py.typed").is_file()
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'h3quant = ["py.typed"]' in text
+
+
 def import_cycles(package: str) -> list[list[str]]:
     """Every import circle among ``package``'s modules (strongly connected components of more
     than one module, function-level imports included), found with grimp, import-linter's own

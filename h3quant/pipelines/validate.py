@@ -68,7 +68,7 @@ def _guard(stage: str, where: str, out: list[Finding], fn, *args, tensor: str | 
 def _counts(findings: list[Finding]) -> dict[str, int]:
     counts = {s.value: 0 for s in Severity}
     for f in findings:
-        counts[f.severity.value] += 1
+        counts[f.level.value] += 1
     return counts
 
 

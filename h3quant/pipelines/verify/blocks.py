@@ -85,8 +85,8 @@ DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
 
 
-_INT8_LIMITS = registry.get("int8_tensorwise").verify
-_W4A8_LIMITS = registry.get("asym_w4a8_int8").verify
+_INT8_LIMITS = registry.verify_limits("int8_tensorwise")
+_W4A8_LIMITS = registry.verify_limits("asym_w4a8_int8")
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ def _reference_linear(qblock: LoadedBlock, rblock: LoadedBlock | None, name: str
     ref = rblock.linear(name)
     if ref.is_quantized:
         raise VerifyError("the reference checkpoint must be a float checkpoint; this layer is "
-                          f"quantized ({ref.format.value})", tensor=ref.name)
+                          f"quantized ({ref.fields['format'] if ref.fields else ref.format})", tensor=ref.name)
     if tuple(ref.weight.shape) != (layer.out_features, layer.in_features):
         raise VerifyError(f"reference weight is {list(ref.weight.shape)}, the checkpoint's layer is "
                           f"[{layer.out_features}, {layer.in_features}]", tensor=ref.name)

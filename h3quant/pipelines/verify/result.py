@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from h3quant.formats.codecs import registry
 from h3quant.pipelines.metrics import json_safe
 
-_INT8 = registry.get("int8_tensorwise").verify
-_W4A8 = registry.get("asym_w4a8_int8").verify
+_INT8 = registry.verify_limits("int8_tensorwise")
+_W4A8 = registry.verify_limits("asym_w4a8_int8")
 
 
 @dataclass(frozen=True)

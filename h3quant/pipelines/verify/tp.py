@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ class TpSpec:
     model: bool = False  # the whole forward (every block) instead of per-block checks
     model_inputs: object = None  # pipelines.verify.model.ModelInputs (None: a small default)
     depth: int | None = None  # --model: only the first N blocks
-    rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
+    rank_setup: Any = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -260,10 +261,10 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         model = TpH3Model(ckpt, device=dev, comm=comm, mode=spec.mode, backend=spec.backend,
                           probe=probe)
-        inputs = tuple(t.to(dtype) for t in mi.tensors(model.video_channels,
-                                                        model.audio_channels, model.text_dim))
-        hidden = {}
-        outputs = model(*inputs, sigma, depth=spec.depth,
+        video, audio, text = (t.to(dtype) for t in mi.tensors(model.video_channels,
+                                                               model.audio_channels, model.text_dim))
+        hidden: dict[int, torch.Tensor] = {}
+        outputs = model(video, audio, text, sigma, depth=spec.depth,
                         on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
         infos, held = model.infos, model.held
         stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
@@ -276,8 +277,8 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
         del model
         gc.collect()
         ref_model = H3Model(ckpt, device=dev, backend=spec.backend, probe=probe)
-        ref_hidden = {}
-        ref_out = ref_model(*inputs, sigma, depth=spec.depth,
+        ref_hidden: dict[int, torch.Tensor] = {}
+        ref_out = ref_model(video, audio, text, sigma, depth=spec.depth,
                             on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
         ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()}, **_final(ref_out)}
     idx = [i.index for i in infos]
