@@ -1,53 +1,9 @@
-"""Verify a quantized H3 checkpoint numerically: layers, blocks, and reference-free data checks.
+"""Verify a quantized H3 checkpoint numerically, per layer and per block, with reference-free data checks.
 
 The quantized model (each linear on the runtime backend the device selects) is compared with a
 float reference: the BF16 checkpoint given as ``reference``, else the checkpoint's own weights
-dequantized to fp32. Inputs are seeded N(0, 1) activations, identical on every device.
-
-Checks and default thresholds (``Thresholds``; a check fails -> ``VerifyResult.passed`` False):
-
-layer  every quantized linear of the chosen blocks on ``tokens`` seeded rows (fc2 also through
-       the fused ``input_act="swiglu"`` entry point): relative L2 error ||y - y_ref|| / ||y_ref||
-       <= 0.05 for int8_tensorwise, <= 0.12 for asym_w4a8_int8 (SQNR and cosine are reported).
-       With a reference: catches wrong scales (x4 gives error 3.0), a wrong Hadamard (Sylvester
-       instead of the ConvRot H4 Kronecker power mixes every rotation block: error ~1.4), wrong
-       code bytes or nibble order, reordered [q; k; v] / [gate; up] rows. Without one (reference =
-       dequantized weights) it catches runtime defects only: an activation rotation or quantizer
-       that differs from the weight's, a scale applied twice, a fused SwiGLU path that differs
-       from the plain one, a backend that disagrees with the CPU reference.
-block  the real H3 block (h3quant.runtime.model.block: per-segment adaLN rows, RMSNorm eps 1e-5, q/k
-       norm + split-half RoPE, attention, fused SwiGLU MLP) on ``tokens`` seeded hidden states
-       packed as a small text | audio | video layout at ``sigma``, conditioned with the file's
-       own time embedding and RoPE frequencies: its residual update (output - input) against
-       the float reference block's:
-       SQNR >= 20 dB when all its quantized linears are int8, >= 8 dB with W4A8 (the residual
-       input itself is left out: it would hide any error). Catches what errors do when chained.
-       Measured on the synthetic tiny preset against its BF16 source: int8 layers 0.009-0.012
-       rel err, blocks 31-34 dB; W4A8 layers 0.062-0.072, blocks 12-17 dB; scales x4: layers
-       3.0, block -36 dB; Sylvester Hadamard: layers ~1.4, block -3 dB.
-data   reference-free checks of the stored codes, so that a corrupted file fails even when it is
-       compared with its own dequantized weights:
-       - scales: every scale finite and > 0.
-       - row-range: the encoder sets s = max|row| / 127, so every non-zero row of an int8 layer
-         holds a code of magnitude exactly 127 and none of -128; a W4A8 row's decoded int8 grid
-         peaks in [96, 127] (e4m3 rounding of the group scales; measured 110..127). At most 1 %
-         of rows may miss. An int8 layer converted from W4A8 through that grid (FORMATS.md 9)
-         passes when none of its rows leaves [96, 127] (so a scale off by less than 127/96
-         passes there: only --reference catches it).
-         Catches codes written against other scales than the stored ones (max |q| = 127 / c),
-         clipped rows, shifted or truncated bytes.
-       - saturation: at most 1 % of codes (beyond the one peak per row) at |q| >= 127: catches
-         scales too small for the codes (clamped weights).
-       - magnitude: the row-norm RMS of the dequantized weight, sqrt(mean_n s_n^2 |q_n|^2),
-         within a factor 3 of the float linears of the same role (e.g. token_refiner's
-         attn.qkv_proj, kept in BF16) in the same file. Catches scales multiplied by a constant
-         (x4 fails), which no per-row statistic can see. A heuristic: it assumes a file's block
-         linears and its float linears of the same role have comparable magnitudes (true of the
-         synthetic presets; not measured on released H3 weights). Skipped (noted) when the file
-         has no float sibling; ``magnitude_factor=0`` disables it.
-       Not detectable without a reference (use ``reference``): a wrong Hadamard (it is an
-       orthogonal mixing of each block's columns: norms and code statistics are unchanged), a
-       wrong ``convrot`` flag, permuted rows.
+dequantized to fp32, on seeded inputs identical on every device. The checks (layer, block, data)
+and their default limits (``Thresholds``) are specified in docs/verify.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Verify the whole converted model: the H3 forward of the checkpoint against a float reference.
 
 Both models run the real forward (``h3quant.runtime.model.H3Model``), streamed block by block
-and interleaved, on the same seeded inputs (video latent [1, C, T, H, W], stereo audio latent
-[1, C, 2, Ta], text states [1, L, text_dim], all N(0, 1), and the sampler's video ``sigma``):
-
-- the model under test: every quantized linear on the device's own path, activations in the
-  device's compute dtype (fp32 on the CPU, bf16 elsewhere);
-- the reference, on the CPU in fp32: the float checkpoint ``reference``, else the file's own
-  quantized weights in float math (``linear="reference"``: no activation quantization).
-
-Reported: the SQNR / relative error of the video and audio outputs, and the drift: the SQNR of
-the packed hidden state after every block. ``depth`` runs only the first N blocks (the final
-layer is then skipped and only the drift is checked).
-
-Thresholds (``ModelThresholds``): SQNR >= 20 dB when every quantized block linear is int8,
->= 8 dB when any is W4A8, for the video and audio outputs and for the last hidden state.
-Measured on the synthetic files (seeded weights; a real H3's weights may differ): see README.
+and interleaved, on the same seeded inputs: the model under test on the device's own path, the
+reference on the CPU in fp32. Reported: the output SQNR and the drift after every block; the
+limits (``ModelThresholds``) are in docs/verify.md.
 """
 
 from __future__ import annotations

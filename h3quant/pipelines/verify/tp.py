@@ -1,17 +1,8 @@
 """``verify --tp N``: run blocks tensor-parallel over N ranks and compare them with one device.
 
-Every rank builds its shard of each chosen block (reading only its own bytes), runs each block
-linear on seeded inputs (column-parallel outputs are all_gathered, row-parallel ones come back
-reduced) and the whole block, and rank 0 keeps the outputs. Rank 0 then frees its shard and runs
-the single-device reference: the same layers with tp = 1 (no collectives; on the CPU this is,
-bit for bit, the runtime's ordinary single-device block -- the result reports that difference
-too) and compares:
-
-- ``shared`` scale mode: every output must be bit-identical (max |diff| = 0);
-- ``per-rank``: relative L2 difference <= ``PER_RANK_TOLERANCE`` (0.05) per layer and per block
-  (measured on the synthetic presets: see the README).
-
-Per-rank memory (bytes read, bytes held by the block linears, peak RSS) is all_gathered.
+Every rank builds its shard of each chosen block (reading only its own bytes) and runs it on
+seeded inputs; rank 0 then runs the single-device reference and compares (bit-identical in the
+``shared`` scale mode, within ``PER_RANK_TOLERANCE`` in ``per-rank``: docs/verify.md).
 """
 
 from __future__ import annotations
