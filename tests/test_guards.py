@@ -268,3 +268,21 @@ def test_a_dtype_this_torch_lacks_is_a_clear_error(monkeypatch):
     with pytest.raises(UnsupportedError, match="no float8_e8m0fnu"):
         to_torch("F8_E8M0")
     assert to_torch("I8") is torch.int8
+
+
+@pytest.mark.parametrize("module, names", [
+    ("h3quant.pipelines", ["inspect_checkpoint", "validate_checkpoint"]),
+    ("h3quant.pipelines.convert", ["ConvertOptions", "convert", "plan_convert", "write_report"]),
+    ("h3quant.pipelines.verify", ["verify_checkpoint", "Thresholds", "verify_model", "ModelInputs",
+                                  "verify_tp"]),
+    ("h3quant.runtime.model", ["H3Model"]),
+    ("h3quant.runtime", ["QuantizedLinear", "select_backend", "parse_device"]),
+    ("h3quant.formats.rules", ["layer_violations", "fit_error", "scale_violations"]),
+])
+def test_public_names_stay_importable(module, names):
+    """The names the README and earlier releases import keep working after the package moves."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    missing = [n for n in names if not callable(getattr(mod, n, None))]
+    assert not missing, f"{module} lacks {missing}"
