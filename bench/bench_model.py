@@ -52,7 +52,7 @@ def child_forward(path: str, backend: str) -> None:
     """In a subprocess: one forward with the verify defaults; prints per-block seconds."""
     import torch
 
-    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.model import H3Model
 
     inp = ModelInputs()

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("ckpt", type=Path)
     ap.add_argument("--reference", type=Path)
     ap.add_argument("--blocks", type=int, default=1)
-    ap.add_argument("--before", default="2e12cb8", help="git revision to compare with")
+    ap.add_argument("--before", required=True, help="git revision to compare with (e.g. a release tag)")
     ap.add_argument("--runs", type=int, default=2)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="h3quant-bench-verify-") as tmp:

@@ -1,25 +1,11 @@
 """Keep freed heap memory for reuse: glibc ``malloc`` settings for the encoders' chunk loops.
 
-The encoders work in row chunks whose temporaries are a few MB each (the W4A8 candidate levels
-of a 512K-value chunk: 10 MB). glibc serves such blocks with ``mmap`` until its adaptive
-threshold has grown past them, returning them to the kernel on ``free``, and even then trims
-the heap whenever more than twice that threshold lies free at its top; every reuse then
-page-faults the memory in again, zero-filled. Measured on the 2-core development VM, a fresh
-process encoding one W4A8 layer spent about as much CPU in the kernel as in the encoder (about
-24 ns of system time per weight against 22 of user time); with the settings below the system
-time is under 1 ns per weight and the bytes are the same (``bench/bench_w4a8.py`` prints both).
-
-``keep_freed_memory`` fixes the two thresholds instead of letting glibc adapt them:
-
-- ``M_MMAP_THRESHOLD`` 64 MiB (glibc's adaptive value never passes 32 MiB; 32 MiB where a
-  glibc refuses more): blocks below it come from the heap, larger ones (whole-layer tensors)
-  are still mapped and unmapped, so the memory they held goes back to the system when freed;
-- ``M_TRIM_THRESHOLD`` 256 MiB (adaptive: at most 64 MiB): freed heap memory up to that much
-  is kept for the next chunk instead of being returned and faulted in again.
-
-The peak resident size is that of the working set either way. Process-wide, so it is called by
-the ``convert`` pipeline (the ``h3quant`` process), never by the library's tensor functions. A
-no-op returning False where the C library is not glibc (macOS, musl, Windows).
+The encoders' chunk temporaries (a few MB each) would otherwise be unmapped and page-faulted in
+again on every chunk under glibc's adaptive thresholds; ``keep_freed_memory`` fixes
+``M_MMAP_THRESHOLD`` (64 MiB; 32 MiB where glibc refuses more) and ``M_TRIM_THRESHOLD`` (256 MiB).
+Same bytes, far less system time (``bench/bench_w4a8.py`` prints both; figures in
+docs/benchmarks.md). Process-wide, so only the ``convert`` pipeline calls it; a no-op returning
+False where the C library is not glibc.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ print a specific message and map it to an exit code without a traceback.
 
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
 
 # C0 controls except tab, DEL, C1 controls, and the Unicode bidi / line-separator controls that
 # can reorder or hide what a terminal shows.
@@ -32,7 +32,7 @@ class H3QuantError(Exception):
         self,
         reason: str,
         *,
-        path: str | Path | None = None,
+        path: str | os.PathLike | None = None,
         tensor: str | None = None,
         code: str | None = None,
     ) -> None:

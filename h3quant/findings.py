@@ -138,15 +138,20 @@ class Finding:
             object.__setattr__(self, "severity", _RULES[self.code].severity)
 
     @property
+    def level(self) -> Severity:
+        """The severity: the one given, else the rule's (set at construction)."""
+        return self.severity or _RULES[self.code].severity
+
+    @property
     def name(self) -> str:
         return _RULES[self.code].name
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["severity"] = self.severity.value
+        d["severity"] = self.level.value
         d["name"] = self.name
         return d
 
     def __str__(self) -> str:
         where = f" {self.tensor}:" if self.tensor else ""
-        return f"{self.severity.value.upper():7s} {self.code} {self.name}{where} {self.message}"
+        return f"{self.level.value.upper():7s} {self.code} {self.name}{where} {self.message}"

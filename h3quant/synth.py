@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.topology import BLOCK_LINEARS, H3Config, config_for, expected_tensors
-from h3quant.formats.writer import Entry, StreamingWriter, plan_layout
+from h3quant.formats.rules.topology import BLOCK_LINEARS, H3Config, config_for, expected_tensors
+from h3quant.formats.container.writer import Entry, StreamingWriter, plan_layout
 
 SYNTH_VERSION = 1
 CHUNK_ELEMS = 1 << 22

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.dtypes import to_torch
-from h3quant.formats.writer import Entry, StreamingWriter, entry_for, plan_layout
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.dtypes import to_torch
+from h3quant.formats.container.writer import Entry, StreamingWriter, entry_for, plan_layout
 
 LAYOUTS = ("comfy", "official", "diffusers")
 SHARDS = 2

@@ -48,7 +48,7 @@ BAD = [
 @pytest.mark.parametrize("args, flag", BAD, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD])
 def test_bad_values_exit_2_in_one_style_before_any_work(src, tmp_path, monkeypatch, args, flag):
     import h3quant.pipelines.convert as conv
-    import h3quant.pipelines.verify as ver
+    import h3quant.pipelines.verify.blocks as ver
 
     def no_work(*a, **k):
         raise AssertionError("work started before the options were checked")

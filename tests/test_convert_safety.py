@@ -126,7 +126,7 @@ def test_cli_json_report_file_and_summary(src, tmp_path):
 
 # ----------------------------------------------------------------------------- atomicity
 def _fail_on_call(monkeypatch, n: int, exc: Exception):
-    import h3quant.formats.int8 as int8
+    import h3quant.formats.codecs.int8.tensors as int8
 
     real = int8.encode_int8
     calls = [0]
@@ -191,7 +191,7 @@ def test_crash_mid_sharded_run_leaves_nothing(tmp_path, monkeypatch):
 SIGINT_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import h3quant.formats.int8 as int8
+    import h3quant.formats.codecs.int8.tensors as int8
     real = int8.encode_int8
     calls = [0]
     src, dst, flag, workers, nap = sys.argv[1:6]
@@ -239,7 +239,7 @@ def test_sigint_mid_run_leaves_nothing(src, tmp_path, workers, nap):
 
 def test_plan_reads_header_only(src, tmp_path, monkeypatch):
     """Planning never reads tensor data (only tiny markers, absent here)."""
-    from h3quant.formats import container
+    from h3quant.formats.container import reader as container
 
     def boom(*a, **k):
         raise AssertionError("data read during planning")
@@ -262,7 +262,7 @@ def test_refuses_sharded_output_over_the_input_dir_or_its_parent(tmp_path):
 def test_offset_writer_any_order_incomplete_and_closed(tmp_path):
     import torch
 
-    from h3quant.formats.writer import entry_for, plan_layout, save_tensors
+    from h3quant.formats.container.writer import entry_for, plan_layout, save_tensors
     from h3quant.pipelines.convert.io import OffsetWriter
 
     tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int8),

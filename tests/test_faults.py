@@ -19,8 +19,8 @@ import torch
 from test_convert import sha, small_h3, write
 
 from h3quant.errors import ContainerError
-from h3quant.formats import atomic
-from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.container import atomic
+from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert import ConvertOptions, convert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def names(d: Path) -> list[str]:
 SLOW_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import h3quant.formats.int8 as int8
+    import h3quant.formats.codecs.int8.tensors as int8
     real = int8.encode_int8
     src, dst, flag, report = sys.argv[1:5]
     def slow(*a, **k):
@@ -161,9 +161,9 @@ def test_device_input_and_fifo_index_are_refused(tmp_path):
 def test_input_truncated_while_converting_is_a_clear_error(src, tmp_path, monkeypatch):
     """A file shrinking under a memory mapping would end in SIGBUS; every mapped read checks
     the size first, so the run ends with an error and no output."""
-    from h3quant.pipelines.convert import run
+    from h3quant.pipelines.convert import stream
 
-    real = run.run_plan
+    real = stream.run_plan
 
     def shrink_then_run(plan, ckpt, out, **kw):
         with open(src, "r+b") as fh:
@@ -178,9 +178,9 @@ def test_input_truncated_while_converting_is_a_clear_error(src, tmp_path, monkey
 
 
 def test_input_rewritten_while_converting_gives_no_output(src, tmp_path, monkeypatch):
-    from h3quant.pipelines.convert import run
+    from h3quant.pipelines.convert import stream
 
-    real = run.run_plan
+    real = stream.run_plan
 
     def touch_then_run(plan, ckpt, out, **kw):
         report = real(plan, ckpt, out, **kw)
@@ -199,7 +199,7 @@ def test_truncated_input_in_a_subprocess_ends_without_bus_error(tmp_path):
     f = write(tmp_path / "in.safetensors", {"w": torch.ones(4096, 256)})
     child = textwrap.dedent(f"""
         import os
-        from h3quant.formats.container import SafetensorsFile
+        from h3quant.formats.container.reader import SafetensorsFile
         sf = SafetensorsFile({str(f)!r})
         info = sf.tensors["w"]
         os.truncate({str(f)!r}, 4096)

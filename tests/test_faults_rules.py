@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from forge import W4A8, cli, int8_layer, quantized_synth, save, w4a8_layer
-from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.container.checkpoint import Checkpoint
 
 LAYER = "blocks.0.mlp.fc1"
 
@@ -112,7 +112,7 @@ def test_the_finite_weights_rule_finds_every_nan_and_inf_and_nothing_else(dtype)
     """``weight_violation`` answers from one sum when the chunk is finite: every NaN / inf is
     still found with its exact count and first index, and finite chunks whose sum overflows
     (the values near the dtype's maximum) pass."""
-    from h3quant.formats.rules import weight_violation
+    from h3quant.formats.rules.checks import weight_violation
 
     gen = torch.Generator().manual_seed(0)
     big = torch.finfo(dtype).max
@@ -134,7 +134,7 @@ def test_the_finite_weights_rule_finds_every_nan_and_inf_and_nothing_else(dtype)
 
 
 def test_a_finite_weight_chunk_is_checked_without_an_elementwise_pass(monkeypatch):
-    from h3quant.formats.rules import weight_violation
+    from h3quant.formats.rules.checks import weight_violation
 
     sizes = []
     real = torch.isfinite

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from h3quant.errors import ConvertError, FormatError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.int8_kn import RowTransposer, kn_marker, nz_eligible, tp_degree_for
-from h3quant.formats.markers import parse_header_metadata
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.codecs.int8_kn.tensors import RowTransposer, kn_marker, nz_eligible, tp_degree_for
+from h3quant.formats.rules.markers import parse_header_metadata
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint
 
@@ -171,7 +171,7 @@ def test_kn_source_decodes_like_the_canonical_one(files, tmp_path):
 
 
 def test_w4a8_to_kn_takes_the_decoded_int8_grid(files, tmp_path):
-    from h3quant.formats.w4a8 import decode_w4a8_int8
+    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8_int8
 
     w4 = tmp_path / "w4.safetensors"
     convert(files["src"], w4, ConvertOptions(target="w4a8", include=("blocks\\.0\\.attn",)))
@@ -224,8 +224,8 @@ def test_cli_layout_npu_and_dry_run(files, tmp_path):
 def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
     """Its rows peak in [96, 127] like W4A8's (not at 127 like freshly encoded int8): verify's
     reference-free checks take that, in both layouts; scales off by 2 still fail."""
-    from h3quant.formats.writer import save_tensors
-    from h3quant.pipelines.verify import verify_checkpoint
+    from h3quant.formats.container.writer import save_tensors
+    from h3quant.pipelines.verify.blocks import verify_checkpoint
 
     w4 = tmp_path / "w4.safetensors"
     convert(files["src"], w4, ConvertOptions(target="w4a8", include=("blocks\\.0\\.attn\\.out",)))

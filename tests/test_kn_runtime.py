@@ -10,10 +10,10 @@ import pytest
 import torch
 from runtime_util import quantize_weight
 
-from h3quant.formats.container import SafetensorsFile
+from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
-from h3quant.pipelines.verify import verify_checkpoint
-from h3quant.runtime.block import quantized_linear
+from h3quant.pipelines.verify.blocks import verify_checkpoint
+from h3quant.runtime.model.block import quantized_linear
 from h3quant.runtime.linear import QuantizedLinear
 from h3quant.runtime.loader import load_blocks
 from h3quant.synth import synth_checkpoint
@@ -184,7 +184,7 @@ def test_whole_model_on_a_kn_file_equals_the_canonical_file(files):
     from click.testing import CliRunner
 
     from h3quant.cli import main
-    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+    from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
     small = ModelInputs(frames=1, height=4, width=4, audio_frames=4, text_tokens=6)
     kn = verify_model(files["kn"], reference=files["src"], device="cpu", inputs=small)

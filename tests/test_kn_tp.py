@@ -5,7 +5,7 @@ import pytest
 from tp_util import tp_files
 
 from h3quant.pipelines.convert import ConvertOptions, convert
-from h3quant.pipelines.verify_tp import verify_tp
+from h3quant.pipelines.verify.tp import verify_tp
 
 
 @pytest.fixture(scope="module")

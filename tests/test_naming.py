@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main as cli_main
-from h3quant.formats.naming import detect, plan_mapping
+from h3quant.formats.rules.naming import detect, plan_mapping
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint
 

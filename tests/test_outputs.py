@@ -1,6 +1,6 @@
 """Output paths: never an input, never each other, never a non-regular file or a foreign
 directory; existing only with --overwrite; all outputs of one command appear together or not at
-all; stale staging from a killed run is cleaned (``formats.atomic``)."""
+all; stale staging from a killed run is cleaned (``formats.container.atomic``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from test_convert import sha, small_h3, write
 
 from h3quant.cli import main
 from h3quant.errors import OutputError
-from h3quant.formats import atomic
+from h3quant.formats.container import atomic
 from h3quant.pipelines.convert import ConvertOptions, convert
 
 
@@ -160,9 +160,9 @@ def test_commit_rolls_back_earlier_outputs_when_a_later_one_fails(tmp_path):
 def test_output_appearing_during_the_run_is_not_clobbered(src, tmp_path, monkeypatch):
     """The existence check is repeated atomically at the final rename."""
     out = tmp_path / "o.safetensors"
-    from h3quant.pipelines.convert import run
+    from h3quant.pipelines.convert import stream
 
-    real = run.run_plan
+    real = stream.run_plan
 
     def racing(plan, ckpt, staged, **kw):
         report = real(plan, ckpt, staged, **kw)
@@ -270,7 +270,7 @@ def test_another_runs_stale_cleanup_never_sees_a_staging_directory_before_its_lo
         tmp_path, monkeypatch):
     """Two runs writing into one directory: the second run's stale clean-up, at the worst
     moment of the first run's staging set-up, must not take the first run's directory."""
-    from h3quant.formats import atomic
+    from h3quant.formats.container import atomic
 
     real, raced = atomic._try_lock, []
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from forge import W4A8, codes, expect_error, int8_layer, save, validate, w4a8_layer
-from h3quant.formats.container import TensorInfo
-from h3quant.formats.dtypes import itemsize
-from h3quant.formats.layers import Layer
-from h3quant.formats.markers import SUPPORTED_FORMATS, QuantFormat, effective_fields
-from h3quant.formats.schemes import PLAIN_FLOAT, SCHEMES, check_layer, layer_report
+from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.dtypes import itemsize
+from h3quant.formats.rules.layers import Layer
+from h3quant.formats.rules.markers import SUPPORTED_FORMATS, QuantFormat, effective_fields
+from h3quant.formats.rules.schemes import PLAIN_FLOAT, SCHEMES, check_layer, layer_report
 
 INT8 = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from h3quant.cli.synth_cmd import command
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.topology import config_for, expected_tensors
-from h3quant.formats.writer import Entry
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.topology import config_for, expected_tensors
+from h3quant.formats.container.writer import Entry
 from h3quant.synth import METADATA_KEY, synth_checkpoint, tensor_chunks
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.topology import (
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.topology import (
     PRESETS,
     block_linear_names,
     check,

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from tp_util import tp_files
 
-from h3quant.pipelines.verify_tp import PER_RANK_TOLERANCE, verify_tp
+from h3quant.pipelines.verify.tp import PER_RANK_TOLERANCE, verify_tp
 from h3quant.runtime.tp.launch import spawn_ranks
 from h3quant.runtime.tp.plan import TpError
 

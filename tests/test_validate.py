@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import h3quant.formats.deep as deep
+import h3quant.formats.rules.deep as deep
 import h3quant.pipelines.validate as vmod
 from forge import (
     cli,
@@ -19,7 +19,7 @@ from forge import (
     w4a8_layer,
 )
 from h3quant.findings import all_rules
-from h3quant.formats import container
+from h3quant.formats.container import reader as container
 from h3quant.pipelines.validate import validate_checkpoint
 from h3quant.synth import synth_checkpoint
 
@@ -64,7 +64,7 @@ def test_no_mmap_identical(h3):
 
 
 def test_topology_findings_integrated(h3, tmp_path):
-    from h3quant.formats.checkpoint import Checkpoint
+    from h3quant.formats.container.checkpoint import Checkpoint
 
     with Checkpoint(h3) as ck:
         t = {n: ck.read(n).clone() for n in ck.tensors if n != "blocks.1.norm2.weight"}
@@ -215,7 +215,7 @@ def test_deep_short_read_is_a_finding(tmp_path, monkeypatch):
     p = save(tmp_path / "x.safetensors", t)
     res_ok = validate_checkpoint(p, deep=True)
     assert res_ok.ok
-    from h3quant.formats.checkpoint import Checkpoint
+    from h3quant.formats.container.checkpoint import Checkpoint
 
     orig_init = Checkpoint.__init__
 

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from h3quant.cli import main
-from h3quant.pipelines.verify import Thresholds, data_checks, verify_checkpoint
+from h3quant.pipelines.verify.blocks import Thresholds, data_checks, verify_checkpoint
 from h3quant.runtime.loader import load_blocks
 from test_block import quantize_file, rewrite, tiny_files
 
@@ -180,7 +180,7 @@ def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_p
     from safetensors.torch import save_file
 
     from h3quant.errors import VerifyError
-    from h3quant.pipelines.verify_tp import verify_tp
+    from h3quant.pipelines.verify.tp import verify_tp
 
     f = tmp_path / "no_blocks.safetensors"
     save_file({"x_embedder.weight": torch.zeros(4, 4)}, str(f))
@@ -194,7 +194,7 @@ def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_p
 
 
 def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
-    from h3quant.cli.verify_cmd import render
+    from h3quant.cli.verify_view import render_blocks as render
     from h3quant.testing.sim_npu import simulated_npu
 
     with simulated_npu() as sim:
@@ -256,7 +256,7 @@ def test_cli_verify_exits_1_on_scales_x4(files, with_ref):
 
 
 def test_cli_verify_usage_and_io_errors(files, tmp_path):
-    from h3quant.formats.markers import marker_tensor
+    from h3quant.formats.rules.markers import marker_tensor
 
     res = cli("verify", tmp_path / "missing.safetensors")
     assert res.exit_code == 2 and "h3quant: error" in res.output

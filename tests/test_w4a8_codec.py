@@ -9,9 +9,9 @@ import torch
 
 from h3quant.convrot import rotate
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats import w4a8 as W
-from h3quant.formats import w4a8_codebook as CB
-from h3quant.formats.w4a8 import (
+from h3quant.formats.codecs.w4a8 import tensors as W
+from h3quant.formats.codecs.w4a8 import codebook as CB
+from h3quant.formats.codecs.w4a8.tensors import (
     FROZEN_CODEBOOK,
     decode_w4a8,
     decode_w4a8_int8,
@@ -19,8 +19,8 @@ from h3quant.formats.w4a8 import (
     pack_nibbles,
     relative_l2,
     unpack_nibbles,
-    w4a8_marker,
 )
+from h3quant.formats.codecs.w4a8.codec import w4a8_marker
 
 N, K = 256, 1024
 

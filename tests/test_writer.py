@@ -8,8 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from h3quant.errors import ContainerError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.writer import Entry, StreamingWriter, plan_layout, save_tensors
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.writer import Entry, StreamingWriter, plan_layout, save_tensors
 
 
 def _mixed():

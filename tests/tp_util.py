@@ -1,4 +1,4 @@
-"""Synthetic tiny H3 files for the tensor-parallel tests, made once per session."""
+"""Synthetic tiny H3 files for the tensor-parallel tests, made once per test run."""
 
 import atexit
 import functools

@@ -50,12 +50,12 @@ class InternalError(Exception):
 def handle_errors(func):
     """Turn h3quant errors into one clear stderr line and an exit code, never a traceback.
 
-    SIGTERM and SIGHUP unwind like Ctrl-C while the command runs (``formats.atomic``), so its
+    SIGTERM and SIGHUP unwind like Ctrl-C while the command runs (``formats.container.atomic``), so its
     temporary outputs are removed; the exit status is then 128 + the signal number."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from h3quant.formats.atomic import terminate_on_signals
+        from h3quant.formats.container.atomic import terminate_on_signals
 
         try:
             with terminate_on_signals():

@@ -16,7 +16,7 @@ from h3quant.cli.common import (
     mmap_option,
 )
 from h3quant.errors import ConvertError
-from h3quant.formats import registry
+from h3quant.formats.codecs import registry
 
 _TARGETS = tuple(registry.targets())
 
@@ -119,7 +119,7 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=not quiet and sys.stderr.isatty(), log=say,
                        report_path=report_path)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.atomic.Terminated)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.atomic.Terminated)
         # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
         # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
         code = getattr(exc, "exit_code", 130)

@@ -54,7 +54,7 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
       h3quant demo --dir ./demo --blocks 4
     """
     from h3quant.errors import OutputError
-    from h3quant.formats.atomic import is_own_output_dir, write_manifest
+    from h3quant.formats.container.atomic import is_own_output_dir, write_manifest
 
     if workdir is not None:
         if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):

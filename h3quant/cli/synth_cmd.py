@@ -61,8 +61,8 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
       h3quant synth h3_official/ --naming official      # shards + index, as released
       h3quant synth h3_diffusers/ --naming diffusers --dtype fp8
     """
-    from h3quant.formats.atomic import Outputs
-    from h3quant.formats.topology import BLOCK_LINEARS, config_for
+    from h3quant.formats.container.atomic import Outputs
+    from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
     from h3quant.synth import synth_checkpoint
 
     cfg = config_for(preset, blocks=blocks, form=form)

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from h3quant.cli import verify_view as view
 from h3quant.cli.common import (
     progress_enabled,
     EXIT_FINDINGS,
@@ -16,7 +17,6 @@ from h3quant.cli.common import (
     device_callback,
     emit_json,
     finite_float,
-    format_table,
     guard,
     handle_errors,
     log,
@@ -75,45 +75,6 @@ default: one activation scale all_reduced over the ranks), within rel L2 0.05 wi
   h3quant verify h3_int8.safetensors --tp 4 --model      # the whole forward, sharded blocks
   torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
 """
-
-
-def _f(x: float, digits: int = 4) -> str:
-    return f"{x:.{digits}g}" if x == x else "nan"
-
-
-def render(res) -> str:
-    out = [f"checkpoint  {res.path}", f"reference   {res.reference}",
-           f"device      {res.device}   blocks {res.blocks}   tokens {res.tokens}   "
-           f"seed {res.seed}", ""]
-    rows = [[c.name + ("" if c.path == "plain" else " [swiglu]"), c.format, c.backend,
-             _f(c.rel_err), f"{c.sqnr_db:.2f}", f"{c.cosine:.6f}", f"<= {c.limit:g}",
-             "ok" if c.passed else "FAIL"] for c in res.layers]
-    out.append(format_table(["layer", "format", "backend", "rel err", "SQNR dB", "cosine",
-                             "limit", ""], rows, {3, 4, 5}))
-    out.append("")
-    rows = [[b.index, ",".join(b.formats), f"{b.sqnr_db:.2f}", _f(b.rel_err), f"{b.cosine:.6f}",
-             f">= {b.limit_db:g} dB", "ok" if b.passed else "FAIL"] for b in res.block_checks]
-    out.append(format_table(["block", "formats", "SQNR dB", "rel err", "cosine", "limit", ""],
-                            rows, {2, 3, 4}))
-    out.append("")
-    failed = [d for d in res.data if not d.passed]
-    by_check: dict[str, list] = {}
-    for d in res.data:
-        by_check.setdefault(d.check, []).append(d)
-    for check, items in by_check.items():
-        bad = sum(not d.passed for d in items)
-        vals = [d.value for d in items if d.value is not None]
-        span = f"  values {_f(min(vals))}..{_f(max(vals))}" if vals else ""
-        note = next((d.detail for d in items if d.detail and d.passed), "")
-        out.append(f"data {check:<11s} {len(items) - bad}/{len(items)} layers ok  "
-                   f"({items[0].limit}){span}" + (f"  {note}" if note and not bad else ""))
-    for d in failed:
-        out.append(f"  FAIL {d.check} {d.name}: {d.detail}")
-    for note in res.notes:
-        out.append(f"note: {note}")
-    out.append("")
-    out.append("PASS" if res.passed else f"FAIL ({len(res.failures)} checks failed)")
-    return "\n".join(out)
 
 
 _MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot")
@@ -188,7 +149,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
     if parallel:
-        from h3quant.pipelines.verify_model import ModelInputs
+        from h3quant.pipelines.verify.model import ModelInputs
 
         inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed) \
             if whole_model else None
@@ -198,7 +159,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
                    sigma, depth, plot, seed, as_json, no_mmap)
-    from h3quant.pipelines.verify import Thresholds, verify_checkpoint
+    from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
     th = Thresholds(magnitude_factor=magnitude_factor)
@@ -208,7 +169,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if as_json:
         emit_json(res.to_dict())
     else:
-        click.echo(render(res))
+        click.echo(view.render_blocks(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
 
 
@@ -216,8 +177,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
                depth, plot, seed, as_json, no_mmap):
     from tqdm import tqdm
 
-    from h3quant.cli import verify_model_view as view
-    from h3quant.pipelines.verify_model import ModelInputs, verify_model
+    from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
     if plot:
         view.require_matplotlib()
@@ -243,15 +203,14 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     if as_json:
         emit_json(res.to_dict())
     else:
-        click.echo(view.render(res))
+        click.echo(view.render_model(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
 
 
 def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
                      tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6):
     from h3quant.cli.common import EXIT_USAGE
-    from h3quant.cli.verify_tp_view import render_tp
-    from h3quant.pipelines.verify_tp import verify_tp
+    from h3quant.pipelines.verify.tp import verify_tp
 
     if reference is not None:
         click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
@@ -268,5 +227,5 @@ def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp,
     if as_json:
         emit_json(res.to_dict())
     else:
-        click.echo(render_tp(res))
+        click.echo(view.render_tp(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)

@@ -11,15 +11,15 @@ from dataclasses import dataclass, fields
 
 from h3quant.errors import ContainerError, MarkerError
 from h3quant.findings import Severity
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_layers
-from h3quant.formats.markers import (
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.layers import scan_layers
+from h3quant.formats.rules.markers import (
     MARKER_SUFFIX,
     layer_of_marker,
     marker_bytes,
     parse_header_metadata,
 )
-from h3quant.formats.schemes import layer_report
+from h3quant.formats.rules.schemes import layer_report
 from h3quant.pipelines import naming_view
 
 MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
@@ -62,9 +62,9 @@ def scan(ckpt: Checkpoint, *, prefer_header: bool):
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
     """The detected H3 topology summary, or None when the checkpoint is not an H3 DiT."""
     try:
-        from h3quant.formats import topology
+        from h3quant.formats.rules import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.topology":
+        if exc.name == "h3quant.formats.rules.topology":
             return None
         raise
     detection = topology.detect(tensors)

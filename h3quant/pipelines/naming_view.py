@@ -11,8 +11,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from h3quant.errors import FormatError
-from h3quant.formats import naming
-from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.rules import naming
+from h3quant.formats.container.checkpoint import Checkpoint
 
 
 def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -19,12 +19,13 @@ import torch
 
 from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
 from h3quant.findings import Severity
-from h3quant.formats import registry, rules
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.dtypes import FLOAT_DTYPES
-from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats.markers import QuantFormat
-from h3quant.formats.topology import BLOCK_LINEARS
+from h3quant.formats.rules import checks as rules
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.formats.rules.layers import Layer, LayerScan, scan_checkpoint
+from h3quant.formats.rules.markers import QuantFormat
+from h3quant.formats.rules.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
 _KN = QuantFormat.INT8_TENSORWISE_KN
@@ -229,8 +230,9 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
 
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
     """int8 ConvRot (g=256, per row) of a float 2-D weight, the encoding of FORMATS.md 3."""
-    from h3quant.formats.int8 import encode_int8, int8_marker
-    from h3quant.formats.markers import effective_fields
+    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.codecs.int8.codec import int8_marker
+    from h3quant.formats.rules.markers import effective_fields
     w = layer.weight
     if w.dim() != 2:
         return layer  # norms and other 1-D parameters stay float

@@ -20,8 +20,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from h3quant.formats.atomic import Outputs, write_bytes, write_file
-from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.container.atomic import Outputs, write_bytes, write_file
+from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import adopt
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, check_paths, input_paths
@@ -59,7 +59,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             report_path: str | os.PathLike | None = None) -> ConvertReport:
     """Convert ``src`` to ``dst``; returns the ``ConvertReport``, also written (as JSON) to ``report_path`` when
     given. Both outputs are checked before any work and appear together or not at all
-    (``formats.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
+    (``formats.container.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
     (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input."""
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
@@ -109,5 +109,5 @@ def report_bytes(report: dict) -> bytes:
 
 
 def write_report(path: str | os.PathLike, report: dict, *, overwrite: bool = True) -> None:
-    """Write ``report`` as JSON, atomically (``formats.atomic``)."""
+    """Write ``report`` as JSON, atomically (``formats.container.atomic``)."""
     write_bytes(path, report_bytes(report), overwrite=overwrite, what="report")

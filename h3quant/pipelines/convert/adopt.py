@@ -7,7 +7,7 @@ its three sources, nothing else), and the ordinary conversion runs on that file.
 official or diffusers checkpoint therefore gives exactly the bytes converting the ComfyUI file
 gives. The staging directory is removed on success, error or interrupt.
 
-Row operations (``formats.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
+Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded exactly to fp32 (``float(code) * scale``, the scale per tensor or per
 output row, as ComfyUI's scaled-fp8 loader multiplies it in) and staged as F32 for a quantized
 target, or rounded once to BF16 (nearest even) for ``--to bf16``.
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from h3quant.errors import FormatError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.naming import (
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.naming import (
     DEINTERLEAVE_QKV,
     FUSE_QKV,
     SWAP_HALVES,
@@ -37,7 +37,7 @@ from h3quant.formats.naming import (
     staged_entries,
 )
 from h3quant.pipelines.naming_view import has_config
-from h3quant.formats.writer import Entry, Layout, StreamingWriter, plan_layout
+from h3quant.formats.container.writer import Entry, Layout, StreamingWriter, plan_layout
 
 
 
@@ -99,7 +99,7 @@ def build_target(ckpt: Checkpoint, t: Target):
 
 def stage(ckpt: Checkpoint, mapping: Mapping, path: Path, quantized_target: bool) -> Path:
     """Write the ComfyUI file of ``mapping`` to ``path`` (streamed, atomic)."""
-    from h3quant.formats.dtypes import to_torch
+    from h3quant.formats.container.dtypes import to_torch
 
     layout = staged_layout(mapping, ckpt.metadata, quantized_target)
     by_name = {t.name: t for t in mapping.targets}

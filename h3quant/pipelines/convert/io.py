@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
-from h3quant.formats.atomic import open_temp, publish
-from h3quant.formats.container import TensorInfo
-from h3quant.formats.dtypes import itemsize, to_torch
-from h3quant.formats.writer import Layout, tensor_bytes
+from h3quant.formats.container.atomic import open_temp, publish
+from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.dtypes import itemsize, to_torch
+from h3quant.formats.container.writer import Layout, tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -353,3 +353,8 @@ def copy_tensor(item, reader: Reader, sink, progress) -> None:
     for start, data in reader.chunks(info, COPY_CHUNK, first=done):
         sink.write(item.out, start, data)
         progress(len(data))
+
+
+def by_input_offset(items, info_of) -> list:
+    """``items`` in the order their tensors lie in the input (file, then offset): sequential reads."""
+    return sorted(items, key=lambda x: (str(info_of(x).file), info_of(x).begin))

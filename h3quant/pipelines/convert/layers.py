@@ -6,17 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h3quant.errors import FormatError, MarkerError
-from h3quant.formats import registry
-from h3quant.formats.container import TensorInfo
-from h3quant.formats.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.layers import Layer
-from h3quant.formats.markers import (
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
+from h3quant.formats.rules.layers import Layer
+from h3quant.formats.rules.markers import (
     check_marker_object,
     effective_fields,
     marker_bytes,
     parse_marker_bytes,
 )
-from h3quant.formats.writer import Entry
+from h3quant.formats.container.writer import Entry
 from h3quant.pipelines.convert.options import ConvertOptions
 
 NEVER_WRITTEN = frozenset({"weight_correction"})  # ComfyUI does not load it (FORMATS.md 4)

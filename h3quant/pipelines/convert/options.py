@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
-from h3quant.formats import registry
-from h3quant.formats.dtypes import FLOAT_DTYPES
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
@@ -124,7 +124,7 @@ class ConvertOptions:
 
 def is_h3(tensors: dict) -> bool:
     from h3quant.errors import H3QuantError
-    from h3quant.formats.topology import detect
+    from h3quant.formats.rules.topology import detect
 
     try:
         return detect(tensors) is not None
@@ -136,7 +136,7 @@ def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
                    quantized: bool) -> bool:
     """Whether ``preset`` picks ``layer`` (before ``--include``/``--exclude``)."""
     if preset == "h3":
-        from h3quant.formats.topology import is_h3_block_linear
+        from h3quant.formats.rules.topology import is_h3_block_linear
 
         return is_h3_block_linear(layer)
     # all-linears: every 2-D float weight, and every already-quantized linear

@@ -12,18 +12,18 @@ from pathlib import Path
 
 from h3quant import __version__
 from h3quant.errors import MarkerError
-from h3quant.formats import registry
-from h3quant.formats.atomic import check_output
-from h3quant.formats.checkpoint import INDEX_SUFFIX, Checkpoint
-from h3quant.formats.layers import Layer, group_tensors
-from h3quant.formats.markers import (
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.atomic import check_output
+from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
+from h3quant.formats.rules.layers import Layer, group_tensors
+from h3quant.formats.rules.markers import (
     HEADER_KEY,
     MARKER_SUFFIX,
     header_metadata_value,
     marker_bytes,
     parse_header_metadata,
 )
-from h3quant.formats.writer import Entry, Layout, plan_layout
+from h3quant.formats.container.writer import Entry, Layout, plan_layout
 from h3quant.pipelines.convert.layers import (
     NEVER_WRITTEN,
     CopyItem,
@@ -109,7 +109,7 @@ def input_paths(ckpt: Checkpoint, src: Path) -> list[Path]:
 def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwrite: bool,
                 dry_run: bool = False) -> list[str]:
     """Refuse an output that is an input, not a regular file (or h3quant's own output
-    directory), or exists without ``overwrite`` (see ``formats.atomic.check_output``).
+    directory), or exists without ``overwrite`` (see ``formats.container.atomic.check_output``).
 
     In a dry run an existing output is only noted (returned), since nothing will be written."""
     inputs = input_paths(ckpt, src)

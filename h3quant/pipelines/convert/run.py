@@ -17,8 +17,10 @@ import torch
 
 from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FormatError, H3QuantError
-from h3quant.formats import registry, rules
+from h3quant.formats.rules import checks as rules
+from h3quant.formats.codecs import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
+from h3quant.pipelines.convert.io import by_input_offset
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.relayout import run_via
 from h3quant.pipelines.convert.report import layer_metrics
@@ -27,7 +29,6 @@ from h3quant.pipelines.convert.result import (  # noqa: F401 (re-exported)
     LayerFailures,
     build_report,
 )
-from h3quant.pipelines.convert.stream import by_input_offset, run_plan  # noqa: F401 (re-export)
 
 
 def check_source_scales(lp, reader) -> None:

@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from h3quant.formats.atomic import fsync_dir
-from h3quant.pipelines.convert.io import OffsetWriter, Reader, Sinks, copy_tensor
+from h3quant.formats.container.atomic import fsync_dir
+from h3quant.pipelines.convert.io import OffsetWriter, Reader, Sinks, by_input_offset, copy_tensor
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.result import ConvertReport, build_report
 
@@ -33,10 +33,6 @@ COPY_THREAD = "h3quant-copy"  # name prefix of the copy thread
 def shard_of(plan: ConvertPlan) -> dict[str, str]:
     """Output tensor name -> the shard file that holds it."""
     return {e.name: s for s, sp in plan.shards.items() for e in sp.entries}
-
-
-def by_input_offset(items, info_of) -> list:
-    return sorted(items, key=lambda x: (str(info_of(x).file), info_of(x).begin))
 
 
 def copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
@@ -101,7 +97,7 @@ class CopyStream:
 
 def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> ConvertReport:
     """Execute ``plan`` (from ``build_plan``), writing to ``out`` (the staged path
-    ``formats.atomic.Outputs`` gave for ``plan.dst``: a file, or an empty directory for sharded
+    ``formats.container.atomic.Outputs`` gave for ``plan.dst``: a file, or an empty directory for sharded
     output), and return the ``ConvertReport``.
 
     Two streams run at once: the copy thread writes every byte-for-byte tensor (started before

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.dtypes import FLOAT_DTYPES
-from h3quant.formats.layers import scan_checkpoint
-from h3quant.runtime.block import (
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.runtime.model.block import (
     Conditioning,
     build_block,
     quantized_linear,
@@ -228,7 +228,7 @@ class H3Model:
         if x.shape[-1] == self.hidden:
             return x
         w, b = self.condition_proj
-        from h3quant.runtime.block import FloatLinear
+        from h3quant.runtime.model.block import FloatLinear
         x = FloatLinear(w, b)(x)
         make = self._make_linear(dtype)
         for j in self.refiner:

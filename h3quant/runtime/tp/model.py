@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.formats.checkpoint import Checkpoint
+from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.runtime.model.model import H3Model
 from h3quant.runtime.tp.group import Collectives
 from h3quant.runtime.tp.runner import ShardInfo, held_bytes, shard_block

@@ -5,7 +5,7 @@ Every place that depends on a layer's format asks here instead of comparing form
 codec when there is no marker), ``target(name)`` a ``convert --to`` choice. A new format is one
 module under ``h3quant.formats.codecs`` defining ``CODEC`` and one line in ``_MODULES``.
 Formats ComfyUI knows but h3quant cannot encode or run (fp8, nvfp4, ...) have no codec; their
-tensor sets are still checked by ``h3quant.formats.schemes``.
+tensor sets are still checked by ``h3quant.formats.rules.schemes``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
 
 # Registration order is the order of ``convert --to`` choices and of listings.
 _MODULES = (
-    "h3quant.formats.codecs.int8_tensorwise",
-    "h3quant.formats.codecs.int8_tensorwise_kn",
-    "h3quant.formats.codecs.asym_w4a8_int8",
+    "h3quant.formats.codecs.int8.codec",
+    "h3quant.formats.codecs.int8_kn.codec",
+    "h3quant.formats.codecs.w4a8.codec",
     "h3quant.formats.codecs.plain",
 )
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from h3quant.errors import MarkerError
 from h3quant.findings import Finding
-from h3quant.formats.container import TensorInfo
-from h3quant.formats.dtypes import QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.markers import (
+from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.dtypes import QUANTIZED_WEIGHT_DTYPES
+from h3quant.formats.rules.markers import (
     MARKER_SUFFIX,
     QuantFormat,
     check_marker_object,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
-from h3quant.formats.rules import fit_error as rules_fit_error
+from h3quant.formats.rules.checks import fit_error as rules_fit_error
 
 NAME = "asym_w4a8_int8"
 GROUP = 16  # the group size h3quant writes (ComfyUI's default)
@@ -71,7 +71,7 @@ class AsymW4A8Int8(Codec):
     def decode_rows(self, rows, whole, fields):
         import torch
 
-        from h3quant.formats.w4a8 import decode_w4a8
+        from h3quant.formats.codecs.w4a8.tensors import decode_w4a8
 
         local = {"weight": rows["weight"].view(torch.int8), "weight_s_rel": rows["weight_s_rel"],
                  "weight_s_channel": rows["weight_s_channel"].reshape(-1)}
@@ -82,14 +82,14 @@ class AsymW4A8Int8(Codec):
                            dtype=torch.float32)
 
     def encode(self, w, marker, method, pool=None):
-        from h3quant.formats.w4a8 import encode_w4a8
+        from h3quant.formats.codecs.w4a8.tensors import encode_w4a8
 
         return encode_w4a8(w, group_size=marker["group_size"],
                            convrot_groupsize=marker["convrot_groupsize"], codebook="auto",
                            pool=pool)
 
     def report_grid(self, out, marker):
-        from h3quant.formats.w4a8 import decode_w4a8, decode_w4a8_int8
+        from h3quant.formats.codecs.w4a8.tensors import decode_w4a8, decode_w4a8_int8
 
         local = {s: out[s] for s in ("weight", "weight_s_rel", "weight_s_channel")}
         cb = out.get("weight_codebook")
@@ -103,7 +103,7 @@ class AsymW4A8Int8(Codec):
     def int8_grid(self, tensors, fields):
         import torch
 
-        from h3quant.formats.w4a8 import decode_w4a8_int8
+        from h3quant.formats.codecs.w4a8.tensors import decode_w4a8_int8
 
         q = decode_w4a8_int8(tensors["weight"], tensors["weight_s_rel"],
                              group_size=int(fields["group_size"]),

@@ -15,15 +15,14 @@ import torch
 
 from h3quant.convrot import is_valid_group_size, rotate, rotate_group_major
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.asym_w4a8_int8 import w4a8_marker
-from h3quant.formats.w4a8_codebook import (
+from h3quant.formats.codecs.w4a8.codebook import (
     FROZEN_CODEBOOK,
     LevelIndex,
     choose_codebook,
     sample_rows,
     take,
 )
-from h3quant.formats.w4a8_encode import (
+from h3quant.formats.codecs.w4a8.encoder import (
     DecodedLevels,
     encode_groups,
     encode_rows,
@@ -38,7 +37,6 @@ __all__ = [
     "pack_nibbles",
     "relative_l2",
     "unpack_nibbles",
-    "w4a8_marker",
 ]
 
 FORMAT_NAME = "asym_w4a8_int8"

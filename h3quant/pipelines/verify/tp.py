@@ -1,17 +1,8 @@
 """``verify --tp N``: run blocks tensor-parallel over N ranks and compare them with one device.
 
-Every rank builds its shard of each chosen block (reading only its own bytes), runs each block
-linear on seeded inputs (column-parallel outputs are all_gathered, row-parallel ones come back
-reduced) and the whole block, and rank 0 keeps the outputs. Rank 0 then frees its shard and runs
-the single-device reference: the same layers with tp = 1 (no collectives; on the CPU this is,
-bit for bit, the runtime's ordinary single-device block -- the result reports that difference
-too) and compares:
-
-- ``shared`` scale mode: every output must be bit-identical (max |diff| = 0);
-- ``per-rank``: relative L2 difference <= ``PER_RANK_TOLERANCE`` (0.05) per layer and per block
-  (measured on the synthetic presets: see the README).
-
-Per-rank memory (bytes read, bytes held by the block linears, peak RSS) is all_gathered.
+Every rank builds its shard of each chosen block (reading only its own bytes) and runs it on
+seeded inputs; rank 0 then runs the single-device reference and compares (bit-identical in the
+``shared`` scale mode, within ``PER_RANK_TOLERANCE`` in ``per-rank``: docs/verify.md).
 """
 
 from __future__ import annotations
@@ -21,14 +12,16 @@ import os
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_checkpoint
-from h3quant.pipelines import verify
-from h3quant.pipelines.metrics import error_metrics, json_safe
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.pipelines.verify import blocks as verify
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import Verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
 from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
@@ -45,7 +38,7 @@ PER_RANK_TOLERANCE = 0.05
 
 
 def _small_model_inputs():
-    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.pipelines.verify.model import ModelInputs
 
     return ModelInputs(frames=2, height=4, width=4, audio_frames=4, text_tokens=8)
 
@@ -75,7 +68,7 @@ class RankStats:
 
 
 @dataclass
-class TpResult:
+class TpResult(Verdict):
     path: str
     device: str
     backend: str
@@ -97,14 +90,8 @@ class TpResult:
                 self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
                 for c in self.checks if not c.passed]
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items()}
-        d["passed"], d["failures"] = self.passed, self.failures
-        return json_safe(d)
+        return self.verdict_dict(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -120,9 +107,9 @@ class TpSpec:
     backend: str | None = None  # runtime backend forced for the local layers
     sigma: float = 0.6  # the noise level of the block conditioning (verify's default)
     model: bool = False  # the whole forward (every block) instead of per-block checks
-    model_inputs: object = None  # pipelines.verify_model.ModelInputs (None: a small default)
+    model_inputs: object = None  # pipelines.verify.model.ModelInputs (None: a small default)
     depth: int | None = None  # --model: only the first N blocks
-    rank_setup: object = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
+    rank_setup: Any = None  # tests: rank_setup(ctx) -> context manager giving (probe, device)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -253,7 +240,7 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
     """``--model``: the whole forward with sharded blocks on every rank; rank 0 then runs the
     runtime's single-device H3Model on the same inputs and compares every block's hidden state
     and the final video / audio outputs."""
-    from h3quant.pipelines.verify_model import ModelInputs
+    from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.model.model import H3Model
     from h3quant.runtime.tp.model import TpH3Model
 
@@ -265,10 +252,10 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
     with Checkpoint(spec.path, mmap=spec.mmap) as ckpt:
         model = TpH3Model(ckpt, device=dev, comm=comm, mode=spec.mode, backend=spec.backend,
                           probe=probe)
-        inputs = tuple(t.to(dtype) for t in mi.tensors(model.video_channels,
-                                                        model.audio_channels, model.text_dim))
-        hidden = {}
-        outputs = model(*inputs, sigma, depth=spec.depth,
+        video, audio, text = (t.to(dtype) for t in mi.tensors(model.video_channels,
+                                                               model.audio_channels, model.text_dim))
+        hidden: dict[int, torch.Tensor] = {}
+        outputs = model(video, audio, text, sigma, depth=spec.depth,
                         on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
         infos, held = model.infos, model.held
         stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
@@ -281,8 +268,8 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
         del model
         gc.collect()
         ref_model = H3Model(ckpt, device=dev, backend=spec.backend, probe=probe)
-        ref_hidden = {}
-        ref_out = ref_model(*inputs, sigma, depth=spec.depth,
+        ref_hidden: dict[int, torch.Tensor] = {}
+        ref_out = ref_model(video, audio, text, sigma, depth=spec.depth,
                             on_block=lambda i, x: ref_hidden.__setitem__(i, x.float().cpu()))
         ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()}, **_final(ref_out)}
     idx = [i.index for i in infos]
@@ -312,7 +299,7 @@ def _final(outputs) -> dict:
 def _reference(ckpt, scan, root, i, spec, dev, probe, dtype, tdev):
     """Outputs of block ``i`` on one device, and the relative L2 difference of that block's
     output from the runtime's ordinary single-device block."""
-    from h3quant.runtime.block import runtime_block
+    from h3quant.runtime.model.block import runtime_block
     from h3quant.runtime.loader import load_blocks
 
     comm = LocalCollectives()

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
-from h3quant.formats import jsonsafe
-from h3quant.formats.dtypes import DTYPES, itemsize, to_torch
+from h3quant.formats.container import jsonsafe
+from h3quant.formats.container.dtypes import DTYPES, itemsize, to_torch
 
 if TYPE_CHECKING:
     import torch

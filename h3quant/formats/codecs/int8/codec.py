@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from h3quant.convrot import check_group_size
 from h3quant.formats.codecs.base import Codec, RowRange, Target, VerifyLimits
-from h3quant.formats.rules import fit_error as rules_fit_error
+from h3quant.formats.rules.checks import fit_error as rules_fit_error
 
 NAME = "int8_tensorwise"
 
@@ -73,7 +73,7 @@ class Int8Tensorwise(Codec):
     def decode_rows(self, rows, whole, fields):
         import torch
 
-        from h3quant.formats.int8 import decode_int8
+        from h3quant.formats.codecs.int8.tensors import decode_int8
 
         q = rows["weight"]
         if "weight_scale" in whole:
@@ -84,7 +84,7 @@ class Int8Tensorwise(Codec):
                            group_size=fields.get("convrot_groupsize", 256), dtype=torch.float32)
 
     def encode(self, w, marker, method, pool=None):
-        from h3quant.formats.int8 import encode_int8
+        from h3quant.formats.codecs.int8.tensors import encode_int8
 
         q, s = encode_int8(w, convrot=bool(marker.get("convrot")),
                            group_size=marker.get("convrot_groupsize", 256), per_row=True,
@@ -94,7 +94,7 @@ class Int8Tensorwise(Codec):
     def report_grid(self, out, marker):
         import torch
 
-        from h3quant.formats.int8 import decode_int8
+        from h3quant.formats.codecs.int8.tensors import decode_int8
 
         convrot, g = bool(marker.get("convrot")), marker.get("convrot_groupsize", 256)
         q, s = out["weight"], out["weight_scale"]

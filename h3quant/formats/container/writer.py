@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
-from h3quant.formats.atomic import default_mode, open_temp, publish  # noqa: F401 (re-export)
-from h3quant.formats.dtypes import from_torch, itemsize, storage_key
+from h3quant.formats.container.atomic import default_mode, open_temp, publish  # noqa: F401 (re-export)
+from h3quant.formats.container.dtypes import from_torch, itemsize, storage_key
 
 if TYPE_CHECKING:
     import torch

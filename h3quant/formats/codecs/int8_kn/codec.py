@@ -5,13 +5,13 @@ optional bias; math, rotation and scales are int8_tensorwise's, so this codec is
 the weight stored the other way round. It has no ``convert --to`` target of its own: it is the
 ``--layout npu`` form of the int8 targets (``layout_of``). The encoder returns canonical row
 chunks (``weight`` rows ``[n, K]``); ``transposed_outputs`` tells the writer to transpose them
-into the ``[K, N]`` tensor (``h3quant.formats.int8_kn.RowTransposer``).
+into the ``[K, N]`` tensor (``h3quant.formats.codecs.int8_kn.tensors.RowTransposer``).
 """
 
 from __future__ import annotations
 
-from h3quant.formats.codecs.int8_tensorwise import NAME as CANONICAL_NAME
-from h3quant.formats.codecs.int8_tensorwise import Int8Tensorwise
+from h3quant.formats.codecs.int8.codec import NAME as CANONICAL_NAME
+from h3quant.formats.codecs.int8.codec import Int8Tensorwise
 
 NAME = "int8_tensorwise_kn"
 
@@ -30,7 +30,7 @@ class Int8TensorwiseKn(Int8Tensorwise):
     canonical = CANONICAL_NAME
 
     def marker(self, target, group_size):
-        from h3quant.formats.int8_kn import kn_marker
+        from h3quant.formats.codecs.int8_kn.tensors import kn_marker
 
         return kn_marker(convrot=target.convrot, group_size=group_size)
 

@@ -1,24 +1,9 @@
 """One rule set for the supported quantized formats, used by ``validate``, ``convert`` and
 ``verify`` alike, so the three commands give the same verdict on the same file.
 
-Two kinds of rule:
-
-* **tensor rules** (header only): dtypes and shapes of a layer's tensors and the marker field
-  combinations (``layer_violations``). ``formats.schemes`` builds validate's tensor specs from
-  the same constants, the codecs' ``fit_error`` (convert) and the loader (verify) call
-  ``layer_violations`` directly.
-* **data rules** (``validate --deep`` and convert's source check): scales finite and positive
-  (``scale_violations``), float weights finite (``weight_violation``).
-
-Verdicts on the cases the three commands used to disagree on (FORMATS.md 3 and 4):
-
-* int8 ``weight_scale`` and W4A8 ``weight_s_channel`` / ``weight_codebook`` are F32; an F16 or
-  BF16 scale is an error (Q102): ComfyUI multiplies in the scale's dtype.
-* int8 ``weight_scale`` shapes ``[N, 1]``, ``[N]``, ``[]``, ``[1]``; with ConvRot a single
-  scale is an error (Q103): ConvRot layers are per-row.
-* ``asym_w4a8_int8`` always uses ConvRot: ``"convrot": false`` in its marker is an error (M114).
-* W4A8 ``weight_s_channel`` is ``[N]`` only: the decode multiplies ``s_channel[:, None]``,
-  which an ``[N, 1]`` tensor turns into ``[N, 1, 1]`` (an error, Q103).
+Tensor rules (header only: dtypes, shapes, marker field combinations; ``layer_violations``) and
+data rules (finite positive scales, finite float weights). The verdicts on the cases the
+commands could disagree on are listed in docs/verify.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Verify the whole converted model: the H3 forward of the checkpoint against a float reference.
 
 Both models run the real forward (``h3quant.runtime.model.H3Model``), streamed block by block
-and interleaved, on the same seeded inputs (video latent [1, C, T, H, W], stereo audio latent
-[1, C, 2, Ta], text states [1, L, text_dim], all N(0, 1), and the sampler's video ``sigma``):
-
-- the model under test: every quantized linear on the device's own path, activations in the
-  device's compute dtype (fp32 on the CPU, bf16 elsewhere);
-- the reference, on the CPU in fp32: the float checkpoint ``reference``, else the file's own
-  quantized weights in float math (``linear="reference"``: no activation quantization).
-
-Reported: the SQNR / relative error of the video and audio outputs, and the drift: the SQNR of
-the packed hidden state after every block. ``depth`` runs only the first N blocks (the final
-layer is then skipped and only the drift is checked).
-
-Thresholds (``ModelThresholds``): SQNR >= 20 dB when every quantized block linear is int8,
->= 8 dB when any is W4A8, for the video and audio outputs and for the last hidden state.
-Measured on the synthetic files (seeded weights; a real H3's weights may differ): see README.
+and interleaved, on the same seeded inputs: the model under test on the device's own path, the
+reference on the CPU in fp32. Reported: the output SQNR and the drift after every block; the
+limits (``ModelThresholds``) are in docs/verify.md.
 """
 
 from __future__ import annotations
@@ -26,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats import registry
-from h3quant.formats.dtypes import FLOAT_DTYPES
-from h3quant.pipelines.metrics import error_metrics, json_safe
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 
 
 @dataclass(frozen=True)
@@ -50,13 +38,7 @@ class ModelInputs:
         return video, audio, text
 
 
-@dataclass(frozen=True)
-class ModelThresholds:
-    sqnr_db_int8: float = 20.0
-    sqnr_db_w4a8: float = 8.0
-
-    def limit(self, formats) -> float:
-        return self.sqnr_db_w4a8 if registry.low_bit(formats) else self.sqnr_db_int8
+ModelThresholds = SqnrLimits  # the outputs and the last hidden state are held to the block limits
 
 
 @dataclass
@@ -78,7 +60,7 @@ class OutputCheck:
 
 
 @dataclass
-class ModelVerifyResult:
+class ModelVerifyResult(Verdict):
     path: str
     reference: str  # the reference checkpoint, or "dequantized"
     device: str
@@ -101,18 +83,12 @@ class ModelVerifyResult:
         return [f"{o.name}: SQNR {o.sqnr_db:.2f} dB < {o.limit_db} dB"
                 for o in self.outputs if not o.passed]
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
-
-        return json_safe({
+        return self.verdict_dict({
             "mode": "model", "path": self.path, "reference": self.reference,
             "device": self.device, "inputs": asdict(self.inputs),
             "blocks_total": self.blocks_total, "depth": self.depth,
             "final_layer_run": self.final_layer_run, "formats": self.formats,
-            "passed": self.passed, "failures": self.failures,
             "thresholds": asdict(self.thresholds),
             "outputs": [asdict(o) for o in self.outputs],
             "drift": [asdict(d) for d in self.drift],

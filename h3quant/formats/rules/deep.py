@@ -14,9 +14,10 @@ import torch
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding
-from h3quant.formats import registry, rules
-from h3quant.formats.dtypes import FLOAT_DTYPES, itemsize, to_torch
-from h3quant.formats.markers import QuantFormat
+from h3quant.formats.rules import checks as rules
+from h3quant.formats.codecs import registry
+from h3quant.formats.container.dtypes import FLOAT_DTYPES, itemsize, to_torch
+from h3quant.formats.rules.markers import QuantFormat
 
 CHUNK_BYTES = 16 << 20
 

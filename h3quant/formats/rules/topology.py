@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from h3quant.errors import UnsupportedError
 from h3quant.findings import Finding
-from h3quant.formats.layers import LAYER_SUFFIXES
+from h3quant.formats.rules.layers import LAYER_SUFFIXES
 
 FORMS = ("full", "pruned")
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")

@@ -12,7 +12,8 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from h3quant.errors import MarkerError
-from h3quant.formats import jsonsafe, registry
+from h3quant.formats.container import jsonsafe
+from h3quant.formats.codecs import registry
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,6 @@ import torch
 from h3quant.convrot import check_group_size
 from h3quant.convrot.rotation import rotate_chunk_, rotate_dense, rotate_exact
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.int8_tensorwise import int8_marker  # noqa: F401 (torch-free, re-exported)
 
 FORMAT = "int8_tensorwise"
 SCALE_MIN = 1e-30
@@ -197,4 +196,4 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, sx
 
 
-__all__ = ["FORMAT", "METHODS", "decode_int8", "encode_int8", "int8_marker", "quantize_activation"]
+__all__ = ["FORMAT", "METHODS", "decode_int8", "encode_int8", "quantize_activation"]

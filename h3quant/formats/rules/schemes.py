@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
-from h3quant.formats import rules
-from h3quant.formats.dtypes import FLOAT_DTYPES
-from h3quant.formats.markers import QuantFormat
+from h3quant.formats.rules import checks as rules
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.formats.rules.markers import QuantFormat
 
 # Allowed shapes given (N, K, fields); None = any shape.
 ShapeRule = Callable[[int, int, dict], list[tuple[int, ...]]]
@@ -222,7 +222,7 @@ def check_layer(layer) -> list[Finding]:
     if spec.format is QuantFormat.ASYM_W4A8_INT8:
         _w4a8_geometry(layer, n, k, add)
     if spec.format is QuantFormat.INT8_TENSORWISE_KN:
-        from h3quant.formats.int8_kn import check_kn
+        from h3quant.formats.codecs.int8_kn.tensors import check_kn
 
         out.extend(check_kn(layer, n, k, file=str(layer.weight.file)))
     for ts in spec.tensors:
@@ -364,7 +364,7 @@ def layer_report(layer) -> LayerReport:
     bpw = round(8 * wbytes / params, 4) if params else None
     nz = None
     if layer.format is QuantFormat.INT8_TENSORWISE_KN and n is not None and k is not None:
-        from h3quant.formats.int8_kn import nz_eligible  # imports torch: only for kn layers
+        from h3quant.formats.codecs.int8_kn.tensors import nz_eligible  # imports torch: only for kn layers
 
         nz = nz_eligible(n, k)
     return LayerReport(

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from h3quant.errors import ContainerError
 from h3quant.findings import Finding
-from h3quant.formats import jsonsafe
-from h3quant.formats.container import (
+from h3quant.formats.container import jsonsafe
+from h3quant.formats.container.reader import (
     SafetensorsFile,
     TensorInfo,
     open_input,

@@ -1,53 +1,9 @@
-"""Verify a quantized H3 checkpoint numerically: layers, blocks, and reference-free data checks.
+"""Verify a quantized H3 checkpoint numerically, per layer and per block, with reference-free data checks.
 
 The quantized model (each linear on the runtime backend the device selects) is compared with a
 float reference: the BF16 checkpoint given as ``reference``, else the checkpoint's own weights
-dequantized to fp32. Inputs are seeded N(0, 1) activations, identical on every device.
-
-Checks and default thresholds (``Thresholds``; a check fails -> ``VerifyResult.passed`` False):
-
-layer  every quantized linear of the chosen blocks on ``tokens`` seeded rows (fc2 also through
-       the fused ``input_act="swiglu"`` entry point): relative L2 error ||y - y_ref|| / ||y_ref||
-       <= 0.05 for int8_tensorwise, <= 0.12 for asym_w4a8_int8 (SQNR and cosine are reported).
-       With a reference: catches wrong scales (x4 gives error 3.0), a wrong Hadamard (Sylvester
-       instead of the ConvRot H4 Kronecker power mixes every rotation block: error ~1.4), wrong
-       code bytes or nibble order, reordered [q; k; v] / [gate; up] rows. Without one (reference =
-       dequantized weights) it catches runtime defects only: an activation rotation or quantizer
-       that differs from the weight's, a scale applied twice, a fused SwiGLU path that differs
-       from the plain one, a backend that disagrees with the CPU reference.
-block  the real H3 block (h3quant.runtime.block: per-segment adaLN rows, RMSNorm eps 1e-5, q/k
-       norm + split-half RoPE, attention, fused SwiGLU MLP) on ``tokens`` seeded hidden states
-       packed as a small text | audio | video layout at ``sigma``, conditioned with the file's
-       own time embedding and RoPE frequencies: its residual update (output - input) against
-       the float reference block's:
-       SQNR >= 20 dB when all its quantized linears are int8, >= 8 dB with W4A8 (the residual
-       input itself is left out: it would hide any error). Catches what errors do when chained.
-       Measured on the synthetic tiny preset against its BF16 source: int8 layers 0.009-0.012
-       rel err, blocks 31-34 dB; W4A8 layers 0.062-0.072, blocks 12-17 dB; scales x4: layers
-       3.0, block -36 dB; Sylvester Hadamard: layers ~1.4, block -3 dB.
-data   reference-free checks of the stored codes, so that a corrupted file fails even when it is
-       compared with its own dequantized weights:
-       - scales: every scale finite and > 0.
-       - row-range: the encoder sets s = max|row| / 127, so every non-zero row of an int8 layer
-         holds a code of magnitude exactly 127 and none of -128; a W4A8 row's decoded int8 grid
-         peaks in [96, 127] (e4m3 rounding of the group scales; measured 110..127). At most 1 %
-         of rows may miss. An int8 layer converted from W4A8 through that grid (FORMATS.md 9)
-         passes when none of its rows leaves [96, 127] (so a scale off by less than 127/96
-         passes there: only --reference catches it).
-         Catches codes written against other scales than the stored ones (max |q| = 127 / c),
-         clipped rows, shifted or truncated bytes.
-       - saturation: at most 1 % of codes (beyond the one peak per row) at |q| >= 127: catches
-         scales too small for the codes (clamped weights).
-       - magnitude: the row-norm RMS of the dequantized weight, sqrt(mean_n s_n^2 |q_n|^2),
-         within a factor 3 of the float linears of the same role (e.g. token_refiner's
-         attn.qkv_proj, kept in BF16) in the same file. Catches scales multiplied by a constant
-         (x4 fails), which no per-row statistic can see. A heuristic: it assumes a file's block
-         linears and its float linears of the same role have comparable magnitudes (true of the
-         synthetic presets; not measured on released H3 weights). Skipped (noted) when the file
-         has no float sibling; ``magnitude_factor=0`` disables it.
-       Not detectable without a reference (use ``reference``): a wrong Hadamard (it is an
-       orthogonal mixing of each block's columns: norms and code statistics are unchanged), a
-       wrong ``convrot`` flag, permuted rows.
+dequantized to fp32, on seeded inputs identical on every device. The checks (layer, block, data)
+and their default limits (``Thresholds``) are specified in docs/verify.md.
 """
 
 from __future__ import annotations
@@ -59,12 +15,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from h3quant.errors import VerifyError
-from h3quant.formats.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_checkpoint
-from h3quant.formats import registry
-from h3quant.formats.markers import QuantFormat
-from h3quant.pipelines.metrics import error_metrics, json_safe
-from h3quant.runtime.block import (
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.codecs import registry
+from h3quant.formats.rules.markers import QuantFormat
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict
+from h3quant.runtime.model.block import (
     FloatLinear,
     build_block,
     quantized_linear,
@@ -84,8 +41,8 @@ DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
 
 
-_INT8_LIMITS = registry.get("int8_tensorwise").verify
-_W4A8_LIMITS = registry.get("asym_w4a8_int8").verify
+_INT8_LIMITS = registry.verify_limits("int8_tensorwise")
+_W4A8_LIMITS = registry.verify_limits("asym_w4a8_int8")
 
 
 @dataclass(frozen=True)
@@ -104,6 +61,9 @@ class Thresholds:
 
     def rel_err(self, fmt: QuantFormat | str | None) -> float:
         return self.rel_err_w4a8 if fmt is not None and registry.low_bit([fmt]) else self.rel_err_int8
+
+    def block_limit(self, formats) -> float:
+        return SqnrLimits(self.block_sqnr_db_int8, self.block_sqnr_db_w4a8).limit(formats)
 
 
 @dataclass
@@ -141,7 +101,7 @@ class DataCheck:
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(Verdict):
     path: str
     reference: str  # the reference checkpoint, or "dequantized"
     device: str
@@ -163,16 +123,11 @@ class VerifyResult:
         out += [f"{d.check} {d.name}: {d.detail}" for d in self.data if not d.passed]
         return out
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
     def to_dict(self) -> dict:
         """JSON-ready; non-finite numbers (a NaN error, an infinite SQNR) become strings."""
-        return json_safe({
+        return self.verdict_dict({
             "path": self.path, "reference": self.reference, "device": self.device,
             "blocks": self.blocks, "tokens": self.tokens, "seed": self.seed,
-            "passed": self.passed, "failures": self.failures,
             "thresholds": asdict(self.thresholds),
             "layers": [asdict(c) for c in self.layers],
             "block_checks": [asdict(b) for b in self.block_checks],
@@ -337,7 +292,7 @@ def _reference_linear(qblock: LoadedBlock, rblock: LoadedBlock | None, name: str
     ref = rblock.linear(name)
     if ref.is_quantized:
         raise VerifyError("the reference checkpoint must be a float checkpoint; this layer is "
-                          f"quantized ({ref.format.value})", tensor=ref.name)
+                          f"quantized ({ref.fields['format'] if ref.fields else ref.format})", tensor=ref.name)
     if tuple(ref.weight.shape) != (layer.out_features, layer.in_features):
         raise VerifyError(f"reference weight is {list(ref.weight.shape)}, the checkpoint's layer is "
                           f"[{layer.out_features}, {layer.in_features}]", tensor=ref.name)
@@ -456,8 +411,7 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
                                               inputs[name], tdev, dtype, th))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
-    w4 = registry.low_bit(fmts)
-    limit = th.block_sqnr_db_w4a8 if w4 else th.block_sqnr_db_int8
+    limit = th.block_limit(fmts)
     result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
 
 

@@ -1,0 +1,40 @@
+"""What every verifier returns: one verdict (``passed`` from the list of ``failures``), one JSON
+form, and the SQNR limits a block or a whole model is held to (from the codecs' own limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h3quant.formats.codecs import registry
+from h3quant.pipelines.metrics import json_safe
+
+_INT8 = registry.verify_limits("int8_tensorwise")
+_W4A8 = registry.verify_limits("asym_w4a8_int8")
+
+
+@dataclass(frozen=True)
+class SqnrLimits:
+    """SQNR a block's residual update or the model's outputs must reach: the int8 limit when every
+    quantized linear is 8-bit, the W4A8 one when any is 4-bit (docs/FORMATS.md, verify)."""
+
+    sqnr_db_int8: float = _INT8.block_sqnr_db
+    sqnr_db_w4a8: float = _W4A8.block_sqnr_db
+
+    def limit(self, formats) -> float:
+        return self.sqnr_db_w4a8 if registry.low_bit(formats) else self.sqnr_db_int8
+
+
+class Verdict:
+    """Mixin of the result dataclasses: subclasses list their ``failures``; ``passed`` and the
+    JSON envelope (``passed``, ``failures``, non-finite numbers as strings) are shared."""
+
+    @property
+    def failures(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def verdict_dict(self, body: dict) -> dict:
+        return json_safe({**body, "passed": self.passed, "failures": self.failures})
