@@ -162,7 +162,7 @@ def test_int8_convrot_equals_the_comfy_source_conversion(comfy, tmp_path, kind):
     src = _official(comfy) if kind == "official" else _diffusers(comfy)
     d = _shards(src, tmp_path / "h3")
     (tmp_path / "ref").mkdir()
-    ref_in = tmp_path / "ref" / "h3.safetensors"  # the name the output's provenance records
+    ref_in = tmp_path / "ref" / "h3"  # the provenance records the input's name: the directory "h3"
     save_file(comfy, ref_in)
     convert(ref_in, tmp_path / "ref.safetensors", _opts())
     convert(d, tmp_path / "got.safetensors", _opts())

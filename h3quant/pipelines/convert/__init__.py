@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from h3quant.formats.container.atomic import Outputs, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import adopt
-from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, check_paths, input_paths
+from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
 from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
 
@@ -42,15 +41,9 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         if mapping.trivial:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
-        warnings = check_paths(ckpt, src, dst, False, options.overwrite, dry_run=True)
-        with adopt.staging_dir(dst) as tmp:
-            staged = adopt.header_only(mapping, ckpt.metadata, options.codec.quantized,
-                                       tmp / adopt.staged_name(src))
-            with Checkpoint(staged, mmap=False) as sck:
-                plan = build_plan(sck, staged, dst, options, dry_run=True)
-    plan.src = src
-    plan.warnings = warnings + plan.warnings
-    plan.naming = {"detected": det.naming, "evidence": det.evidence, **mapping.to_dict()}
+        plan = build_plan(adopt.as_checkpoint(ckpt, mapping, options), src, dst, options,
+                          dry_run=dry_run)
+    plan.naming = _naming(det, mapping)
     return plan
 
 
@@ -60,17 +53,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     """Convert ``src`` to ``dst``; returns the ``ConvertReport``, also written (as JSON) to ``report_path`` when
     given. Both outputs are checked before any work and appear together or not at all
     (``formats.container.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
-    (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input."""
+    (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input.
+
+    An official, diffusers or fp8 input is converted through ``adopt.SourceView``: the output is
+    ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives."""
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        source = ckpt
         if not mapping.trivial:
-            return _convert_adopted(ckpt, src, dst, options, det, mapping, progress, log,
-                                    report_path)
-        plan = build_plan(ckpt, src, dst, options)
-        with Outputs(inputs=input_paths(ckpt, src), overwrite=options.overwrite,
+            source = adopt.as_checkpoint(ckpt, mapping, options)
+            log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
+            for name in mapping.unused:
+                log(f"not used by ComfyUI, not written: {name}")
+        plan = build_plan(source, src, dst, options)
+        with Outputs(inputs=input_paths(source, src), overwrite=options.overwrite,
                      log=log) as outs:
             out = outs.add(dst, directory=plan.directory)
             report_out = outs.add(report_path, what="report") if report_path else None
@@ -79,29 +78,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if plan.identity:
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
-            report = run_plan(plan, ckpt, out, progress=progress)
+            report = run_plan(plan, source, out, progress=progress)
+            if not mapping.trivial:
+                report.extra["naming"] = _naming(det, mapping)
             ckpt.check_unchanged()  # an input rewritten while read gives no output
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))
         return report
 
 
-def _convert_adopted(ckpt, src, dst, options, det, mapping, progress, log, report_path):
-    """A non-ComfyUI or fp8 input: staged as ComfyUI's single file beside ``dst``, then
-    converted from there (see ``convert.adopt``)."""
-    check_paths(ckpt, src, dst, False, options.overwrite)
-    log(f"input naming: {det.naming} ({det.evidence}); staging ComfyUI's single file")
-    for name in mapping.unused:
-        log(f"not used by ComfyUI, not written: {name}")
-    with adopt.staging_dir(dst) as tmp:
-        staged = adopt.stage(ckpt, mapping, tmp / adopt.staged_name(src),
-                             options.codec.quantized)
-        ckpt.check_unchanged()
-        report = convert(staged, dst, replace(options, naming="comfy"), progress=progress,
-                         log=log, report_path=report_path)
-    report.input = str(src)
-    report.extra["naming"] = {"detected": det.naming, "evidence": det.evidence, **mapping.to_dict()}
-    return report
+def _naming(det, mapping) -> dict:
+    return {"detected": det.naming, "evidence": det.evidence, **mapping.to_dict()}
 
 
 def report_bytes(report: dict) -> bytes:

@@ -1,29 +1,31 @@
-"""Take in official, diffusers and fp8 checkpoints: re-lay them out as ComfyUI's single file.
+"""Take in official, diffusers and fp8 checkpoints: seen as ComfyUI's single file.
 
 ``convert`` calls ``adopt_mapping`` on its input's header; when the input is not already a
-ComfyUI file with plain (non-fp8) weights, ``stage`` writes the equivalent ComfyUI file into a
-private staging directory beside the output, one target tensor at a time (a fused q/k/v reads
-its three sources, nothing else), and the ordinary conversion runs on that file. Converting an
-official or diffusers checkpoint therefore gives exactly the bytes converting the ComfyUI file
-gives. The staging directory is removed on success, error or interrupt.
+ComfyUI file with plain (non-fp8) weights, it converts a ``SourceView`` of it instead: an object
+with the reading interface of a ``Checkpoint`` whose tensors carry ComfyUI's names, dtypes and
+shapes, laid out as one single file. A renamed tensor is read straight from its shard (even copied
+inside the kernel); a fused, regrouped, swapped or fp8 one is computed when first read, from its
+own source tensors only (a fused q/k/v reads three tensors), and at most ``CACHED`` computed tensors
+are held. Nothing is written beside the output, and converting an official or diffusers checkpoint
+gives exactly the bytes converting the equivalent ComfyUI file gives.
 
 Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded exactly to fp32 (``float(code) * scale``, the scale per tensor or per
-output row, as ComfyUI's scaled-fp8 loader multiplies it in) and staged as F32 for a quantized
+output row, as ComfyUI's scaled-fp8 loader multiplies it in) and seen as F32 by a quantized
 target, or rounded once to BF16 (nearest even) for ``--to bf16``.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
+import threading
+from collections import OrderedDict
 from pathlib import Path
+from typing import cast
 
 from h3quant.errors import FormatError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.naming import (
+    COPY,
     DEINTERLEAVE_QKV,
     FUSE_QKV,
     SWAP_HALVES,
@@ -37,7 +39,7 @@ from h3quant.formats.rules.naming import (
     staged_entries,
 )
 from h3quant.pipelines.naming_view import has_config
-from h3quant.formats.container.writer import Entry, Layout, StreamingWriter, plan_layout
+from h3quant.formats.container.reader import TensorInfo
 
 
 
@@ -51,12 +53,6 @@ def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Ma
     mapping = plan_mapping(tensors, det.naming)
     check_fp8_scales(mapping, tensors)
     return det, mapping
-
-
-def staged_layout(mapping: Mapping, metadata: dict[str, str], quantized_target: bool) -> Layout:
-    entries = [Entry(n, d, sh) for n, (d, sh) in
-               staged_entries(mapping, quantized_target).items()]
-    return plan_layout(entries, dict(metadata))
 
 
 def decode_fp8(ckpt: Checkpoint, src):
@@ -97,45 +93,190 @@ def build_target(ckpt: Checkpoint, t: Target):
     return x
 
 
-def stage(ckpt: Checkpoint, mapping: Mapping, path: Path, quantized_target: bool) -> Path:
-    """Write the ComfyUI file of ``mapping`` to ``path`` (streamed, atomic)."""
-    from h3quant.formats.container.dtypes import to_torch
+CACHED = 2  # computed tensors held at once (a fused q/k/v of a full block: 173 MB in BF16)
+ALIGN = 64
 
-    layout = staged_layout(mapping, ckpt.metadata, quantized_target)
-    by_name = {t.name: t for t in mapping.targets}
-    with StreamingWriter(path, layout) as w:
-        for entry in layout.order:
-            x = build_target(ckpt, by_name[entry.name])
-            want = to_torch(entry.dtype)
+
+class _ViewFile:
+    """The one file of a ``SourceView``: the reading interface ``convert`` uses of a
+    ``SafetensorsFile`` (``read_bytes``, ``release_pages``, ``prefetch``, ``forward``)."""
+
+    use_mmap = False  # reads go through the reader's lock: a tensor is computed once
+
+    def __init__(self, view: "SourceView", path: Path):
+        self.view = view
+        self.path = path
+        self.findings: list = []
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.view.metadata
+
+    def forward(self, info: TensorInfo):
+        """(real file, real TensorInfo) of a tensor stored unchanged in a shard, else None."""
+        return self.view.forwarded(info.name)
+
+    def read_bytes(self, info: TensorInfo, start: int = 0, length: int | None = None):
+        real = self.forward(info)
+        if real is not None:
+            return real[0].read_bytes(real[1], start, length)
+        data = self.view.computed(info.name)
+        end = len(data) if length is None else start + length
+        return data[start:end]
+
+    def release_pages(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
+        real = self.forward(info)
+        if real is not None:
+            real[0].release_pages(real[1], start, length)
+
+    def prefetch(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
+        real = self.forward(info)
+        if real is not None:
+            real[0].prefetch(real[1], start, length)
+
+    def iter_bytes(self, info: TensorInfo, chunk: int = 16 << 20):
+        for start in range(0, info.nbytes, chunk):
+            yield self.read_bytes(info, start, min(chunk, info.nbytes - start))
+
+    def read(self, info: TensorInfo):
+        return self.view.read(info.name)
+
+    def check_unchanged(self, **_) -> None:
+        self.view.source.check_unchanged()
+
+    def close(self) -> None:
+        pass
+
+
+class SourceView:
+    """A checkpoint in another naming (or with fp8 weights), seen as ComfyUI's single file.
+
+    It has what ``convert`` reads of a ``Checkpoint``: ``path``, ``files`` (one), ``tensors``
+    (ComfyUI names -> ``TensorInfo`` in a virtual file), ``metadata``, ``read``, ``read_bytes``,
+    ``file_of``, ``check_unchanged``; ``input_files`` lists the real files, which the output
+    rules protect."""
+
+    is_sharded = False
+    index_path = None
+
+    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool):
+        self.source = source
+        self.mapping = mapping
+        self.path = source.path
+        self.findings: list = []
+        self.index_metadata: dict = {}
+        self.input_files = [sf.path for sf in source.files] + (
+            [source.index_path] if source.index_path else [])
+        name = source.path.name if source.path.suffix == ".safetensors" \
+            else source.path.name + ".safetensors"
+        self._file = _ViewFile(self, source.path.parent / name)
+        self.files = [self._file]
+        entries = staged_entries(mapping, quantized_target)
+        self._targets = {t.name: t for t in mapping.targets}
+
+        def first_source(t: Target):
+            info = source.info(t.sources[0].name)
+            return str(info.file), info.begin
+        offset = 0
+        infos = {}
+        for t in sorted(mapping.targets, key=first_source):  # read the shards in order
+            dtype, shape = entries[t.name]
+            nbytes = _nbytes(dtype, shape)
+            infos[t.name] = TensorInfo(t.name, dtype, tuple(shape), offset, offset + nbytes,
+                                       self._file.path)
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.tensors = dict(sorted(infos.items()))
+        self._cache: OrderedDict[str, memoryview] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- Checkpoint's reading interface ---------------------------------------------------------
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.source.metadata
+
+    @property
+    def total_bytes(self) -> int:
+        return self.source.total_bytes
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def file_of(self, name: str) -> _ViewFile:
+        self.info(name)
+        return self._file
+
+    def read(self, name: str):
+        import torch
+
+        from h3quant.formats.container.dtypes import to_torch
+
+        info = self.info(name)
+        real = self.forwarded(name)
+        if real is not None:
+            return real[0].read(real[1])
+        data = self.computed(name)
+        return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(info.dtype)) \
+            .reshape(info.shape).clone()
+
+    def read_bytes(self, name: str):
+        return self._file.read_bytes(self.info(name))
+
+    def check_unchanged(self) -> None:
+        self.source.check_unchanged()
+
+    def close(self) -> None:
+        self._cache.clear()
+
+    def __enter__(self) -> "SourceView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the tensors ----------------------------------------------------------------------------
+    def forwarded(self, name: str):
+        """A target stored unchanged (same bytes) in a source shard: (file, TensorInfo)."""
+        t = self._targets[name]
+        src = t.sources[0]
+        if t.op != COPY or len(t.sources) != 1 or t.fp8 or self.tensors[name].dtype != src.dtype:
+            return None
+        return self.source.file_of(src.name), self.source.info(src.name)
+
+    def computed(self, name: str) -> memoryview:
+        """The bytes of a computed target (held for the next reads, at most ``CACHED``)."""
+        from h3quant.formats.container.dtypes import to_torch
+
+        with self._lock:
+            if name in self._cache:
+                self._cache.move_to_end(name)
+                return self._cache[name]
+            x = build_target(self.source, self._targets[name])
+            want = to_torch(self.tensors[name].dtype)
             if x.dtype != want:
                 x = x.to(want)  # fp8 decoded: F32 kept, or rounded once to BF16
-            w.write_tensor(entry.name, x.contiguous())
-            del x
-    return path
+            data = memoryview(x.contiguous().reshape(-1).view(_u8()).numpy()).cast("B")
+            self._cache[name] = data
+            while len(self._cache) > CACHED:
+                self._cache.popitem(last=False)
+            return data
 
 
-def staged_name(src: Path) -> str:
-    """The staged file's name: the input's, so the output's provenance names the input."""
-    return src.name if src.name.endswith(".safetensors") else src.name + ".safetensors"
+def as_checkpoint(ckpt: Checkpoint, mapping: Mapping, options) -> Checkpoint:
+    """``ckpt`` seen through ``mapping`` as ComfyUI's single file (a ``SourceView``, which has
+    the reading interface of a ``Checkpoint``)."""
+    return cast(Checkpoint, SourceView(ckpt, mapping, options.codec.quantized))
 
 
-@contextmanager
-def staging_dir(dst: Path):
-    """A private directory beside ``dst`` (same file system), removed on the way out."""
-    parent = dst.parent if str(dst.parent) else Path(".")
-    d = Path(tempfile.mkdtemp(prefix=f".{dst.name}.staging-", dir=parent))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def _u8():
+    import torch
+
+    return torch.uint8
 
 
-def header_only(mapping: Mapping, metadata: dict[str, str], quantized_target: bool,
-                path: Path) -> Path:
-    """A sparse file holding the staged header and no data, for planning (``--dry-run``)."""
-    layout = staged_layout(mapping, metadata, quantized_target)
-    with open(path, "wb") as f:
-        f.write(layout.header)
-        f.truncate(layout.file_bytes)
-    os.chmod(path, 0o600)
-    return path
+def _nbytes(dtype: str, shape) -> int:
+    from h3quant.formats.container.dtypes import itemsize
+
+    n = itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n

@@ -249,9 +249,16 @@ class Reader:
             return self.ckpt.read(info.name)
         return self.rows(info, 0, info.shape[0])
 
-    def source_range(self, info: TensorInfo) -> tuple[int, int]:
-        """(file descriptor, absolute byte offset) of a tensor's data, for kernel-side copies."""
+    def source_range(self, info: TensorInfo) -> tuple[int, int] | None:
+        """(file descriptor, absolute byte offset) of a tensor's data, for kernel-side copies;
+        None for a tensor a ``SourceView`` computes (it has no bytes on disk)."""
         sf = self.ckpt.file_of(info.name)
+        forward = getattr(sf, "forward", None)
+        if forward is not None:
+            real = forward(info)
+            if real is None:
+                return None
+            sf, info = real
         return sf.fileno(), info.begin
 
     def chunks(self, info: TensorInfo, chunk: int, first: int = 0):
@@ -337,8 +344,9 @@ def copy_tensor(item, reader: Reader, sink, progress) -> None:
     """Copy one tensor's bytes unchanged: inside the kernel where it can (``copy_file_range``:
     no user-space copy, no mapped pages), else in ``COPY_CHUNK`` pieces through memory."""
     info, done = item.src, 0
-    if _kernel_copy[0] and info.nbytes:
-        fd, pos = reader.source_range(info)
+    where = reader.source_range(info) if _kernel_copy[0] and info.nbytes else None
+    if where is not None:
+        fd, pos = where
         try:
             while done < info.nbytes:
                 n = sink.copy_range(item.out, done, fd, pos + done,

@@ -102,8 +102,10 @@ class ConvertPlan:
 
 def input_paths(ckpt: Checkpoint, src: Path) -> list[Path]:
     """Every path the conversion reads: the named input, its shards and its index."""
-    files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
-    return [src] + files
+    files = getattr(ckpt, "input_files", None)  # a SourceView: the real files behind it
+    if files is None:
+        files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
+    return [src] + list(files)
 
 
 def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwrite: bool,
@@ -126,7 +128,8 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
     tensors = ckpt.tensors
     h3 = is_h3(tensors)
     preset = options.preset or ("h3" if h3 else "all-linears")
-    directory = ckpt.is_sharded or src.is_dir()
+    # a SourceView is ComfyUI's single file, whatever directory it is read from
+    directory = ckpt.is_sharded or (src.is_dir() and not hasattr(ckpt, "input_files"))
     warnings = check_paths(ckpt, src, dst, directory, options.overwrite, dry_run)
     layers, others = group_tensors(tensors)
     repairs: list[str] = []
