@@ -70,6 +70,13 @@ class UnsupportedError(H3QuantError):
     """A known but unsupported format or configuration was requested or found."""
 
 
+class LoraError(UnsupportedError):
+    """A LoRA file that cannot be baked as given: keys that fit no layer, shapes that do not fit,
+    adapter types h3quant does not implement. Exit 1: the input breaks a rule."""
+
+    exit_code = 1
+
+
 class ConvertError(H3QuantError):
     """A conversion cannot proceed (bad options, refused output path, failed layer)."""
 

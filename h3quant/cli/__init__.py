@@ -13,6 +13,7 @@ from h3quant import __version__
 # command name -> module under h3quant.cli defining a click command named ``command``
 _COMMANDS = {
     "synth": "synth_cmd",
+    "synth-lora": "synth_lora_cmd",
     "inspect": "inspect_cmd",
     "validate": "validate_cmd",
     "convert": "convert_cmd",

@@ -61,8 +61,17 @@ def _group_size(ctx, param, value):
               default="auto", show_default=True,
               help="Naming of IN: auto detects it (diffusers names; official = model-NNNNN-of-"
                    "MMMMM shards, whose names equal ComfyUI's but whose fused q/k/v rows are "
-                   "per head). A non-ComfyUI or fp8 input is re-laid out as ComfyUI's single "
-                   "file (staged beside OUT) before it is converted.")
+                   "per head). A non-ComfyUI or fp8 input is read as ComfyUI's single file "
+                   "(renames, q/k/v fused in ComfyUI's row order, SwiGLU halves swapped, fp8 "
+                   "decoded exactly) and OUT is ComfyUI's single file; nothing is staged.")
+@click.option("--lora", "loras", multiple=True, metavar="FILE[:STRENGTH]",
+              help="Bake a LoRA into the weights before any rotation or encoding: W + strength "
+                   "x (alpha / rank) x B @ A, summed in float64 and rounded once to the layer's "
+                   "dtype. Repeatable (applied in order); STRENGTH defaults to 1.0 and may be "
+                   "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
+                   "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped).")
+@click.option("--lora-skip-unmatched", is_flag=True,
+              help="Skip LoRA keys that fit no layer of IN (listed) instead of refusing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -76,7 +85,7 @@ def _group_size(ctx, param, value):
 @mmap_option
 @handle_errors
 def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, naming,
-            overwrite,
+            loras, lora_skip_unmatched, overwrite,
             dry_run, as_json, quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -96,6 +105,7 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
       h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
       h3quant convert FL2VA/transformer h3_int8.safetensors          # official shards
       h3quant convert transformer/ h3_bf16.safetensors --to bf16     # diffusers: re-layout
+      h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
     """
     from h3quant.cli.render import render_plan, summary_line
     from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
@@ -106,7 +116,8 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
                              exclude=tuple(exclude), group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
                              overwrite=overwrite, rotation=rotation, layout=layout,
-                             naming=naming)
+                             naming=naming, loras=tuple(loras),
+                             lora_skip_unmatched=lora_skip_unmatched)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:
@@ -135,6 +146,11 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
         log(f"wrote {dst}: {report.output_bytes:,} bytes, {converted} layer(s) converted, "
             f"{report.copied['tensors']} tensor(s) copied, {report.elapsed_s:.1f} s "
             f"({report.input_mb_per_s} MB/s of input)")
+        lora = report.to_dict().get("lora")
+        if lora:
+            kept = [r["kept"] for r in lora["survival"]]
+            log(f"LoRA baked into {len(kept)} layer(s); share of the delta kept after encoding: "
+                f"min {min(kept):.0%}, median {sorted(kept)[len(kept) // 2]:.0%}")
         for lay in report.layers:
             if lay["action"] == "skip":
                 log(f"skipped {lay['name']}: {lay['reason']}")

@@ -97,7 +97,8 @@ Examples:
   h3quant inspect model.safetensors
   h3quant inspect model.safetensors --layers          # one row per layer
   h3quant inspect model.safetensors.index.json --json # sharded, machine-readable
-  h3quant inspect shards_dir/ --no-mmap""")
+  h3quant inspect shards_dir/ --no-mmap
+  h3quant inspect my_lora.safetensors                 # a LoRA: style, rank, H3 layers""")
 @click.argument("ckpt", type=click.Path(path_type=str))
 @click.option("--layers", is_flag=True,
               help="Add a table with one row per layer: format, N, K, size, bits per weight, "
@@ -117,6 +118,12 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
     Exit status: 0 summarised, 2 unreadable input or usage error.
     """
     from h3quant.pipelines.inspect import inspect_checkpoint
+    from h3quant.pipelines.lora_inspect import inspect_lora, looks_like_lora, render_lora
+
+    if looks_like_lora(ckpt):  # a LoRA file: its style, ranks and the H3 layers it touches
+        info = guard("inspecting", inspect_lora, ckpt)
+        emit_json(info) if as_json else click.echo(render_lora(info))
+        return
 
     res = guard("inspecting", inspect_checkpoint, ckpt, mmap=not no_mmap, layers=layers)
     if as_json:

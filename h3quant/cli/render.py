@@ -19,8 +19,8 @@ def render_plan(d: dict) -> str:
              + (" (H3 detected)" if d["h3"] else "")]
     naming = d.get("naming")
     if naming:
-        lines.append(f"input naming {naming['naming']} ({naming['evidence']}): re-laid out as "
-                     "ComfyUI's single file, then converted")
+        lines.append(f"input naming {naming['naming']} ({naming['evidence']}): read as "
+                     "ComfyUI's single file")
         for t in naming["targets"]:
             ops = [] if t["op"] == "copy" else [t["op"]]
             ops += ["fp8 decoded"] if t["fp8"] else []
@@ -29,6 +29,13 @@ def render_plan(d: dict) -> str:
                              + (f"  [{', '.join(ops)}]" if ops else ""))
         for name in naming["unused"]:
             lines.append(f"  not used by ComfyUI, not written: {name}")
+    lora = d.get("lora")
+    if lora:
+        files = ", ".join(f"{f['file']} x {f['strength']:g}" for f in lora["files"])
+        lines.append(f"LoRA baked in float before encoding ({files}): {len(lora['layers'])} "
+                     "layer(s)")
+        lines += [f"  {name}" for name in lora["layers"]]
+        lines += [f"  skipped: {s}" for s in lora["skipped"]]
     by = {}
     for lay in d["layers"]:
         by.setdefault(lay["action"], []).append(lay)

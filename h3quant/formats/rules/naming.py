@@ -195,6 +195,11 @@ def staged_entries(mapping: Mapping, quantized_target: bool = False
     return out
 
 
+def diffusers_to_comfy(name: str) -> str:
+    """A diffusers tensor name as ComfyUI names it (split q/k/v and SwiGLU order aside)."""
+    return _rename(name)
+
+
 def _rename(name: str) -> str:
     for pattern, repl in DIFFUSERS_RENAMES:
         name = re.sub(pattern, repl, name)

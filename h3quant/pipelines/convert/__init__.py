@@ -22,7 +22,7 @@ from pathlib import Path
 from h3quant.formats.container.atomic import Outputs, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
-from h3quant.pipelines.convert import adopt
+from h3quant.pipelines.convert import adopt, survival
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
 from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
@@ -39,11 +39,15 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
-        if mapping.trivial:
+        loras = _loras(mapping, options)
+        if mapping.trivial and loras is None:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
-        plan = build_plan(adopt.as_checkpoint(ckpt, mapping, options), src, dst, options,
+        plan = build_plan(adopt.as_checkpoint(ckpt, mapping, options, loras), src, dst, options,
                           dry_run=dry_run)
-    plan.naming = _naming(det, mapping)
+    if not mapping.trivial:
+        plan.naming = _naming(det, mapping)
+    if loras is not None:
+        plan.lora = survival.summary(loras)
     return plan
 
 
@@ -62,12 +66,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        loras = _loras(mapping, options)
         source = ckpt
+        if not mapping.trivial or loras is not None:
+            source = adopt.as_checkpoint(ckpt, mapping, options, loras)
         if not mapping.trivial:
-            source = adopt.as_checkpoint(ckpt, mapping, options)
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:
                 log(f"not used by ComfyUI, not written: {name}")
+        if loras is not None:
+            for line in loras.skipped:
+                log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
         with Outputs(inputs=input_paths(source, src), overwrite=options.overwrite,
                      log=log) as outs:
@@ -75,16 +84,33 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             report_out = outs.add(report_path, what="report") if report_path else None
             for line in plan.repairs:
                 log(f"repair: {line}")
-            if plan.identity:
+            if plan.identity and source is not ckpt:
+                log("no layer re-encoded: the input's tensors are written in ComfyUI's layout")
+            elif plan.identity:
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
             report = run_plan(plan, source, out, progress=progress)
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
+            if loras is not None:
+                report.extra["lora"] = survival.measure(source, loras, plan, options, log)
             ckpt.check_unchanged()  # an input rewritten while read gives no output
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))
         return report
+
+
+def _loras(mapping, options: ConvertOptions):
+    """The LoRA files of ``options``, read once and resolved against the ComfyUI names."""
+    if not options.loras:
+        return None
+    from h3quant.pipelines.convert import lora
+
+    quantized = options.codec.quantized
+    loras = lora.load(options.loras, adopt.base_shapes(mapping, quantized),
+                      options.lora_skip_unmatched)
+    adopt.check_lora_base(mapping, loras, quantized)
+    return loras
 
 
 def _naming(det, mapping) -> dict:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import cast
 
-from h3quant.errors import FormatError
+from h3quant.errors import FormatError, UnsupportedError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.naming import (
     COPY,
@@ -159,8 +159,10 @@ class SourceView:
     is_sharded = False
     index_path = None
 
-    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool):
+    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool,
+                 lora=None):
         self.source = source
+        self.lora = lora  # a convert.lora.LoraSet merged into its layers' weights, or None
         self.mapping = mapping
         self.path = source.path
         self.findings: list = []
@@ -234,10 +236,21 @@ class SourceView:
         self.close()
 
     # -- the tensors ----------------------------------------------------------------------------
+    def base(self, name: str):
+        """Tensor ``name`` without the LoRA, in the dtype the view shows it in (for the
+        survival report)."""
+        from h3quant.formats.container.dtypes import to_torch
+
+        x = build_target(self.source, self._targets[name])
+        return x.to(to_torch(self.tensors[name].dtype))
+
     def forwarded(self, name: str):
         """A target stored unchanged (same bytes) in a source shard: (file, TensorInfo)."""
         t = self._targets[name]
         src = t.sources[0]
+        if self.lora is not None and name.endswith(".weight") \
+                and name[: -len(".weight")] in self.lora.layers:
+            return None
         if t.op != COPY or len(t.sources) != 1 or t.fp8 or self.tensors[name].dtype != src.dtype:
             return None
         return self.source.file_of(src.name), self.source.info(src.name)
@@ -250,10 +263,18 @@ class SourceView:
             if name in self._cache:
                 self._cache.move_to_end(name)
                 return self._cache[name]
-            x = build_target(self.source, self._targets[name])
+            t = self._targets[name]
             want = to_torch(self.tensors[name].dtype)
-            if x.dtype != want:
+            x = build_target(self.source, t)
+            if self.lora is not None and name.endswith(".weight") \
+                    and name[: -len(".weight")] in self.lora.layers:
+                x = self.lora.merged(name[: -len(".weight")], x, want)
+            elif x.dtype != want:
                 x = x.to(want)  # fp8 decoded: F32 kept, or rounded once to BF16
+            for src in t.sources:  # the source pages are not needed again
+                for part in (src.name, src.scale):
+                    if part is not None:
+                        self.source.file_of(part).release_pages(self.source.info(part))
             data = memoryview(x.contiguous().reshape(-1).view(_u8()).numpy()).cast("B")
             self._cache[name] = data
             while len(self._cache) > CACHED:
@@ -261,10 +282,27 @@ class SourceView:
             return data
 
 
-def as_checkpoint(ckpt: Checkpoint, mapping: Mapping, options) -> Checkpoint:
-    """``ckpt`` seen through ``mapping`` as ComfyUI's single file (a ``SourceView``, which has
-    the reading interface of a ``Checkpoint``)."""
-    return cast(Checkpoint, SourceView(ckpt, mapping, options.codec.quantized))
+def as_checkpoint(ckpt: Checkpoint, mapping: Mapping, options, lora=None) -> Checkpoint:
+    """``ckpt`` seen through ``mapping`` as ComfyUI's single file, with ``lora`` merged (a
+    ``SourceView``, which has the reading interface of a ``Checkpoint``)."""
+    return cast(Checkpoint, SourceView(ckpt, mapping, options.codec.quantized, lora))
+
+
+def base_shapes(mapping: Mapping, quantized_target: bool = False) -> dict[str, tuple[int, ...]]:
+    """ComfyUI name -> shape of every tensor the view shows (what a LoRA is resolved against)."""
+    return {n: tuple(sh) for n, (_, sh) in staged_entries(mapping, quantized_target).items()}
+
+
+def check_lora_base(mapping: Mapping, lora, quantized_target: bool) -> None:
+    """A LoRA merges into float weights: refuse a layer stored in a quantized format."""
+    entries = staged_entries(mapping, quantized_target)
+    bad = sorted(layer for layer in lora.layers
+                 if entries[layer + ".weight"][0] not in ("F32", "F16", "BF16", "F64"))
+    if bad:
+        raise UnsupportedError(
+            f"--lora: {len(bad)} layer(s) the LoRA touches are stored quantized "
+            f"({entries[bad[0] + '.weight'][0]} weight, e.g. {bad[0]}); bake the LoRA into the "
+            "float (bf16, fp32 or fp8) checkpoint instead", tensor=bad[0])
 
 
 def _u8():

@@ -45,6 +45,9 @@ class ConvertOptions:
     rotation: str = "exact"  # int8 ConvRot: "exact" (bit-identical to comfy-kitchen) or "fast"
     layout: str = "canonical"  # int8: "canonical" [N, K] or "npu" (int8_tensorwise_kn, [K, N])
     naming: str = "auto"  # the input's naming: auto (detected), comfy, official or diffusers
+    loras: tuple[str, ...] = ()  # LoRA files to bake in, "FILE[:STRENGTH]", in order
+    lora_skip_unmatched: bool = False  # LoRA keys that fit no layer: skipped (else an error)
+    lora_warn: float = 0.5  # warn when a layer keeps less than this share of its LoRA delta
     _patterns: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,9 @@ class ConvertOptions:
         if self.naming not in ("auto", "comfy", "official", "diffusers"):
             raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
                                f"got {self.naming!r}")
+        object.__setattr__(self, "loras", tuple(self.loras))
+        if not 0.0 <= self.lora_warn <= 1.0:
+            raise ConvertError(f"--lora-warn must be a share in 0..1, got {self.lora_warn!r}")
         if self.workers is None:
             object.__setattr__(self, "workers", max(1, min(os.cpu_count() or 1, 8)))
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
@@ -113,12 +119,17 @@ class ConvertOptions:
             body["rotation"] = self.rotation
         if self.layout != "canonical":
             body["layout"] = self.layout
+        if self.loras:  # baked LoRAs change the bytes: file names and strengths
+            from h3quant.pipelines.convert.lora import parse_spec
+
+            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("_patterns", None)
         d["include"], d["exclude"] = list(self.include), list(self.exclude)
+        d["loras"] = list(self.loras)
         return d
 
 

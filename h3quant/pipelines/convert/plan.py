@@ -70,6 +70,7 @@ class ConvertPlan:
     input_bytes: int
     warnings: list[str] = field(default_factory=list)
     naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
+    lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
 
     @property
     def output_bytes(self) -> int:
@@ -97,6 +98,7 @@ class ConvertPlan:
                       for s in self.shards.values()],
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             **({"naming": self.naming} if self.naming else {}),
+            **({"lora": self.lora} if self.lora else {}),
         }
 
 
@@ -160,7 +162,7 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
             and HEADER_KEY not in ckpt.metadata:
         repairs.append(f"added the missing {HEADER_KEY} (from the marker tensors)")
     identity = (not any(lp.action == "convert" or lp.produced for lp in plans) and not dropped
-                and not repairs
+                and not repairs and getattr(ckpt, "lora", None) is None  # a LoRA changes weights
                 and all(c.entry == Entry(c.src.name, c.src.dtype, c.src.shape)
                         for lp in plans for c in lp.copies))
     plan = ConvertPlan(src, dst, options, preset, h3, directory, plans, copies, {}, header_layers,

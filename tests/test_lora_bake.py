@@ -1,0 +1,246 @@
+"""``convert --lora``: baked weights checked against a merge written here, in numpy float64.
+
+The expected weights are built in this file from the LoRA file's own keys with explicit loops
+(which rows of the fused q/k/v each split adapter lands in, the SwiGLU halves swapped), never
+from the product's key table.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from h3quant.cli import main as cli_main
+from h3quant.errors import LoraError, UnsupportedError
+from h3quant.formats.rules.topology import config_for
+from h3quant.pipelines.convert import ConvertOptions, convert
+from h3quant.synth import synth_checkpoint
+from h3quant.synth_lora import write_lora
+
+CFG = config_for("tiny", blocks=2)
+QKV_THIRD = CFG.qkv_out // 3
+FFN = CFG.fc1_out // 2
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    path = d / "b.safetensors"
+    synth_checkpoint(path, preset="tiny", blocks=2, seed=11, workers=1)
+    return path
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.float64).numpy()
+
+
+def _expected_delta(lora: dict[str, torch.Tensor], strength: float) -> dict[str, np.ndarray]:
+    """ComfyUI layer name -> float64 delta, from the LoRA's keys (written for this test)."""
+    out: dict[str, np.ndarray] = {}
+
+    def add(layer, rows, value):
+        shape = {"attn.qkv_proj": (CFG.qkv_out, CFG.hidden), "attn.out_proj": (CFG.hidden, CFG.attn_width),
+                 "mlp.fc1": (CFG.fc1_out, CFG.hidden), "mlp.fc2": (CFG.hidden, CFG.ffn)}[layer.split(".", 2)[2]]
+        acc = out.setdefault(layer, np.zeros(shape))
+        acc[rows] += value
+
+    for key in lora:
+        for down_sfx, up_sfx in ((".lora_down.weight", ".lora_up.weight"),
+                                 (".lora_A.weight", ".lora_B.weight")):
+            if not key.endswith(down_sfx):
+                continue
+            module = key[: -len(down_sfx)]
+            a, b = _np(lora[key]), _np(lora[module + up_sfx])
+            rank = a.shape[0]
+            alpha = float(lora[module + ".alpha"]) if module + ".alpha" in lora else rank
+            d = strength * (alpha / rank) * (b @ a)
+            if module.startswith("diffusion_model."):
+                add(module[len("diffusion_model."):], slice(None), d)
+            elif module.startswith("lora_unet_blocks_"):
+                i, rest = module[len("lora_unet_blocks_"):].split("_", 1)
+                sub = {"attn_qkv_proj": "attn.qkv_proj", "attn_out_proj": "attn.out_proj",
+                       "mlp_fc1": "mlp.fc1", "mlp_fc2": "mlp.fc2"}[rest]
+                add(f"blocks.{i}.{sub}", slice(None), d)
+            else:  # transformer.blocks.N.<diffusers module>
+                _, _, i, rest = module.split(".", 3)
+                if rest in ("attn.to_q", "attn.to_k", "attn.to_v"):
+                    part = "qkv".index(rest[-1])
+                    add(f"blocks.{i}.attn.qkv_proj",
+                        slice(part * QKV_THIRD, (part + 1) * QKV_THIRD), d)
+                elif rest == "ff.net.0.proj":  # [value; gate] -> ComfyUI's [gate; value]
+                    add(f"blocks.{i}.mlp.fc1", slice(None), np.concatenate([d[FFN:], d[:FFN]]))
+                elif rest == "attn.to_out.0":
+                    add(f"blocks.{i}.attn.out_proj", slice(None), d)
+                elif rest == "ff.net.2":
+                    add(f"blocks.{i}.mlp.fc2", slice(None), d)
+                else:
+                    raise AssertionError(module)
+    return out
+
+
+def _expected_bf16(base_t, deltas_list):
+    want = dict(base_t)
+    total: dict[str, np.ndarray] = {}
+    for deltas in deltas_list:
+        for layer, d in deltas.items():
+            total[layer] = total.get(layer, 0) + d
+    for layer, d in total.items():
+        w = _np(base_t[layer + ".weight"]) + d
+        want[layer + ".weight"] = torch.from_numpy(w).to(torch.bfloat16)
+    return want
+
+
+@pytest.mark.parametrize("style", ["comfyui", "kohya", "diffusers"])
+def test_bf16_bake_equals_the_independent_merge(base, tmp_path, style):
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, style, rank=4, scale=0.05, seed=2)
+    out = tmp_path / "o.safetensors"
+    convert(base, out, ConvertOptions(target="bf16", loras=(lora_path + ":0.75",), report=False))
+    got, base_t = load_file(out), load_file(base)
+    want = _expected_bf16(base_t, [_expected_delta(load_file(lora_path), 0.75)])
+    assert set(got) == set(want)
+    changed = [n for n in want if not torch.equal(want[n], base_t[n])]
+    assert len(changed) == 8  # the 4 linears of both blocks
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_several_loras_and_negative_strength(base, tmp_path):
+    a = write_lora(str(tmp_path / "a.safetensors"), CFG, "comfyui", rank=2, scale=0.05, seed=3)
+    b = write_lora(str(tmp_path / "b.safetensors"), CFG, "diffusers", rank=3, scale=0.05, seed=4)
+    out = tmp_path / "o.safetensors"
+    convert(base, out, ConvertOptions(target="bf16", loras=(a + ":-0.5", b), report=False))
+    want = _expected_bf16(load_file(base), [_expected_delta(load_file(a), -0.5),
+                                             _expected_delta(load_file(b), 1.0)])
+    got = load_file(out)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def _tensor_bytes(path):
+    from h3quant.formats.container.checkpoint import Checkpoint
+
+    with Checkpoint(path) as ck:
+        return {n: bytes(ck.read_bytes(n)) for n in ck.tensors}
+
+
+@pytest.mark.parametrize("target", ["int8-convrot", "w4a8"])
+def test_quantized_bake_equals_converting_the_baked_bf16_file(base, tmp_path, target):
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "kohya", rank=4, scale=0.05)
+    merged = tmp_path / "merged.safetensors"
+    convert(base, merged, ConvertOptions(target="bf16", loras=(lora_path,), report=False))
+    ref, got = tmp_path / "ref.safetensors", tmp_path / "got.safetensors"
+    convert(merged, ref, ConvertOptions(target=target, report=False))
+    convert(base, got, ConvertOptions(target=target, loras=(lora_path,), report=False))
+    # every tensor byte-identical; the header differs only in provenance (source, LoRA list)
+    assert _tensor_bytes(got) == _tensor_bytes(ref)
+    from h3quant.formats.container.checkpoint import Checkpoint
+
+    with Checkpoint(got) as ck:
+        opts = json.loads(ck.metadata["h3quant.options"])
+    assert opts["lora"] == [["l.safetensors", 1.0]]
+
+
+def test_lora_onto_official_shards(base, tmp_path):
+    """A diffusers LoRA onto the official release's shards: same bytes as onto ComfyUI's file."""
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=4, scale=0.05)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    r = CliRunner().invoke(cli_main, ["synth", str(tmp_path / "a" / "h3"), "--seed", "11"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli_main, ["synth", str(tmp_path / "b" / "h3"), "--seed", "11",
+                                      "--naming", "official"])
+    assert r.exit_code == 0, r.output
+    for d in "ab":
+        convert(tmp_path / d / "h3", tmp_path / f"{d}.safetensors",
+                ConvertOptions(target="int8-convrot", loras=(lora_path,), report=False))
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_small_delta_into_w4a8_warns_and_int8_keeps_it(base, tmp_path):
+    """A bf16 base decoded from W4A8 (every weight on W4A8's grid, as when a user has only the
+    4-bit file): a small delta flips almost no 4-bit code, and the warning says so; int8's finer
+    grid keeps most of it."""
+    w4 = tmp_path / "w4.safetensors"
+    convert(base, w4, ConvertOptions(target="w4a8", report=False))
+    grid = tmp_path / "grid.safetensors"
+    convert(w4, grid, ConvertOptions(target="bf16", report=False))
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=4, scale=0.02)
+    rep = tmp_path / "r.json"
+    r = CliRunner().invoke(cli_main, ["convert", str(grid), str(tmp_path / "w.safetensors"),
+                                      "--to", "w4a8", "--lora", lora_path, "--report", str(rep)])
+    assert r.exit_code == 0, r.output
+    lora = json.loads(rep.read_text())["lora"]
+    assert len(lora["warnings"]) == 8 and "warning:" in r.output and "int8-convrot" in r.output
+    kept_w4a8 = {s["layer"]: s["kept"] for s in lora["survival"]}
+    assert max(kept_w4a8.values()) < 0.1
+    rep8 = convert(grid, tmp_path / "i.safetensors", ConvertOptions(loras=(lora_path,))).to_dict()
+    assert rep8["lora"]["warnings"] == []
+    for s in rep8["lora"]["survival"]:
+        assert s["kept"] > 0.5 > kept_w4a8[s["layer"]]
+        assert 0 < s["codes_changed"] <= 1
+
+
+def test_survival_is_measured_not_assumed(base, tmp_path):
+    """kept near 1 for a large delta into int8; the delta norm equals the float64 one here."""
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=4, scale=0.08)
+    rep = convert(base, tmp_path / "i.safetensors", ConvertOptions(loras=(lora_path,)))
+    rows = {s["layer"]: s for s in rep.to_dict()["lora"]["survival"]}
+    want = _expected_delta(load_file(lora_path), 1.0)
+    for layer, d in want.items():
+        assert rows[layer]["delta_norm"] == pytest.approx(np.linalg.norm(d), rel=1e-6)
+        assert 0.8 < rows[layer]["kept"] < 1.2
+
+
+def test_unmatched_keys_are_an_error_unless_skipped(base, tmp_path):
+    t = load_file(write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=2))
+    t["diffusion_model.blocks.7.attn.qkv_proj.lora_down.weight"] = torch.zeros(2, CFG.hidden)
+    t["diffusion_model.blocks.7.attn.qkv_proj.lora_up.weight"] = torch.zeros(CFG.qkv_out, 2)
+    bad = tmp_path / "bad.safetensors"
+    save_file(t, bad)
+    out = tmp_path / "o.safetensors"
+    r = CliRunner().invoke(cli_main, ["convert", str(base), str(out), "--lora", str(bad)])
+    assert r.exit_code == 1 and "blocks.7.attn.qkv_proj" in r.output and not out.exists()
+    r = CliRunner().invoke(cli_main, ["convert", str(base), str(out), "--lora", str(bad),
+                                      "--lora-skip-unmatched"])
+    assert r.exit_code == 0, r.output
+    assert "skipped" in r.output and "blocks.7" in r.output
+
+
+@pytest.mark.parametrize("keys,needle", [
+    ({"diffusion_model.blocks.0.attn.qkv_proj.lokr_w1": (2, 4)}, "LoKr"),
+    ({"diffusion_model.blocks.0.mlp.fc2.lora_down.weight": (2, 999),
+      "diffusion_model.blocks.0.mlp.fc2.lora_up.weight": (512, 2)}, "does not fit"),
+])
+def test_bad_lora_files_exit_1_and_write_nothing(base, tmp_path, keys, needle):
+    bad = tmp_path / "bad.safetensors"
+    save_file({k: torch.zeros(s) for k, s in keys.items()}, bad)
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(LoraError, match=needle):
+        convert(base, out, ConvertOptions(loras=(str(bad),)))
+    assert not out.exists()
+
+
+def test_quantized_base_is_refused_naming_the_layer(base, tmp_path):
+    q = tmp_path / "q.safetensors"
+    convert(base, q, ConvertOptions(report=False))
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=2)
+    with pytest.raises(UnsupportedError, match="stored quantized") as info:
+        convert(q, tmp_path / "o.safetensors", ConvertOptions(loras=(lora_path,)))
+    assert info.value.tensor.startswith("blocks.")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_dry_run_lists_the_lora_layers(base, tmp_path):
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=2)
+    r = CliRunner().invoke(cli_main, ["convert", str(base), str(tmp_path / "o.safetensors"),
+                                      "--lora", lora_path, "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    assert plan["lora"]["layers"] == sorted(f"blocks.{i}.{s}" for i in range(2) for s in
+                                            ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"))
+    assert not (tmp_path / "o.safetensors").exists()
