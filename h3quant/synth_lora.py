@@ -9,7 +9,7 @@ split ``attn.to_q/to_k/to_v``, ``ff.net.0.proj`` in ``[value; gate]`` order, PEF
 from __future__ import annotations
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from h3quant.formats.rules.topology import H3Config
 
@@ -48,6 +48,10 @@ def lora_tensors(cfg: H3Config, style: str, rank: int = 4, scale: float = 0.01,
     return out
 
 
-def write_lora(path: str, cfg: H3Config, style: str, **kw) -> str:
-    save_file(lora_tensors(cfg, style, **kw), path)
+def write_lora(path: str, cfg: H3Config, style: str, *, overwrite: bool = True, **kw) -> str:
+    """Write the LoRA to ``path`` atomically (the output rules of every h3quant command:
+    never a non-regular file, an existing file only with ``overwrite``)."""
+    from h3quant.formats.container.atomic import write_bytes
+
+    write_bytes(path, save(lora_tensors(cfg, style, **kw)), overwrite=overwrite, what="LoRA")
     return path

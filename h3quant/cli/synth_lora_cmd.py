@@ -21,16 +21,22 @@ Examples:
               help="H3 dimensions the adapters fit.")
 @click.option("--blocks", type=click.IntRange(min=1), default=None,
               help="Adapters on the first N DiT blocks (default: every block of the preset).")
-@click.option("--rank", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--scale", type=float, default=0.01, show_default=True,
+@click.option("--rank", type=click.IntRange(1, 1024), default=4, show_default=True)
+@click.option("--scale", type=click.FloatRange(0, 100), default=0.01, show_default=True,
               help="Standard deviation of the A and B entries.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @handle_errors
-def command(out, style, preset, blocks, rank, scale, seed) -> None:
-    """Write a deterministic synthetic LoRA (BF16 A/B pairs) on the DiT block linears."""
+def command(out, style, preset, blocks, rank, scale, seed, overwrite) -> None:
+    """Write a deterministic synthetic LoRA (BF16 A/B pairs) on the DiT block linears.
+
+    The same options and seed give the same bytes; OUT appears only when complete. Exit
+    status: 0 written, 2 usage or I/O error.
+    """
     from h3quant.formats.rules.topology import config_for
     from h3quant.synth_lora import write_lora
 
     cfg = config_for(preset, blocks=blocks)
-    guard("writing a LoRA", write_lora, out, cfg, style, rank=rank, scale=scale, seed=seed)
+    guard("writing a LoRA", write_lora, out, cfg, style, rank=rank, scale=scale, seed=seed,
+          overwrite=overwrite)
     click.echo(f"wrote {out} ({style} style, rank {rank}, {cfg.blocks} block(s))")
