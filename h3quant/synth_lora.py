@@ -9,7 +9,6 @@ split ``attn.to_q/to_k/to_v``, ``ff.net.0.proj`` in ``[value; gate]`` order, PEF
 from __future__ import annotations
 
 import torch
-from safetensors.torch import save
 
 from h3quant.formats.rules.topology import H3Config
 
@@ -51,7 +50,15 @@ def lora_tensors(cfg: H3Config, style: str, rank: int = 4, scale: float = 0.01,
 def write_lora(path: str, cfg: H3Config, style: str, *, overwrite: bool = True, **kw) -> str:
     """Write the LoRA to ``path`` atomically (the output rules of every h3quant command:
     never a non-regular file, an existing file only with ``overwrite``)."""
-    from h3quant.formats.container.atomic import write_bytes
+    from h3quant.formats.container.atomic import Outputs
+    from h3quant.formats.container.writer import StreamingWriter, entry_for, plan_layout
 
-    write_bytes(path, save(lora_tensors(cfg, style, **kw)), overwrite=overwrite, what="LoRA")
+    tensors = lora_tensors(cfg, style, **kw)
+    layout = plan_layout([entry_for(n, t) for n, t in tensors.items()],
+                         {"h3quant.synth_lora": style})
+    with Outputs(overwrite=overwrite) as outs:
+        staged = outs.add(path, what="LoRA")
+        with StreamingWriter(staged, layout) as w:
+            for entry in layout.order:
+                w.write_tensor(entry.name, tensors[entry.name])
     return path

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main as cli_main
-from h3quant.errors import LoraError, UnsupportedError
+from h3quant.errors import LoraError
 from h3quant.formats.rules.topology import config_for
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.synth import synth_checkpoint
@@ -225,14 +225,52 @@ def test_bad_lora_files_exit_1_and_write_nothing(base, tmp_path, keys, needle):
     assert not out.exists()
 
 
-def test_quantized_base_is_refused_naming_the_layer(base, tmp_path):
+def test_int8_base_gives_the_codes_of_quantizing_the_merged_decode(base, tmp_path):
+    """An int8 ConvRot base (group size 64): each touched layer decoded (by comfy-kitchen, here),
+    merged in float64, quantized again by comfy-kitchen; the baked file holds those codes, and
+    ``--to`` left out keeps the base's own format and group size."""
+    ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
     q = tmp_path / "q.safetensors"
-    convert(base, q, ConvertOptions(report=False))
-    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=2)
-    with pytest.raises(UnsupportedError, match="stored quantized") as info:
-        convert(q, tmp_path / "o.safetensors", ConvertOptions(loras=(lora_path,)))
-    assert info.value.tensor.startswith("blocks.")
-    assert not (tmp_path / "o.safetensors").exists()
+    convert(base, q, ConvertOptions(group_size=64, report=False))
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=4, scale=0.05)
+    out = tmp_path / "o.safetensors"
+    r = CliRunner().invoke(cli_main, ["convert", str(q), str(out), "--lora", lora_path,
+                                      "--no-report"])
+    assert r.exit_code == 0, r.output
+    assert "int8-convrot, group size 64" in r.output
+    qt, got = load_file(q), load_file(out)
+    probe = ck_tensor.QuantizedTensor.from_float(torch.zeros(1, 64), "TensorWiseINT8Layout",
+                                                 per_channel=True, convrot=True,
+                                                 convrot_groupsize=64)
+    deltas = _expected_delta(load_file(lora_path), 1.0)
+    assert len(deltas) == 8
+    for layer, d in deltas.items():
+        codes, scale = qt[layer + ".weight"], qt[layer + ".weight_scale"]
+        params = type(probe._params)(scale=scale, orig_dtype=torch.float32,
+                                     orig_shape=tuple(codes.shape), is_weight=True, convrot=True,
+                                     convrot_groupsize=64, transposed=False)
+        decoded = ck_tensor.QuantizedTensor(codes, "TensorWiseINT8Layout", params).dequantize()
+        merged = torch.from_numpy(_np(decoded.float()) + d).float()
+        ref = ck_tensor.QuantizedTensor.from_float(merged, "TensorWiseINT8Layout",
+                                                   per_channel=True, convrot=True,
+                                                   convrot_groupsize=64)
+        assert torch.equal(got[layer + ".weight"], ref._qdata), layer
+        assert torch.equal(got[layer + ".weight_scale"], ref._params.scale.reshape(-1, 1)), layer
+    untouched = [n for n in qt if not any(n.startswith(lay + ".") for lay in deltas)]
+    for name in untouched:
+        assert torch.equal(got[name], qt[name]), name
+
+
+def test_w4a8_base_bakes_and_validates(base, tmp_path):
+    w4 = tmp_path / "w4.safetensors"
+    convert(base, w4, ConvertOptions(target="w4a8", report=False))
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "kohya", rank=4, scale=0.05)
+    out = tmp_path / "o.safetensors"
+    r = CliRunner().invoke(cli_main, ["convert", str(w4), str(out), "--lora", lora_path])
+    assert r.exit_code == 0, r.output
+    assert "w4a8" in r.output
+    r = CliRunner().invoke(cli_main, ["validate", "--deep", str(out)])
+    assert r.exit_code == 0, r.output
 
 
 def test_dry_run_lists_the_lora_layers(base, tmp_path):

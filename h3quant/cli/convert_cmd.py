@@ -69,7 +69,9 @@ def _group_size(ctx, param, value):
                    "x (alpha / rank) x B @ A, summed in float64 and rounded once to the layer's "
                    "dtype. Repeatable (applied in order); STRENGTH defaults to 1.0 and may be "
                    "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
-                   "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped).")
+                   "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
+                   "quantized IN without --to, the touched layers are decoded, merged and "
+                   "encoded again in IN's own format.")
 @click.option("--lora-skip-unmatched", is_flag=True,
               help="Skip LoRA keys that fit no layer of IN (listed) instead of refusing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
@@ -112,6 +114,20 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    ctx = click.get_current_context()
+    if loras and ctx.get_parameter_source("target") == click.core.ParameterSource.DEFAULT:
+        from h3quant.pipelines.convert import native_target
+
+        native = guard("reading IN", native_target, src, naming, mmap=not no_mmap)
+        if native is not None:  # a quantized input: its layers keep their own format
+            target = native[0]
+            if ctx.get_parameter_source("group_size") == click.core.ParameterSource.DEFAULT:
+                group_size = native[1]
+            if ctx.get_parameter_source("layout") == click.core.ParameterSource.DEFAULT:
+                layout = native[2]
+            if not quiet:
+                log(f"--to not given: the LoRA layers are encoded again as IN stores them "
+                    f"({target}, group size {group_size}, layout {layout})")
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
                              exclude=tuple(exclude), group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,

@@ -7,15 +7,21 @@ against the full-size H3 topology (as many blocks as the file names).
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
-from safetensors import safe_open
-
-from h3quant.errors import UnsupportedError
+from h3quant.errors import H3QuantError, LoraError, UnsupportedError
 from h3quant.formats.rules import lora as lora_keys
 from h3quant.formats.rules.topology import config_for, expected_tensors
 
 _PAIR_HINT = re.compile(r"\.(lora_(down|up|A|B)|lora\.(down|up)|hada_|lokr_)")
+
+
+def _header(path: str):
+    """The file's safetensors header (our own reader: no torch import for inspect)."""
+    from h3quant.formats.container.reader import SafetensorsFile
+
+    return SafetensorsFile(path, mmap=False, strict=False)
 
 
 def looks_like_lora(path: str) -> bool:
@@ -24,19 +30,37 @@ def looks_like_lora(path: str) -> bool:
     if not (p.is_file() and p.name.endswith(".safetensors")):
         return False
     try:
-        with safe_open(str(p), framework="pt") as f:
-            keys = list(f.keys())
-    except Exception:  # not readable as safetensors: the checkpoint inspector reports it
+        sf = _header(path)
+    except H3QuantError:  # not readable as safetensors: the checkpoint inspector reports it
         return False
+    try:
+        keys = list(sf.tensors)
+    finally:
+        sf.close()
     return bool(keys) and sum(bool(_PAIR_HINT.search(k)) for k in keys) * 2 >= len(keys)
 
 
+_SCALAR = {"F32": "<f", "F16": "<e", "F64": "<d"}
+
+
+def _scalar(sf, name: str) -> float:
+    info = sf.tensors[name]
+    raw = bytes(sf.read_bytes(info))
+    if info.dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + raw[:2])[0]
+    if info.dtype not in _SCALAR:
+        raise LoraError(f"LoRA '{sf.path}': alpha '{name}' is {info.dtype}, not a float")
+    return float(struct.unpack(_SCALAR[info.dtype], raw[:struct.calcsize(_SCALAR[info.dtype])])[0])
+
+
 def inspect_lora(path: str) -> dict:
-    with safe_open(path, framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    sf = _header(path)
+    try:
+        shapes = {k: tuple(t.shape) for k, t in sf.tensors.items()}
         adapters = lora_keys.parse(shapes, source=f"LoRA '{path}'")
-        alphas = {a.alpha: float(f.get_tensor(a.alpha).float().reshape(-1)[0])
-                  for a in adapters if a.alpha}
+        alphas = {a.alpha: _scalar(sf, a.alpha) for a in adapters if a.alpha}
+    finally:
+        sf.close()
     idx = [int(m.group(1)) for a in adapters
            for m in [re.search(r"(?<!refiner[._])blocks[._](\d+)[._]", a.module)] if m]
     fits, first = None, None

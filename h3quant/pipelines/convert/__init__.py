@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import cast
 
 from h3quant.formats.container.atomic import Outputs, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
@@ -28,7 +29,7 @@ from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
 
 __all__ = ["TARGETS", "ConvertOptions", "ConvertPlan", "ConvertReport", "LayerFailures", "convert",
-           "plan_convert", "write_report"]
+           "native_target", "plan_convert", "write_report"]
 
 
 def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
@@ -39,11 +40,10 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
-        loras = _loras(mapping, options)
-        if mapping.trivial and loras is None:
+        if mapping.trivial and not options.loras:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
-        plan = build_plan(adopt.as_checkpoint(ckpt, mapping, options, loras), src, dst, options,
-                          dry_run=dry_run)
+        source, loras = _view(ckpt, mapping, options)
+        plan = build_plan(source, src, dst, options, dry_run=dry_run)
     if not mapping.trivial:
         plan.naming = _naming(det, mapping)
     if loras is not None:
@@ -66,10 +66,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     src, dst = Path(src), Path(dst)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
-        loras = _loras(mapping, options)
-        source = ckpt
-        if not mapping.trivial or loras is not None:
-            source = adopt.as_checkpoint(ckpt, mapping, options, loras)
+        source, loras = ckpt, None
+        if not mapping.trivial or options.loras:
+            source, loras = _view(ckpt, mapping, options)
         if not mapping.trivial:
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:
@@ -100,17 +99,29 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
         return report
 
 
-def _loras(mapping, options: ConvertOptions):
-    """The LoRA files of ``options``, read once and resolved against the ComfyUI names."""
-    if not options.loras:
-        return None
-    from h3quant.pipelines.convert import lora
+def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = True
+                  ) -> tuple[str, int, str] | None:
+    """(``--to``, group size, layout) that writes ``src``'s quantized layers in their own format
+    (None: it has none); ``ConvertError`` when its layers use several formats."""
+    from h3quant.pipelines.convert import bake
 
-    quantized = options.codec.quantized
-    loras = lora.load(options.loras, adopt.base_shapes(mapping, quantized),
-                      options.lora_skip_unmatched)
-    adopt.check_lora_base(mapping, loras, quantized)
-    return loras
+    with Checkpoint(Path(src), mmap=mmap) as ckpt:
+        _, mapping = adopt.adopt_mapping(ckpt, naming)
+        return bake.native_target(adopt.SourceView(ckpt, mapping, True))
+
+
+def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
+    """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
+    view = adopt.SourceView(ckpt, mapping, options.codec.quantized)
+    loras = None
+    if options.loras:  # read once, resolved against the logical ComfyUI shapes
+        from h3quant.pipelines.convert import bake, lora
+
+        quantized = bake.quantized_layers(view)
+        loras = lora.load(options.loras, bake.logical_shapes(view, quantized),
+                          options.lora_skip_unmatched)
+        bake.apply(view, loras, quantized)
+    return cast(Checkpoint, view), loras
 
 
 def _naming(det, mapping) -> dict:

@@ -20,9 +20,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import cast
 
-from h3quant.errors import FormatError, UnsupportedError
+from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.naming import (
     COPY,
@@ -40,6 +39,7 @@ from h3quant.formats.rules.naming import (
 )
 from h3quant.pipelines.naming_view import has_config
 from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 
@@ -159,10 +159,8 @@ class SourceView:
     is_sharded = False
     index_path = None
 
-    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool,
-                 lora=None):
+    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool):
         self.source = source
-        self.lora = lora  # a convert.lora.LoraSet merged into its layers' weights, or None
         self.mapping = mapping
         self.path = source.path
         self.findings: list = []
@@ -173,28 +171,72 @@ class SourceView:
             else source.path.name + ".safetensors"
         self._file = _ViewFile(self, source.path.parent / name)
         self.files = [self._file]
-        entries = staged_entries(mapping, quantized_target)
+        self._entries = staged_entries(mapping, quantized_target)
         self._targets = {t.name: t for t in mapping.targets}
+        # Replaced tensors (``replace``): name -> (dtype, shape, compute, base); hidden tensors
+        # and the layers whose header marker entry no longer applies.
+        self._replaced: dict[str, tuple] = {}
+        self._hidden: set[str] = set()
+        self._unmarked: set[str] = set()
+        self.lora = None  # a convert.lora.LoraSet, once ``convert.bake`` has applied one
+        self._cache: OrderedDict[str, memoryview] = OrderedDict()
+        self._lock = threading.Lock()
+        self._layout()
 
+    def _layout(self) -> None:
+        """Place the tensors in the virtual file, in the order their sources lie in the shards."""
         def first_source(t: Target):
-            info = source.info(t.sources[0].name)
+            info = self.source.info(t.sources[0].name)
             return str(info.file), info.begin
         offset = 0
         infos = {}
-        for t in sorted(mapping.targets, key=first_source):  # read the shards in order
-            dtype, shape = entries[t.name]
+        for t in sorted(self.mapping.targets, key=first_source):
+            if t.name in self._hidden:
+                continue
+            dtype, shape = self._replaced.get(t.name, self._entries[t.name])[:2]
             nbytes = _nbytes(dtype, shape)
             infos[t.name] = TensorInfo(t.name, dtype, tuple(shape), offset, offset + nbytes,
                                        self._file.path)
             offset += -(-nbytes // ALIGN) * ALIGN
         self.tensors = dict(sorted(infos.items()))
-        self._cache: OrderedDict[str, memoryview] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache.clear()
+
+    def replace(self, name: str, dtype: str, shape: tuple[int, ...], compute, base,
+                hide: tuple[str, ...] = (), unmark: str | None = None) -> None:
+        """Show ``name`` as ``compute()`` (a tensor of ``dtype`` and ``shape``; ``base()`` is the
+        tensor without the change, for reports); hide the tensors ``hide``; drop layer ``unmark``
+        from the header's marker table (its weight is no longer stored quantized)."""
+        self._replaced[name] = (dtype, tuple(shape), compute, base)
+        self._hidden.update(hide)
+        if unmark:
+            self._unmarked.add(unmark)
+        self._layout()
+
+    def stored(self, name: str):
+        """Tensor ``name`` as the mapping alone gives it (no replacement), in its view dtype."""
+        from h3quant.formats.container.dtypes import to_torch
+
+        x = build_target(self.source, self._targets[name])
+        want = to_torch(self._entries[name][0])
+        return x if x.dtype == want else x.to(want)  # fp8 decoded: F32, or rounded once to BF16
 
     # -- Checkpoint's reading interface ---------------------------------------------------------
     @property
     def metadata(self) -> dict[str, str]:
-        return self.source.metadata
+        meta = self.source.metadata
+        if not self._unmarked or HEADER_KEY not in meta:
+            return meta
+        meta = dict(meta)
+        try:
+            layers = parse_header_metadata(meta) or {}
+        except MarkerError:
+            return meta  # convert repairs (replaces) an unparseable table itself
+        kept = {k: v for k, v in layers.items() if k not in self._unmarked}
+        if kept:
+            meta[HEADER_KEY] = header_metadata_value(kept)
+        else:
+            del meta[HEADER_KEY]
+        return meta
 
     @property
     def total_bytes(self) -> int:
@@ -237,19 +279,23 @@ class SourceView:
 
     # -- the tensors ----------------------------------------------------------------------------
     def base(self, name: str):
-        """Tensor ``name`` without the LoRA, in the dtype the view shows it in (for the
-        survival report)."""
-        from h3quant.formats.container.dtypes import to_torch
+        """Tensor ``name`` before its replacement (for the LoRA survival report)."""
+        if name in self._replaced:
+            return self._replaced[name][3]()
+        return self.stored(name)
 
-        x = build_target(self.source, self._targets[name])
-        return x.to(to_torch(self.tensors[name].dtype))
+    def source_name(self, name: str) -> str | None:
+        """The source tensor ``name`` is, byte for byte (a plain rename), else None."""
+        t = self._targets[name]
+        if t.op != COPY or len(t.sources) != 1 or t.fp8:
+            return None
+        return t.sources[0].name
 
     def forwarded(self, name: str):
         """A target stored unchanged (same bytes) in a source shard: (file, TensorInfo)."""
         t = self._targets[name]
         src = t.sources[0]
-        if self.lora is not None and name.endswith(".weight") \
-                and name[: -len(".weight")] in self.lora.layers:
+        if name in self._replaced:
             return None
         if t.op != COPY or len(t.sources) != 1 or t.fp8 or self.tensors[name].dtype != src.dtype:
             return None
@@ -265,12 +311,10 @@ class SourceView:
                 return self._cache[name]
             t = self._targets[name]
             want = to_torch(self.tensors[name].dtype)
-            x = build_target(self.source, t)
-            if self.lora is not None and name.endswith(".weight") \
-                    and name[: -len(".weight")] in self.lora.layers:
-                x = self.lora.merged(name[: -len(".weight")], x, want)
-            elif x.dtype != want:
-                x = x.to(want)  # fp8 decoded: F32 kept, or rounded once to BF16
+            x = self._replaced[name][2]() if name in self._replaced else self.stored(name)
+            if x.dtype != want or tuple(x.shape) != self.tensors[name].shape:
+                raise AssertionError(f"{name}: computed {x.dtype} {list(x.shape)}, declared "
+                                     f"{want} {list(self.tensors[name].shape)}")
             for src in t.sources:  # the source pages are not needed again
                 for part in (src.name, src.scale):
                     if part is not None:
@@ -280,29 +324,6 @@ class SourceView:
             while len(self._cache) > CACHED:
                 self._cache.popitem(last=False)
             return data
-
-
-def as_checkpoint(ckpt: Checkpoint, mapping: Mapping, options, lora=None) -> Checkpoint:
-    """``ckpt`` seen through ``mapping`` as ComfyUI's single file, with ``lora`` merged (a
-    ``SourceView``, which has the reading interface of a ``Checkpoint``)."""
-    return cast(Checkpoint, SourceView(ckpt, mapping, options.codec.quantized, lora))
-
-
-def base_shapes(mapping: Mapping, quantized_target: bool = False) -> dict[str, tuple[int, ...]]:
-    """ComfyUI name -> shape of every tensor the view shows (what a LoRA is resolved against)."""
-    return {n: tuple(sh) for n, (_, sh) in staged_entries(mapping, quantized_target).items()}
-
-
-def check_lora_base(mapping: Mapping, lora, quantized_target: bool) -> None:
-    """A LoRA merges into float weights: refuse a layer stored in a quantized format."""
-    entries = staged_entries(mapping, quantized_target)
-    bad = sorted(layer for layer in lora.layers
-                 if entries[layer + ".weight"][0] not in ("F32", "F16", "BF16", "F64"))
-    if bad:
-        raise UnsupportedError(
-            f"--lora: {len(bad)} layer(s) the LoRA touches are stored quantized "
-            f"({entries[bad[0] + '.weight'][0]} weight, e.g. {bad[0]}); bake the LoRA into the "
-            "float (bf16, fp32 or fp8) checkpoint instead", tensor=bad[0])
 
 
 def _u8():

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from h3quant.errors import ConvertError, LoraError
+from h3quant.errors import ConvertError, H3QuantError, LoraError
+from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.formats.rules import lora as lora_keys
 
 MERGE_ROWS = 1024  # rows of a layer merged at once (float64: 44 MB at K = 5376)
@@ -101,10 +101,10 @@ def load(specs: list[str] | tuple[str, ...], base_shapes: dict[str, tuple[int, .
         if not Path(path).is_file():
             raise ConvertError(f"--lora {spec}: no such file '{path}'")
         try:
-            with safe_open(path, framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise LoraError(f"LoRA '{path}': cannot read as safetensors ({exc})") from None
+            with SafetensorsFile(path, mmap=False) as f:  # read once, whole (LoRAs are small)
+                tensors = {k: f.read(info).clone() for k, info in f.tensors.items()}
+        except H3QuantError as exc:
+            raise LoraError(f"LoRA '{path}': cannot read as safetensors ({exc.reason})") from None
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         adapters = lora_keys.parse(shapes, source=f"LoRA '{path}'")
         targets, skipped = lora_keys.resolve(adapters, base_shapes, f"LoRA '{path}'",
