@@ -293,3 +293,22 @@ def test_validate_gives_naming_codes(comfy, tmp_path):
     assert _cli("validate", tmp_path / "nan.safetensors").exit_code == 0  # values: --deep only
     res = _cli("validate", tmp_path / "nan.safetensors", "--deep", "--json")
     assert res.exit_code != 0 and "N305" in res.output
+
+
+def test_block_scaled_fp8_layer_is_not_decoded_as_scaled_fp8(comfy, tmp_path):
+    """An fp8 weight with a U8 (E8M0) block scale and its own marker (comfy-kitchen's MXFP8) is
+    another format: convert refuses it by its marker instead of multiplying the block scale in."""
+    from h3quant.formats.rules.markers import MARKER_SUFFIX, marker_tensor
+
+    t = dict(comfy)
+    w = t["blocks.0.mlp.fc2.weight"]
+    t["blocks.0.mlp.fc2.weight"] = w.float().to(torch.float8_e4m3fn)
+    t["blocks.0.mlp.fc2.weight_scale"] = torch.full((w.shape[0], w.shape[1] // 32), 127,
+                                                    dtype=torch.uint8)
+    t["blocks.0.mlp.fc2" + MARKER_SUFFIX] = marker_tensor({"format": "mxfp8"})
+    src = tmp_path / "mx.safetensors"
+    save_file(t, src)
+    r = _cli("convert", src, tmp_path / "o.safetensors")
+    assert r.exit_code != 0 and "mxfp8" in r.output, r.output
+    assert "N305" not in r.output
+    assert not (tmp_path / "o.safetensors").exists()

@@ -2,7 +2,7 @@
 
 ``summary`` says which naming a checkpoint uses (ComfyUI, official shards, diffusers shards)
 and whether it holds scaled fp8 weights. ``view`` gives the tensors as ComfyUI names them
-(what ``convert`` would stage), so the H3 topology rules run on official, diffusers and fp8
+(what ``convert`` reads through its view), so the H3 topology rules run on official, diffusers and fp8
 files too; the naming rules (N301-N305) are raised as ``FormatError`` with their code.
 """
 

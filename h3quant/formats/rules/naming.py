@@ -74,8 +74,26 @@ OP_TEXT = {
 
 
 def is_fp8_weight(name: str, dtype: str) -> bool:
-    """An fp8 weight to decode (not an fp8 companion such as W4A8's ``weight_s_rel``)."""
+    """An fp8-typed weight (not an fp8 companion such as W4A8's ``weight_s_rel``)."""
     return dtype in FP8_DTYPES and name.endswith(".weight")
+
+
+def fp8_decodable(tensors) -> set[str]:
+    """The fp8 weights h3quant decodes as plain or scaled fp8 (code x scale).
+
+    A weight whose scale companion is not a float tensor (an E8M0 / U8 block scale: MXFP8 and
+    kin) is another format stored in fp8: not decoded here, its marker decides. Any other fp8
+    weight counts; a float scale of the wrong shape is then an N305 error."""
+    out = set()
+    for name, (dtype, _) in tensors.items():
+        if not is_fp8_weight(name, dtype):
+            continue
+        stem = name[: -len(".weight")]
+        scales = [f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors]
+        if any(tensors[sc][0] not in SCALE_DTYPES for sc in scales):
+            continue
+        out.add(name)
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class Source:
     dtype: str
     shape: tuple[int, ...]
     scale: str | None = None  # fp8: the scale tensor multiplied in
+    fp8: bool = False  # an fp8 weight decoded as code x scale (see ``fp8_decodable``)
 
 
 @dataclass(frozen=True)
@@ -95,7 +114,7 @@ class Target:
 
     @property
     def fp8(self) -> bool:
-        return any(is_fp8_weight(s.name, s.dtype) for s in self.sources)
+        return any(s.fp8 for s in self.sources)
 
     def describe(self) -> str:
         src = " + ".join(s.name for s in self.sources)
@@ -138,7 +157,7 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
     diff = sorted(n for n in tensors if _DIFFUSERS_HINT.search(n))
     comfy = sorted(n for n in tensors if _COMFY_HINT.search(n))
-    fp8 = any(is_fp8_weight(n, d) for n, (d, _) in tensors.items())
+    fp8 = bool(fp8_decodable(tensors))
     if diff and comfy:
         raise FormatError(
             f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "
@@ -178,13 +197,13 @@ def check_fp8_scales(mapping: Mapping, tensors) -> None:
 
 def fp8_scaled_weights(tensors) -> set[str]:
     """The fp8 weights stored with a scale companion (ComfyUI's scaled-fp8 layout)."""
-    return {n for n, (d, _) in tensors.items() if d in FP8_DTYPES and n.endswith(".weight")
-            and any(f"{n[:-len('.weight')]}.{s}" in tensors for s in FP8_SCALES)}
+    return {n for n in fp8_decodable(tensors)
+            if any(f"{n[:-len('.weight')]}.{s}" in tensors for s in FP8_SCALES)}
 
 
 def staged_entries(mapping: Mapping, quantized_target: bool = False
                    ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """ComfyUI name -> (dtype, shape) of the staged single file: fp8 becomes F32 (for a
+    """ComfyUI name -> (dtype, shape) of the single file convert sees: fp8 becomes F32 (for a
     quantized target) or BF16; a fused q/k/v has three times its parts' rows."""
     out = {}
     for t in mapping.targets:
@@ -210,13 +229,13 @@ def _fail(code: str, msg: str, tensor: str) -> FormatError:
     return FormatError(f"[{code}] {msg}", tensor=tensor, code=code)
 
 
-def _source(tensors, name: str) -> Source:
+def _source(tensors, name: str, decodable: set[str]) -> Source:
     dtype, shape = tensors[name]
     scale = None
-    if dtype in FP8_DTYPES and name.endswith(".weight"):
+    if name in decodable:
         stem = name[: -len(".weight")]
         scale = next((f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors), None)
-    return Source(name, dtype, tuple(shape), scale)
+    return Source(name, dtype, tuple(shape), scale, name in decodable)
 
 
 def _heads(tensors, stem: str, rows: int, naming: str) -> int:
@@ -239,12 +258,14 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
         raise FormatError(f"unknown naming {naming!r} (known: {', '.join(NAMINGS)})")
     out = Mapping(naming)
     consumed: set[str] = set()
+    decodable = fp8_decodable(tensors)
     for name in tensors:  # fp8 scale companions travel with their weight
         stem, _, suffix = name.rpartition(".")
-        if suffix in FP8_SCALES and tensors.get(f"{stem}.weight", ("",))[0] in FP8_DTYPES:
+        if f"{stem}.weight" not in decodable:
+            continue
+        if suffix in FP8_SCALES:
             consumed.add(name)
-        elif suffix in FP8_UNUSED or (suffix == "comfy_quant"
-                                      and tensors.get(f"{stem}.weight", ("",))[0] in FP8_DTYPES):
+        elif suffix in FP8_UNUSED or suffix == "comfy_quant":
             out.unused.append(name)
             consumed.add(name)
     groups: dict[tuple[str, str], dict[str, str]] = {}
@@ -256,7 +277,7 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
             groups.setdefault((m["stem"], m["kind"]), {})[m["part"]] = name
             continue
         target = _rename(name) if naming == "diffusers" else name
-        src = _source(tensors, name)
+        src = _source(tensors, name, decodable)
         op = COPY
         if naming == "diffusers" and ".ff.net.0.proj." in name:
             op = SWAP_HALVES
@@ -274,7 +295,7 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
         if missing:
             raise _fail("N302", f"attention {stem}: to_{'/to_'.join(missing)}.{kind} missing "
                         f"(found to_{'/to_'.join(sorted(parts))})", f"{stem}.attn.to_q.{kind}")
-        srcs = tuple(_source(tensors, parts[p]) for p in "qkv")
+        srcs = tuple(_source(tensors, parts[p], decodable) for p in "qkv")
         shapes = {s.shape for s in srcs}
         dtypes = {s.dtype for s in srcs}
         if len(shapes) != 1 or len(dtypes) != 1:

@@ -33,7 +33,6 @@ from h3quant.formats.rules.naming import (
     Target,
     check_fp8_scales,
     detect,
-    is_fp8_weight,
     plan_mapping,
     staged_entries,
 )
@@ -73,7 +72,7 @@ def decode_fp8(ckpt: Checkpoint, src):
 
 
 def _read(ckpt: Checkpoint, src):
-    return decode_fp8(ckpt, src) if is_fp8_weight(src.name, src.dtype) else ckpt.read(src.name)
+    return decode_fp8(ckpt, src) if src.fp8 else ckpt.read(src.name)
 
 
 def build_target(ckpt: Checkpoint, t: Target):
