@@ -282,3 +282,13 @@ def test_dry_run_lists_the_lora_layers(base, tmp_path):
     assert plan["lora"]["layers"] == sorted(f"blocks.{i}.{s}" for i in range(2) for s in
                                             ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"))
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_bake_is_deterministic_and_leaves_inputs_alone(base, tmp_path):
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=4, scale=0.05)
+    before = (base.read_bytes(), (tmp_path / "l.safetensors").read_bytes())
+    for name in ("a", "b"):
+        convert(base, tmp_path / f"{name}.safetensors",
+                ConvertOptions(target="w4a8", loras=(lora_path + ":0.3",), workers=2))
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert (base.read_bytes(), (tmp_path / "l.safetensors").read_bytes()) == before
