@@ -5,9 +5,10 @@ ComfyUI file with plain (non-fp8) weights, it converts a ``SourceView`` of it in
 with the reading interface of a ``Checkpoint`` whose tensors carry ComfyUI's names, dtypes and
 shapes, laid out as one single file. A renamed tensor is read straight from its shard (even copied
 inside the kernel); a fused, regrouped, swapped or fp8 one is computed when first read, from its
-own source tensors only (a fused q/k/v reads three tensors), and at most ``CACHED`` computed tensors
-are held. Nothing is written beside the output, and converting an official or diffusers checkpoint
-gives exactly the bytes converting the equivalent ComfyUI file gives.
+own source tensors only (a fused q/k/v reads three tensors), and one big computed tensor is
+held at a time (``CACHE_EXTRA``). Nothing is written beside the output, and converting an
+official or diffusers checkpoint gives exactly the bytes converting the equivalent ComfyUI file
+gives.
 
 Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded exactly to fp32 (``float(code) * scale``, the scale per tensor or per
@@ -67,8 +68,8 @@ def decode_fp8(ckpt: Checkpoint, src):
         raise FormatError(f"[N305] fp8 scale holds {int(bad.sum())} non-finite, zero or negative "
                           "value(s); nothing written", tensor=src.scale, code="N305")
     if s.numel() == 1:
-        return w * s.reshape(())
-    return w * s.reshape((-1,) + (1,) * (w.dim() - 1))
+        return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
+    return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
 
 
 def _read(ckpt: Checkpoint, src):
@@ -92,7 +93,10 @@ def build_target(ckpt: Checkpoint, t: Target):
     return x
 
 
-CACHED = 2  # computed tensors held at once (a fused q/k/v of a full block: 173 MB in BF16)
+# Computed tensors held for the next reads: always the latest, older ones only while they add up
+# to at most CACHE_EXTRA bytes (a layer's bias or marker read between chunks of its weight stays;
+# a second big weight does not: a full-size fused q/k/v is 231 MB in BF16).
+CACHE_EXTRA = 64 << 20
 ALIGN = 64
 
 
@@ -301,7 +305,7 @@ class SourceView:
         return self.source.file_of(src.name), self.source.info(src.name)
 
     def computed(self, name: str) -> memoryview:
-        """The bytes of a computed target (held for the next reads, at most ``CACHED``)."""
+        """The bytes of a computed target (held for the next reads, see ``CACHE_EXTRA``)."""
         from h3quant.formats.container.dtypes import to_torch
 
         with self._lock:
@@ -320,7 +324,8 @@ class SourceView:
                         self.source.file_of(part).release_pages(self.source.info(part))
             data = memoryview(x.contiguous().reshape(-1).view(_u8()).numpy()).cast("B")
             self._cache[name] = data
-            while len(self._cache) > CACHED:
+            while len(self._cache) > 1 and sum(
+                    len(v) for k, v in self._cache.items() if k != name) > CACHE_EXTRA:
                 self._cache.popitem(last=False)
             return data
 
