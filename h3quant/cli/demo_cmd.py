@@ -41,7 +41,8 @@ def _run(args: list[str]) -> int:
 @handle_errors
 def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None:
     """Run synth -> convert (int8-convrot and w4a8) -> inspect -> validate -> verify (per block,
-    then the whole model with --model).
+    then the whole model with --model); then convert the official release's layout and bake a
+    LoRA.
 
     Real H3 weights cannot be downloaded here, so the demo makes an H3-shaped bf16 checkpoint with
     the real key names and dtypes (widths scaled down with --preset tiny), then runs every step a
@@ -69,6 +70,11 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
         int8 = str(root / "h3_int8_convrot.safetensors")
         w4a8 = str(root / "h3_w4a8.safetensors")
         report = str(root / "h3_int8_convrot.report.json")
+        official = str(root / "h3_official")  # the release's layout: shards, q/k/v per head
+        from_official = str(root / "h3_int8_from_official.safetensors")
+        lora = str(root / "style_lora.safetensors")
+        baked = str(root / "h3_int8_lora.safetensors")
+        size = ["--preset", preset, "--blocks", str(blocks), "--overwrite"]
         steps = [
             ["synth", bf16, "--preset", preset, "--blocks", str(blocks), "--overwrite"],
             ["convert", bf16, int8, "--to", "int8-convrot", "--overwrite", "--report", report],
@@ -80,6 +86,13 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
             ["verify", w4a8, "--reference", bf16, "--device", device],
             ["verify", int8, "--reference", bf16, "--model", "--device", device],
             ["verify", w4a8, "--reference", bf16, "--model", "--device", device],
+            ["synth", official, "--naming", "official", *size],
+            ["convert", official, from_official, "--overwrite"],
+            ["validate", from_official, "--deep"],
+            ["synth-lora", lora, "--style", "diffusers", *size],
+            ["inspect", lora],
+            ["convert", bf16, baked, "--lora", lora, "--overwrite"],
+            ["validate", baked, "--deep"],
         ]
         failed = []
         for args in steps:
@@ -89,7 +102,7 @@ def command(workdir: Path | None, preset: str, blocks: int, device: str) -> None
             if code != 0:
                 failed.append((args[0], code))
                 log(f"h3quant demo: step '{args[0]}' exited {code}")
-                if args[0] in ("synth", "convert"):
+                if args[0] in ("synth", "synth-lora", "convert"):
                     break
         if failed:
             log(f"\nh3quant demo: FAILED ({', '.join(f'{s}: exit {c}' for s, c in failed)})")

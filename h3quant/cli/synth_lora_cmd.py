@@ -19,7 +19,7 @@ Examples:
                                       "(split to_q/to_k/to_v, SwiGLU [value; gate]).")
 @click.option("--preset", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True,
               help="H3 dimensions the adapters fit.")
-@click.option("--blocks", type=click.IntRange(min=1), default=None,
+@click.option("--blocks", type=click.IntRange(1, 1000), default=None,
               help="Adapters on the first N DiT blocks (default: every block of the preset).")
 @click.option("--rank", type=click.IntRange(1, 1024), default=4, show_default=True)
 @click.option("--scale", type=click.FloatRange(0, 100), default=0.01, show_default=True,
