@@ -292,3 +292,21 @@ def test_bake_is_deterministic_and_leaves_inputs_alone(base, tmp_path):
                 ConvertOptions(target="w4a8", loras=(lora_path + ":0.3",), workers=2))
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     assert (base.read_bytes(), (tmp_path / "l.safetensors").read_bytes()) == before
+
+
+def test_lora_onto_fp8_merges_into_the_exact_decode(tmp_path):
+    """A scaled-fp8 base: code x scale in fp32 (as the loader multiplies it) + the delta in
+    float64, rounded once to BF16 (not the BF16-rounded decode plus the delta)."""
+    src = tmp_path / "f8.safetensors"
+    r = CliRunner().invoke(cli_main, ["synth", str(src), "--dtype", "fp8", "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=4, scale=0.05)
+    out = tmp_path / "o.safetensors"
+    convert(src, out, ConvertOptions(target="bf16", loras=(lora_path,), report=False))
+    f8, got = load_file(src), load_file(out)
+    for layer, d in _expected_delta(load_file(lora_path), 1.0).items():
+        codes, scale = f8[layer + ".weight"], f8[layer + ".scale_weight"]
+        assert codes.dtype == torch.float8_e4m3fn
+        decoded = _np(codes.float() * scale.float().reshape(()))
+        want = torch.from_numpy(decoded + d).to(torch.bfloat16)
+        assert torch.equal(got[layer + ".weight"], want), layer

@@ -63,7 +63,7 @@ def _group_size(ctx, param, value):
                    "MMMMM shards, whose names equal ComfyUI's but whose fused q/k/v rows are "
                    "per head). A non-ComfyUI or fp8 input is read as ComfyUI's single file "
                    "(renames, q/k/v fused in ComfyUI's row order, SwiGLU halves swapped, fp8 "
-                   "decoded exactly) and OUT is ComfyUI's single file; nothing is staged.")
+                   "decoded to fp32) and OUT is ComfyUI's single file; nothing is staged.")
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:STRENGTH]",
               help="Bake a LoRA into the weights before any rotation or encoding: W + strength "
                    "x (alpha / rank) x B @ A, summed in float64 and rounded once to the layer's "

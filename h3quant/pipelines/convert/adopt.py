@@ -11,7 +11,7 @@ official or diffusers checkpoint gives exactly the bytes converting the equivale
 gives.
 
 Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
-weights are decoded exactly to fp32 (``float(code) * scale``, the scale per tensor or per
+weights are decoded to fp32 (``float(code) * scale``, the scale per tensor or per
 output row, as ComfyUI's scaled-fp8 loader multiplies it in) and seen as F32 by a quantized
 target, or rounded once to BF16 (nearest even) for ``--to bf16``.
 """
@@ -56,7 +56,7 @@ def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Ma
 
 
 def decode_fp8(ckpt: Checkpoint, src):
-    """fp8 codes -> exact fp32, the scale (per tensor or per row) multiplied in."""
+    """fp8 codes -> fp32 (codes exact; code x scale rounded once), the scale (per tensor or per row) multiplied in."""
     import torch
 
     w = ckpt.read(src.name).to(torch.float32)
@@ -214,6 +214,11 @@ class SourceView:
         if unmark:
             self._unmarked.add(unmark)
         self._layout()
+
+    def exact(self, name: str):
+        """Tensor ``name`` from its sources before any rounding (an fp8 weight: its fp32
+        decode), for a merge that rounds once."""
+        return build_target(self.source, self._targets[name])
 
     def stored(self, name: str):
         """Tensor ``name`` as the mapping alone gives it (no replacement), in its view dtype."""

@@ -63,7 +63,7 @@ def apply(view, loras, quantized: dict) -> None:
         want = to_torch(dtype)
 
         def merged(layer=layer, wname=wname, want=want):
-            return loras.merged(layer, view.stored(wname), want)
+            return loras.merged(layer, view.exact(wname), want)  # fp8: from the exact decode
         view.replace(wname, dtype, view.tensors[wname].shape, merged,
                      lambda wname=wname: view.stored(wname))
     view.lora = loras
