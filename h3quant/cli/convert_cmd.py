@@ -163,7 +163,7 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
             f"{report.copied['tensors']} tensor(s) copied, {report.elapsed_s:.1f} s "
             f"({report.input_mb_per_s} MB/s of input)")
         lora = report.to_dict().get("lora")
-        if lora:
+        if lora and lora.get("survival"):
             kept = [r["kept"] for r in lora["survival"]]
             log(f"LoRA baked into {len(kept)} layer(s); share of the delta kept after encoding: "
                 f"min {min(kept):.0%}, median {sorted(kept)[len(kept) // 2]:.0%}")

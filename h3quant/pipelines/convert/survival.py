@@ -24,56 +24,90 @@ def summary(loras) -> dict:
             "layers": sorted(loras.layers), "skipped": list(loras.skipped)}
 
 
-def _decoded(codec, marker, w, method):
-    out = codec.encode(w, marker, method)
-    deq, grid = codec.report_grid(out, marker)
-    codes = grid[0] if grid is not None else out["weight"]
-    return deq.to(dtype=_f64()), codes
+ROWS = 1024  # rows compared at once (float64)
 
 
-def _f64():
+def _rows(x, r0: int, r1: int):
     import torch
 
-    return torch.float64
+    return x[r0:r1].to(torch.float64)
+
+
+def _encoded(codec, marker, w, method):
+    """(decoded fp32 weight, stored codes) of ``w`` in the target format."""
+    out = codec.encode(w, marker, method)
+    deq, grid = codec.report_grid(out, marker)
+    return deq, (grid[0] if grid is not None else out["weight"])
+
+
+def _compare(loras, layer: str, pairs) -> tuple[float, float, float]:
+    """(||d||, <dq, d>, ||dq||) summed over row chunks; ``pairs`` yields (r0, r1, dq rows)."""
+    norm = dot = change = 0.0
+    for r0, r1, dq in pairs:
+        d = loras.delta_rows(layer, r0, r1, dq.shape[1])
+        norm += float(d.square().sum())
+        dot += float((dq * d).sum())
+        change += float(dq.square().sum())
+    return norm ** 0.5, dot, change ** 0.5
+
+
+def _layer(view, loras, layer: str, lp, options) -> dict:
+    """One layer's survival figures, in bounded memory: a row-chunked target (int8, bf16) is
+    encoded ``ROWS`` rows at a time; a whole-layer one (W4A8) holds two decoded copies."""
+    import torch
+
+    wname = layer + ".weight"
+    merged, base = view.read(wname), view.base(wname)
+    n = merged.shape[0]
+    spans = [(r0, min(n, r0 + ROWS)) for r0 in range(0, n, ROWS)]
+    if lp is None:  # kept as it is stored (a float layer outside the converted set)
+        fmt = str(merged.dtype).replace("torch.", "")
+        changed = sum(int((merged[a:b] != base[a:b]).sum()) for a, b in spans)
+        pairs = ((a, b, _rows(merged, a, b) - _rows(base, a, b)) for a, b in spans)
+    else:
+        codec = getattr(lp, "codec", None) or options.codec
+        fmt = codec.describe(lp.out_fields)
+        if codec.chunked:
+            changed = 0
+
+            def gen():
+                nonlocal changed
+                for a, b in spans:
+                    qm, cm = _encoded(codec, lp.out_fields, merged[a:b], options.rotation)
+                    qb, cb = _encoded(codec, lp.out_fields, base[a:b], options.rotation)
+                    changed += int((cm != cb).sum())
+                    yield a, b, qm.to(torch.float64) - qb.to(torch.float64)
+            pairs = gen()
+        else:
+            qm, cm = _encoded(codec, lp.out_fields, merged, options.rotation)
+            qb, cb = _encoded(codec, lp.out_fields, base, options.rotation)
+            changed = int((cm != cb).sum())
+            codes = cm.numel()
+            pairs = ((a, b, _rows(qm, a, b) - _rows(qb, a, b)) for a, b in spans)
+    d_norm, dot, change = _compare(loras, layer, pairs)
+    total = merged.numel() if lp is None or codec.chunked else codes
+    ratio = change / d_norm if d_norm > 0 else 1.0
+    kept = dot / d_norm ** 2 if d_norm > 0 else 1.0
+    return {"layer": layer, "format": fmt, "delta_norm": round(d_norm, 6),
+            "kept": round(kept, 4), "change_ratio": round(ratio, 4),
+            "codes_changed": round(changed / max(total, 1), 4)}
 
 
 def measure(view, loras, plan, options, log) -> dict:
-    """The survival of every LoRA layer of ``view`` (a ``SourceView`` with ``loras``)."""
-    import torch
-
-    by_layer = {lp.name: lp for lp in plan.layers}
-    rows = []
-    warnings = []
+    """The survival of every LoRA layer of ``view`` (a ``SourceView`` with ``loras``); only the
+    summary without ``options.report``."""
+    if not options.report:
+        return summary(loras)
+    by_layer = {lp.name: lp for lp in plan.layers if lp.action == "convert"}
+    rows, warnings = [], []
     for layer in sorted(loras.layers):
-        merged = view.read(layer + ".weight")
-        base = view.base(layer + ".weight")
-        n, k = merged.shape
-        delta = loras.delta_rows(layer, 0, n, k)
-        d_norm = float(delta.norm())
         lp = by_layer.get(layer)
-        if lp is None or not options.report:  # stored as it is (a float layer kept float)
-            fmt = str(merged.dtype).replace("torch.", "")
-            diff = merged.to(torch.float64) - base.to(torch.float64)
-            changed = float((merged != base).float().mean())
-        else:
-            codec = getattr(lp, "codec", None) or options.codec
-            fmt = codec.describe(lp.out_fields)
-            qm, cm = _decoded(codec, lp.out_fields, merged, options.rotation)
-            qb, cb = _decoded(codec, lp.out_fields, base, options.rotation)
-            diff = qm - qb
-            changed = float((cm != cb).float().mean())
-            del qm, qb, cm, cb
-        ratio = float(diff.norm()) / d_norm if d_norm > 0 else 1.0
-        kept = float((diff * delta).sum()) / d_norm ** 2 if d_norm > 0 else 1.0
-        del diff, merged, base, delta
-        row = {"layer": layer, "format": fmt, "delta_norm": round(d_norm, 6),
-               "kept": round(kept, 4), "change_ratio": round(ratio, 4),
-               "codes_changed": round(changed, 4)}
+        row = _layer(view, loras, layer, lp, options)
         rows.append(row)
-        if lp is not None and options.report and kept < options.lora_warn:
-            warnings.append(f"{layer}: only {kept:.0%} of the LoRA delta survives {fmt} "
-                            f"({changed:.1%} of codes changed); int8-convrot (or bf16, "
-                            f"with --exclude) keeps it")
+        if lp is not None and row["kept"] < options.lora_warn:
+            warnings.append(f"{layer}: only {row['kept']:.0%} of the LoRA delta survives "
+                            f"{row['format']} ({row['codes_changed']:.1%} of codes changed); "
+                            "int8-convrot (or bf16, with --exclude) keeps it")
     for w in warnings:
         log(f"warning: {w}")
     return {**summary(loras), "survival": rows, "warnings": warnings}
