@@ -220,6 +220,16 @@ class SourceView:
         decode), for a merge that rounds once."""
         return build_target(self.source, self._targets[name])
 
+    def release_rows(self, name: str):
+        """A function dropping the mapped pages of rows ``[r0, r1)`` of ``name``'s source (a
+        plain rename; a no-op for computed ones)."""
+        src = self.source_name(name)
+        if src is None:
+            return lambda r0, r1: None
+        info, sf = self.source.info(src), self.source.file_of(src)
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        return lambda r0, r1: sf.release_pages(info, r0 * row, (r1 - r0) * row) if row else None
+
     def stored(self, name: str):
         """Tensor ``name`` as the mapping alone gives it (no replacement), in its view dtype."""
         from h3quant.formats.container.dtypes import to_torch
@@ -317,6 +327,9 @@ class SourceView:
             if name in self._cache:
                 self._cache.move_to_end(name)
                 return self._cache[name]
+            if self.tensors[name].nbytes > CACHE_EXTRA:  # a big one replaces the big one held
+                for old in [k for k, v in self._cache.items() if len(v) > CACHE_EXTRA]:
+                    del self._cache[old]
             t = self._targets[name]
             want = to_torch(self.tensors[name].dtype)
             x = self._replaced[name][2]() if name in self._replaced else self.stored(name)

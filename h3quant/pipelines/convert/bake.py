@@ -63,7 +63,8 @@ def apply(view, loras, quantized: dict) -> None:
         want = to_torch(dtype)
 
         def merged(layer=layer, wname=wname, want=want):
-            return loras.merged(layer, view.exact(wname), want)  # fp8: from the exact decode
+            return loras.merged(layer, view.exact(wname), want,  # fp8: from its fp32 decode
+                                done=view.release_rows(wname))
         view.replace(wname, dtype, view.tensors[wname].shape, merged,
                      lambda wname=wname: view.stored(wname))
     view.lora = loras

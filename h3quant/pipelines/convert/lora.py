@@ -72,15 +72,19 @@ class LoraSet:
             out[lo - r0:hi - r0] += (e.strength * e.scale) * (up @ e.down.to(torch.float64))
         return out
 
-    def merged(self, layer: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def merged(self, layer: str, weight: torch.Tensor, dtype: torch.dtype,
+               done=None) -> torch.Tensor:
         """``weight`` [N, K] (float) with every adapter on ``layer`` added, rounded once to
-        ``dtype``."""
+        ``dtype``; ``done(r0, r1)`` is called once rows ``[r0, r1)`` of ``weight`` are used (a
+        memory-mapped source drops its pages there)."""
         n, k = weight.shape
         out = torch.empty((n, k), dtype=dtype)
         for r0 in range(0, n, MERGE_ROWS):
             r1 = min(n, r0 + MERGE_ROWS)
             rows = weight[r0:r1].to(torch.float64) + self.delta_rows(layer, r0, r1, k)
             out[r0:r1] = rows.to(dtype)
+            if done is not None:
+                done(r0, r1)
         return out
 
     def delta_norm(self, layer: str, n: int, k: int) -> float:
