@@ -127,6 +127,14 @@ class _ViewFile:
         end = len(data) if length is None else start + length
         return data[start:end]
 
+    def uncached(self, info: TensorInfo):
+        """A computed tensor's whole bytes, built for one reader and not cached (a copied
+        tensor read while a layer's weight is cached would otherwise evict it); None for a
+        tensor stored in a shard."""
+        if self.forward(info) is not None:
+            return None
+        return self.view.computed(info.name, cache=False)
+
     def release_pages(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
         real = self.forward(info)
         if real is not None:
@@ -319,15 +327,16 @@ class SourceView:
             return None
         return self.source.file_of(src.name), self.source.info(src.name)
 
-    def computed(self, name: str) -> memoryview:
-        """The bytes of a computed target (held for the next reads, see ``CACHE_EXTRA``)."""
+    def computed(self, name: str, cache: bool = True) -> memoryview:
+        """The bytes of a computed target (held for the next reads, see ``CACHE_EXTRA``;
+        ``cache=False``: built for this caller only)."""
         from h3quant.formats.container.dtypes import to_torch
 
         with self._lock:
             if name in self._cache:
                 self._cache.move_to_end(name)
                 return self._cache[name]
-            if self.tensors[name].nbytes > CACHE_EXTRA:  # a big one replaces the big one held
+            if cache and self.tensors[name].nbytes > CACHE_EXTRA:  # replaces the big one held
                 for old in [k for k, v in self._cache.items() if len(v) > CACHE_EXTRA]:
                     del self._cache[old]
             t = self._targets[name]
@@ -341,6 +350,8 @@ class SourceView:
                     if part is not None:
                         self.source.file_of(part).release_pages(self.source.info(part))
             data = memoryview(x.contiguous().reshape(-1).view(_u8()).numpy()).cast("B")
+            if not cache:
+                return data
             self._cache[name] = data
             while len(self._cache) > 1 and sum(
                     len(v) for k, v in self._cache.items() if k != name) > CACHE_EXTRA:

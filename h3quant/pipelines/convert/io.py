@@ -261,6 +261,11 @@ class Reader:
             sf, info = real
         return sf.fileno(), info.begin
 
+    def computed_bytes(self, info: TensorInfo):
+        """The whole bytes of a tensor a ``SourceView`` computes (None for a stored one)."""
+        uncached = getattr(self.ckpt.file_of(info.name), "uncached", None)
+        return None if uncached is None else uncached(info)
+
     def chunks(self, info: TensorInfo, chunk: int, first: int = 0):
         sf = self.ckpt.file_of(info.name)
         for start in range(first, info.nbytes, chunk):
@@ -358,6 +363,13 @@ def copy_tensor(item, reader: Reader, sink, progress) -> None:
             if exc.errno not in _NO_KERNEL_COPY:
                 raise
             _kernel_copy[0] = False  # this run goes on through memory (from byte ``done``)
+    whole = reader.computed_bytes(info)
+    if whole is not None:  # computed by a SourceView: once, whole, not through its cache
+        for start in range(done, info.nbytes, COPY_CHUNK):
+            piece = whole[start:start + COPY_CHUNK]
+            sink.write(item.out, start, piece)
+            progress(len(piece))
+        return
     for start, data in reader.chunks(info, COPY_CHUNK, first=done):
         sink.write(item.out, start, data)
         progress(len(data))

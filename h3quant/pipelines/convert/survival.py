@@ -53,12 +53,17 @@ def _compare(loras, layer: str, pairs) -> tuple[float, float, float]:
 
 def _layer(view, loras, layer: str, lp, options) -> dict:
     """One layer's survival figures, in bounded memory: a row-chunked target (int8, bf16) is
-    encoded ``ROWS`` rows at a time; a whole-layer one (W4A8) holds two decoded copies."""
+    encoded ``ROWS`` rows at a time over every row; a whole-layer one (W4A8: its codebook is
+    chosen per layer) is encoded whole, once merged and once not, one after the other, and
+    compared on the error report's evenly spaced rows (``rows`` says how many).
+    ``delta_norm`` is over the same rows."""
     import torch
 
     wname = layer + ".weight"
     merged, base = view.read(wname), view.base(wname)
     n = merged.shape[0]
+    numel = merged.numel()
+    sampled = n
     spans = [(r0, min(n, r0 + ROWS)) for r0 in range(0, n, ROWS)]
     if lp is None:  # kept as it is stored (a float layer outside the converted set)
         fmt = str(merged.dtype).replace("torch.", "")
@@ -78,19 +83,25 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
                     changed += int((cm != cb).sum())
                     yield a, b, qm.to(torch.float64) - qb.to(torch.float64)
             pairs = gen()
-        else:
+        else:  # whole-layer codec: encoded whole, compared on the report's sampled rows
+            from h3quant.pipelines.convert.compute import sample_rows
+
+            idx = sample_rows(n)
             qm, cm = _encoded(codec, lp.out_fields, merged, options.rotation)
+            qm, cm = qm[idx].to(torch.float64), cm[idx].clone()
+            del merged
             qb, cb = _encoded(codec, lp.out_fields, base, options.rotation)
-            changed = int((cm != cb).sum())
-            codes = cm.numel()
-            pairs = ((a, b, _rows(qm, a, b) - _rows(qb, a, b)) for a, b in spans)
+            qb, cb = qb[idx].to(torch.float64), cb[idx].clone()
+            changed, codes = int((cm != cb).sum()), cm.numel()
+            pairs = ((int(r), int(r) + 1, (qm[i] - qb[i])[None]) for i, r in enumerate(idx))
+            sampled = len(idx)
     d_norm, dot, change = _compare(loras, layer, pairs)
-    total = merged.numel() if lp is None or codec.chunked else codes
+    total = numel if sampled == n else codes
     ratio = change / d_norm if d_norm > 0 else 1.0
     kept = dot / d_norm ** 2 if d_norm > 0 else 1.0
     return {"layer": layer, "format": fmt, "delta_norm": round(d_norm, 6),
             "kept": round(kept, 4), "change_ratio": round(ratio, 4),
-            "codes_changed": round(changed / max(total, 1), 4)}
+            "codes_changed": round(changed / max(total, 1), 4), "rows": sampled}
 
 
 def measure(view, loras, plan, options, log) -> dict:
