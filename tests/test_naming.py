@@ -312,3 +312,25 @@ def test_block_scaled_fp8_layer_is_not_decoded_as_scaled_fp8(comfy, tmp_path):
     assert r.exit_code != 0 and "mxfp8" in r.output, r.output
     assert "N305" not in r.output
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_each_computed_tensor_is_built_once(comfy, tmp_path, monkeypatch):
+    """fp8 input (every DiT and refiner linear decoded): copies and the layer being encoded do
+    not evict each other, so every tensor is computed once, not once per chunk."""
+    from collections import Counter
+
+    from h3quant.pipelines.convert import adopt
+
+    src = tmp_path / "f8.safetensors"
+    assert _cli("synth", src, "--dtype", "fp8", "--seed", "3").exit_code == 0
+    calls: Counter = Counter()
+    real = adopt.build_target
+
+    def counting(ckpt, t):
+        calls[t.name] += 1
+        return real(ckpt, t)
+    monkeypatch.setattr(adopt, "build_target", counting)
+    monkeypatch.setattr("h3quant.pipelines.convert.compute.CHUNK_ELEMS", 1 << 14)  # many chunks
+    monkeypatch.setattr(adopt, "CACHE_EXTRA", 64 << 10)  # weights count as big, biases not
+    convert(src, tmp_path / "o.safetensors", ConvertOptions(workers=2, report=False))
+    assert calls and max(calls.values()) == 1, calls.most_common(3)
