@@ -245,3 +245,99 @@ def test_outputs_with_the_longest_legal_names_and_odd_characters(tmp_path):
     convert(src, odd, ConvertOptions(report=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["in.safetensors", out.name, rep.name, odd.name])
+
+
+# ------------------------------------------------------------- the same rules for every file
+def _fake_pyplot(monkeypatch):
+    """A stand-in for matplotlib's pyplot (not a dependency): ``savefig`` writes fixed bytes."""
+    from unittest import mock
+
+    from h3quant.cli import verify_view
+
+    def savefig(target, **kw):
+        data = b"\x89PNG fake"
+        if hasattr(target, "write"):
+            target.write(data)
+        else:
+            Path(target).write_bytes(data)
+
+    fig, ax = mock.MagicMock(), mock.MagicMock()
+    fig.savefig.side_effect = savefig
+    plt = mock.MagicMock()
+    plt.subplots.return_value = (fig, ax)
+    monkeypatch.setattr(verify_view, "require_matplotlib", lambda: plt)
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from h3quant.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from h3quant.synth import synth_checkpoint
+
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    bf16 = tmp_path_factory.mktemp("tiny") / "h3_bf16.safetensors"
+    synth_checkpoint(bf16, preset="tiny", blocks=1, seed=3)
+    path = bf16.with_name("h3.safetensors")
+    convert(bf16, path, ConvertOptions(report=False))
+    return path
+
+
+def test_plot_onto_the_checkpoint_it_verifies_is_refused(tiny, monkeypatch):
+    _fake_pyplot(monkeypatch)
+    before = sha(tiny)
+    res = cli("verify", tiny, "--model", "--depth", "1", "--plot", tiny, "--device", "cpu")
+    assert res.exit_code == 2, res.output
+    assert "is the input" in res.output
+    assert sha(tiny) == before
+
+
+def test_plot_onto_a_fifo_or_an_existing_file_is_refused(tiny, tmp_path, monkeypatch):
+    _fake_pyplot(monkeypatch)
+    fifo = tmp_path / "drift.png"
+    os.mkfifo(fifo)
+    res = cli("verify", tiny, "--model", "--depth", "1", "--plot", fifo, "--device", "cpu")
+    assert res.exit_code == 2 and "not a regular file" in res.output, res.output
+    import stat as st
+
+    assert st.S_ISFIFO(os.lstat(fifo).st_mode)
+    png = tmp_path / "old.png"
+    png.write_bytes(b"mine")
+    res = cli("verify", tiny, "--model", "--depth", "1", "--plot", png, "--device", "cpu")
+    assert res.exit_code == 2 and "--overwrite" in res.output, res.output
+    assert png.read_bytes() == b"mine"
+
+
+def test_plot_with_overwrite_is_written_atomically(tiny, tmp_path, monkeypatch):
+    _fake_pyplot(monkeypatch)
+    png = tmp_path / "old.png"
+    png.write_bytes(b"mine")
+    res = cli("verify", tiny, "--model", "--depth", "1", "--plot", png, "--overwrite",
+              "--device", "cpu")
+    assert res.exit_code in (0, 1), res.output
+    assert png.read_bytes() == b"\x89PNG fake"
+    assert names(tmp_path) == ["old.png"]
+
+
+def test_outputs_inside_an_input_directory_are_refused(tmp_path, monkeypatch):
+    """A sharded input's directory holds its shards: no output of any command goes in there
+    (it would become an unindexed shard, or be read as one)."""
+    src = _sharded_input(tmp_path)
+    before = sha(src.parent)
+    res = cli("convert", src, src.parent / "out.safetensors")
+    assert res.exit_code == 2 and "inside the input directory" in res.output, res.output
+    res = cli("convert", src, tmp_path / "o", "--report", src.parent / "r.json")
+    assert res.exit_code == 2 and "inside the input directory" in res.output, res.output
+    res = cli("convert", src.parent, tmp_path / "o2", "--report", src.parent / "r.json")
+    assert res.exit_code == 2 and "inside the input directory" in res.output, res.output
+    _fake_pyplot(monkeypatch)
+    res = cli("verify", src.parent, "--model", "--plot", src.parent / "d.png", "--device", "cpu")
+    assert res.exit_code == 2 and "inside the input directory" in res.output, res.output
+    assert sha(src.parent) == before
+    assert names(tmp_path) == ["ck"]

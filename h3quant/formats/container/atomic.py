@@ -141,12 +141,18 @@ def is_own_output_dir(directory: Path) -> bool:
 def write_manifest(directory: Path) -> None:
     """Record the files of an output directory (written last, before the directory moves)."""
     files = sorted(f for f in os.listdir(directory) if f != MANIFEST_NAME)
-    body = {"kind": MANIFEST_KIND, "files": files}
-    with open(directory / MANIFEST_NAME, "w", encoding="utf-8") as fh:
-        json.dump(body, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    body = (json.dumps({"kind": MANIFEST_KIND, "files": files}, indent=2) + "\n").encode()
+    fd, tmp = open_temp(directory / MANIFEST_NAME)  # replaced in one step, never half written
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, directory / MANIFEST_NAME)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def check_output(path: Path, *, directory: bool, overwrite: bool,
@@ -160,6 +166,7 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
     if path.name in ("", ".", ".."):
         raise OutputError(f"the {what} must name a file", path=path)
     st = _stat(path)
+    inputs = [Path(p) for p in inputs]
     for inp in inputs:
         inp = Path(inp)
         ist = _stat(inp)
@@ -174,6 +181,10 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
                                   "choose another path", path=path)
             except ValueError:
                 pass
+    for folder in input_dirs(inputs):
+        if _is_within(path, folder):
+            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
+                              "live there); choose a path outside it", path=path)
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -196,6 +207,47 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
                           path=path)
     if not overwrite:
         raise OutputError(f"the {what} exists; pass --overwrite to replace it", path=path)
+
+
+INDEX_SUFFIX = ".index.json"
+
+
+def input_dirs(inputs: Iterable[Path]) -> list[Path]:
+    """The directories an input occupies: an input that is a directory, and the directory of a
+    shard index (its shards live there). Outputs never go inside them."""
+    dirs = []
+    for inp in inputs:
+        inp = Path(inp)
+        if inp.is_dir():
+            dirs.append(inp)
+        elif inp.name.endswith(INDEX_SUFFIX):
+            dirs.append(inp.parent)
+    return dirs
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    try:
+        (path.parent.resolve() / path.name).relative_to(folder.resolve())
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def checkpoint_inputs(*paths: str | os.PathLike | None) -> list[Path]:
+    """What a command reading these checkpoints counts as its inputs for the output rules: each
+    path as named (a file, an index or a directory), and each file of a directory checkpoint."""
+    out: list[Path] = []
+    for p in paths:
+        if p is None:
+            continue
+        p = Path(p)
+        out.append(p)
+        if p.is_dir():
+            try:
+                out.extend(p / n for n in sorted(os.listdir(p)))
+            except OSError:
+                pass
+    return out
 
 
 def check_outputs_distinct(paths: Iterable[Path]) -> None:
