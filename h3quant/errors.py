@@ -66,6 +66,18 @@ class FormatError(H3QuantError):
     """A layer's tensors do not match its quantization scheme (shapes, dtypes, divisibility)."""
 
 
+class FindingError(FormatError):
+    """The input breaks a format rule that ``validate`` reports as an error finding (its code is
+    in ``code``); convert and verify refuse it the same way: exit 1, nothing written."""
+
+    exit_code = 1
+
+
+class MarkerFindingError(MarkerError, FindingError):
+    """A marker finding (``M1xx``) that ``validate`` reports as an error, raised by a command
+    that refuses the file for it (exit 1, like ``validate``)."""
+
+
 class UnsupportedError(H3QuantError):
     """A known but unsupported format or configuration was requested or found."""
 

@@ -139,11 +139,12 @@ def test_header_repair_missing_and_disagreeing(int8_file, tmp_path):
     disagree = rewrite(int8_file, tmp_path / "dis.safetensors",
                        metadata=dict(meta, **{HEADER_KEY: header_metadata_value(bad_layers)}))
     out2 = tmp_path / "o2.safetensors"
-    report = convert(disagree, out2, ConvertOptions())
-    assert any("blocks.0.mlp.fc1" in r and "replaced" in r for r in report.repairs)
-    _, meta2, raw2 = read_all(out2)
-    assert parse_header_metadata(meta2)["blocks.0.mlp.fc1"] == CANON
-    assert all(raw2[n] == raw[n] for n in raw)
+    # a header that disagrees with the marker tensor is validate's M110: refused, not guessed
+    from h3quant.errors import FindingError
+
+    with pytest.raises(FindingError, match="M110"):
+        convert(disagree, out2, ConvertOptions())
+    assert not out2.exists()
 
 
 def test_markers_with_extra_fields_and_header_only_markers(int8_file, tmp_path):

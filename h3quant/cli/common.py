@@ -55,8 +55,13 @@ def handle_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from h3quant.formats.container.atomic import terminate_on_signals
+        from h3quant.formats.container.signals import (
+            committed_outputs,
+            interrupt_outcome,
+            terminate_on_signals,
+        )
 
+        done_before = len(committed_outputs())
         try:
             with terminate_on_signals():
                 return func(*args, **kwargs)
@@ -64,9 +69,9 @@ def handle_errors(func):
             click.echo(f"h3quant: error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
-            code = getattr(exc, "exit_code", 130)
-            what = "interrupted" if code == 130 else f"terminated by signal {code - 128}"
-            click.echo(f"h3quant: {what} (nothing written)", err=True)
+            # nothing written: 128 + N; every output already in place: 0, saying so
+            code, message = interrupt_outcome(exc, done_before)
+            click.echo(message, err=True)
             sys.exit(code)
         except MemoryError:
             click.echo("h3quant: error: out of memory", err=True)

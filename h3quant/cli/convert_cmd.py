@@ -142,16 +142,19 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
             click.echo(render_plan(plan.to_dict()))
         return
     say = (lambda msg: None) if quiet else log
+    from h3quant.formats.container.signals import committed_outputs, interrupt_outcome
+
+    done_before = len(committed_outputs())
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=not quiet and sys.stderr.isatty(), log=say,
                        report_path=report_path)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.atomic.Terminated)
-        # Everything is cleaned up by now. Exit at once rather than wait at interpreter exit
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
+        # Everything is cleaned up by now (or every output is complete, when the signal came
+        # after the final move: exit 0 then). Exit at once rather than wait at interpreter exit
         # for worker threads still inside an encoder call (a W4A8 layer can take a minute).
-        code = getattr(exc, "exit_code", 130)
-        what = "interrupted" if code == 130 else f"terminated by signal {code - 128}"
-        log(f"h3quant: {what} (nothing written)")
+        code, message = interrupt_outcome(exc, done_before)
+        log(message)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -77,7 +77,8 @@ default: one activation scale all_reduced over the ranks), within rel L2 0.05 wi
 """
 
 
-_MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot")
+_MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot",
+               "overwrite")
 _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 
 
@@ -117,6 +118,9 @@ def _given(ctx, names) -> list[str]:
               help="--model: run only the first N blocks (the final layer is then skipped).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="--model: draw the drift against depth to this PNG (needs matplotlib).")
+@click.option("--overwrite", is_flag=True,
+              help="--plot: replace an existing plot file (the plot is never an input, a link "
+                   "or a non-regular file, nor inside an input directory).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the random inputs (0 .. 2^32-1).")
 @click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
@@ -134,14 +138,15 @@ def _given(ctx, names) -> list[str]:
 @mmap_option
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
-            audio_frames, text_tokens, sigma, depth, plot, seed, magnitude_factor, as_json, tp,
-            tp_scale, tp_timeout, no_mmap):
+            audio_frames, text_tokens, sigma, depth, plot, overwrite, seed, magnitude_factor,
+            as_json, tp, tp_scale, tp_timeout, no_mmap):
     from h3quant.runtime.tp.launch import in_torchrun
 
     ctx = click.get_current_context()
     parallel = tp is not None or in_torchrun()
     if whole_model:
-        wrong = _given(ctx, _BLOCK_ONLY + (("plot",) if parallel else ("tp_scale", "tp_timeout")))
+        wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite") if parallel
+                                           else ("tp_scale", "tp_timeout")))
         mode = "--model --tp" if parallel else "--model"
     else:
         wrong = _given(ctx, _MODEL_ONLY + (() if parallel else ("tp_scale", "tp_timeout")))
@@ -158,7 +163,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
-                   sigma, depth, plot, seed, as_json, no_mmap)
+                   sigma, depth, plot, seed, as_json, no_mmap, overwrite)
     from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -174,12 +179,18 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
 
 
 def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
-               depth, plot, seed, as_json, no_mmap):
+               depth, plot, seed, as_json, no_mmap, overwrite=False):
     from tqdm import tqdm
 
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
-    if plot:
+    plot_inputs = ()
+    if plot:  # the plot is an output like any other: checked before the long run
+        from h3quant.formats.container.atomic import check_output, checkpoint_inputs
+
+        plot_inputs = checkpoint_inputs(ckpt, reference)
+        check_output(plot, directory=False, overwrite=overwrite, inputs=plot_inputs,
+                     what="plot")
         view.require_matplotlib()
     inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed)
     log(f"verifying the whole model {ckpt} against "
@@ -198,7 +209,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     finally:
         bar.close()
     if plot:
-        view.plot(res, plot)
+        view.plot(res, plot, overwrite=overwrite, inputs=plot_inputs)
         log(f"wrote {plot}")
     if as_json:
         emit_json(res.to_dict())

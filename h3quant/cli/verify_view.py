@@ -4,7 +4,6 @@ The three reports share their header lines, number format, notes and verdict foo
 
 from __future__ import annotations
 
-import os
 
 from h3quant.cli.common import format_table
 from h3quant.errors import H3QuantError
@@ -86,8 +85,13 @@ def require_matplotlib():
     return plt
 
 
-def plot(res, path: str) -> None:
-    """Drift (hidden-state SQNR) against depth, with the threshold line, to a PNG file."""
+def plot(res, path: str, *, overwrite: bool = False, inputs=()) -> None:
+    """Drift (hidden-state SQNR) against depth, with the threshold line, to a PNG file
+    (written through the same output rules and atomic move as every other output)."""
+    import io
+
+    from h3quant.formats.container.atomic import write_bytes
+
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [d.block for d in res.drift]
@@ -105,14 +109,12 @@ def plot(res, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)  # never a partial PNG at ``path``
+        fig.savefig(buf, dpi=100, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_bytes(path, buf.getvalue(), overwrite=overwrite, inputs=inputs, what="plot")
 
 
 def _mib(n: int) -> str:

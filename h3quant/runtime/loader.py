@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
+from h3quant.errors import (
+    FindingError,
+    FormatError,
+    MarkerError,
+    MarkerFindingError,
+    UnsupportedError,
+    VerifyError,
+)
 from h3quant.findings import Severity
 from h3quant.formats.rules import checks as rules
 from h3quant.formats.codecs import registry
@@ -175,7 +182,7 @@ def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
         owner = f.tensor.rpartition(".")[0] if f.tensor and f.tensor.endswith(".comfy_quant") \
             else f.tensor
         if f.tensor is None or owner in names or f.tensor in names:
-            raise MarkerError(f.message, path=path, tensor=f.tensor, code=f.code)
+            raise MarkerFindingError(f.message, path=path, tensor=f.tensor, code=f.code)
 
 
 def check_quantized(layer: Layer, fields: dict, path) -> None:
@@ -216,6 +223,11 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
         check_quantized(layer, layer.fields, path)
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
+        cb = tensors.get("weight_codebook")
+        v = rules.codebook_violation(cb) if cb is not None else None
+        if v is not None:  # the rule validate --deep and convert apply too
+            raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
+                               code=v.code)
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
     for s, info in layer.tensors.items():
         if info.dtype not in FLOAT_DTYPES:

@@ -14,7 +14,11 @@ Rules (what a user can rely on):
   of two runs racing for one output, one wins and the other fails cleanly.
 * A staging directory whose lock is free belongs to a run that was killed; the next command
   writing beside it removes it and says so.
-* SIGTERM and SIGHUP (``terminate_on_signals``) unwind like SIGINT, so staging is removed.
+* ``--overwrite`` moves the previous output aside inside the staging directory, journaled: a
+  run killed at any moment (even SIGKILL) leaves enough for the next run to put it back, and a
+  staging directory still holding a previous output is never deleted.
+* SIGTERM and SIGHUP (``terminate_on_signals``) unwind like SIGINT, so staging is removed; the
+  final move itself defers them until every output is in place (``signals``).
 """
 
 from __future__ import annotations
@@ -26,15 +30,19 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import stat
 import tempfile
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from h3quant.errors import OutputError
+from h3quant.formats.container.signals import (  # noqa: F401 (Terminated, terminate_on_signals: re-exported)
+    Terminated,
+    deferred_signals,
+    note_committed,
+    terminate_on_signals,
+)
 
 STAGING_PREFIX = ".h3quant-staging-"
 STAGING_SUFFIX = ".tmp"
@@ -133,12 +141,18 @@ def is_own_output_dir(directory: Path) -> bool:
 def write_manifest(directory: Path) -> None:
     """Record the files of an output directory (written last, before the directory moves)."""
     files = sorted(f for f in os.listdir(directory) if f != MANIFEST_NAME)
-    body = {"kind": MANIFEST_KIND, "files": files}
-    with open(directory / MANIFEST_NAME, "w", encoding="utf-8") as fh:
-        json.dump(body, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    body = (json.dumps({"kind": MANIFEST_KIND, "files": files}, indent=2) + "\n").encode()
+    fd, tmp = open_temp(directory / MANIFEST_NAME)  # replaced in one step, never half written
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, directory / MANIFEST_NAME)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def check_output(path: Path, *, directory: bool, overwrite: bool,
@@ -152,6 +166,7 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
     if path.name in ("", ".", ".."):
         raise OutputError(f"the {what} must name a file", path=path)
     st = _stat(path)
+    inputs = [Path(p) for p in inputs]
     for inp in inputs:
         inp = Path(inp)
         ist = _stat(inp)
@@ -166,6 +181,10 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
                                   "choose another path", path=path)
             except ValueError:
                 pass
+    for folder in input_dirs(inputs):
+        if _is_within(path, folder):
+            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
+                              "live there); choose a path outside it", path=path)
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -190,6 +209,47 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
         raise OutputError(f"the {what} exists; pass --overwrite to replace it", path=path)
 
 
+INDEX_SUFFIX = ".index.json"
+
+
+def input_dirs(inputs: Iterable[Path]) -> list[Path]:
+    """The directories an input occupies: an input that is a directory, and the directory of a
+    shard index (its shards live there). Outputs never go inside them."""
+    dirs = []
+    for inp in inputs:
+        inp = Path(inp)
+        if inp.is_dir():
+            dirs.append(inp)
+        elif inp.name.endswith(INDEX_SUFFIX):
+            dirs.append(inp.parent)
+    return dirs
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    try:
+        (path.parent.resolve() / path.name).relative_to(folder.resolve())
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def checkpoint_inputs(*paths: str | os.PathLike | None) -> list[Path]:
+    """What a command reading these checkpoints counts as its inputs for the output rules: each
+    path as named (a file, an index or a directory), and each file of a directory checkpoint."""
+    out: list[Path] = []
+    for p in paths:
+        if p is None:
+            continue
+        p = Path(p)
+        out.append(p)
+        if p.is_dir():
+            try:
+                out.extend(p / n for n in sorted(os.listdir(p)))
+            except OSError:
+                pass
+    return out
+
+
 def check_outputs_distinct(paths: Iterable[Path]) -> None:
     seen: dict[str, Path] = {}
     for p in paths:
@@ -208,8 +268,26 @@ def check_outputs_distinct(paths: Iterable[Path]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# staging and stale temporaries
+# staging, the commit journal and stale temporaries
 # --------------------------------------------------------------------------------------------
+# A staging directory ``.h3quant-staging-<pid>-<random>.tmp`` beside the outputs holds:
+#   .lock          flock'ed while its run lives
+#   new/NAME       each output while it is written
+#   old/NAME       the previous output NAME while the final move replaces it (--overwrite)
+#   journal.json   written (and fsynced) before the first move: each output's name and the
+#                  inode of its new version, so a later run can tell what was moved
+#   committed      written once every output is in place: the run is complete
+# A killed run's directory is resolved by the next run writing beside it (``recover``): a
+# complete run's leftovers are removed; an incomplete run is rolled back (its new outputs
+# removed, every previous output moved back). A previous output that cannot be moved back is
+# kept where it is, and so is the staging directory holding it, and the user is told.
+NEW_DIR = "new"
+OLD_DIR = "old"
+JOURNAL_NAME = "journal.json"
+COMMITTED_NAME = "committed"
+_LEGACY_BACKUP = ".old-"  # older releases kept the previous output at <stage>/.old-NAME
+
+
 def _try_lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
     try:
@@ -224,8 +302,106 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _read_journal(stage: Path) -> list[dict] | None:
+    try:
+        raw = (stage / JOURNAL_NAME).read_bytes()
+        obj = json.loads(raw.decode("utf-8")) if len(raw) < 1 << 24 else None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    items = obj.get("outputs") if isinstance(obj, dict) else None
+    if not isinstance(items, list):
+        return None
+    good = []
+    for it in items:
+        if (isinstance(it, dict) and isinstance(it.get("name"), str)
+                and isinstance(it.get("ino"), int) and isinstance(it.get("dev"), int)):
+            name = it["name"]
+            if name and "/" not in name and name not in (".", ".."):
+                good.append(it)
+    return good
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recover(stage: Path, parent: Path, log: Callable[[str], None] | None = None) -> bool:
+    """Resolve the staging directory ``stage`` (in ``parent``) of a run that did not finish.
+
+    A complete run (``committed``) only leaves files to remove. Otherwise each output it moved
+    into place is taken back and each previous output it moved aside is put back. Returns True
+    when nothing of the user's is left in ``stage`` (it may be removed), False when a previous
+    output had to stay there (its place is taken): the caller keeps the directory."""
+    say = log or (lambda msg: None)
+    if (stage / COMMITTED_NAME).exists():
+        return True
+    safe = True
+    journal = _read_journal(stage) or []
+    old_dir = stage / OLD_DIR
+    for it in reversed(journal):
+        name = it["name"]
+        target, backup = parent / name, old_dir / name
+        try:
+            tst = os.lstat(target)
+        except FileNotFoundError:
+            tst = None
+        has_backup = os.path.lexists(backup)
+        if tst is not None and (tst.st_dev, tst.st_ino) == (it["dev"], it["ino"]):
+            # our new output is in place: take it back (it was never complete as a set)
+            if has_backup and not it.get("directory"):
+                os.replace(backup, target)  # the previous file comes back in one step
+                say(f"h3quant: restored {target} (an interrupted run had replaced it)")
+                continue
+            _remove(target)
+            tst = None
+        if not has_backup:
+            continue
+        if tst is None:
+            os.rename(backup, target)
+            say(f"h3quant: restored {target} (an interrupted run had moved it aside)")
+        elif not it.get("directory") and os.path.samestat(tst, os.lstat(backup)):
+            os.unlink(backup)  # only a second link to the file that never left its place
+        else:
+            safe = False
+            say(f"h3quant: kept the previous {target} at {backup}: an interrupted run had "
+                "moved it aside and its place is taken now")
+    # releases before the journal kept a replaced output at <stage>/.old-NAME
+    try:
+        legacy = [n for n in os.listdir(stage) if n.startswith(_LEGACY_BACKUP)]
+    except OSError:
+        legacy = []
+    for n in legacy:
+        target, backup = parent / n[len(_LEGACY_BACKUP):], stage / n
+        if not os.path.lexists(target):
+            os.rename(backup, target)
+            say(f"h3quant: restored {target} (an interrupted run had moved it aside)")
+        elif not (backup.is_file() and os.path.samestat(os.lstat(target), os.lstat(backup))):
+            safe = False
+            say(f"h3quant: kept the previous {target} at {backup}: an interrupted run had "
+                "moved it aside and its place is taken now")
+    if old_dir.is_dir() and os.listdir(old_dir):
+        safe = False  # a previous output nobody journaled: never delete it
+        say(f"h3quant: kept {old_dir}: it holds a previous output of an interrupted run")
+    return safe
+
+
 def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove staging directories beside outputs left by killed runs (their lock is free)."""
+    """Resolve and remove staging directories left by killed runs (their lock is free).
+
+    A previous output that such a run had moved aside is put back first (``recover``); a
+    staging directory that still holds one is kept, never deleted."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -241,6 +417,15 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
         if fd is None:
             continue  # a live run holds it
         try:
+            try:
+                safe = recover(stage, Path(directory), log)
+            except OSError as exc:
+                safe = False
+                if log:
+                    log(f"h3quant: kept {stage} (an interrupted run's temporary): it could not "
+                        f"be resolved ({exc.strerror or exc})")
+            if not safe:
+                continue
             shutil.rmtree(stage, ignore_errors=True)
         finally:
             os.close(fd)
@@ -256,14 +441,35 @@ class _Stage:
     def __init__(self, parent: Path):
         # Made and locked under a name clean_stale() does not match, then renamed: another run's
         # clean_stale() must never see a live staging directory before its lock is held.
+        self.parent = parent
         born = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-",
                                      suffix=_UNLOCKED_SUFFIX, dir=parent))
         self.lock_fd = _try_lock(born / LOCK_NAME)
+        os.mkdir(born / NEW_DIR)
+        os.mkdir(born / OLD_DIR)
         self.path = born.with_name(born.name[:-len(_UNLOCKED_SUFFIX)] + STAGING_SUFFIX)
         os.rename(born, self.path)
 
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+    @property
+    def new(self) -> Path:
+        return self.path / NEW_DIR
+
+    @property
+    def old(self) -> Path:
+        return self.path / OLD_DIR
+
+    def remove(self, log: Callable[[str], None] | None = None) -> None:
+        """Remove the directory, unless it still holds a previous output (then say where)."""
+        try:
+            held = bool(os.listdir(self.old))
+        except OSError:
+            held = False
+        if held and not (self.path / COMMITTED_NAME).exists():
+            if log:
+                log(f"h3quant: kept {self.old}: it holds the previous output(s), which could "
+                    "not be moved back")
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
@@ -275,8 +481,7 @@ class _Item:
     staged: Path
     directory: bool
     what: str
-    backup: Path | None = None
-    placed: bool = False
+    stage: _Stage
 
 
 class Outputs:
@@ -291,7 +496,8 @@ class Outputs:
         # both are in place here; after an exception neither is, and nothing is left behind
 
     A directory output (``directory=True``) is created empty at the staged path; its manifest
-    is written at commit.
+    is written at commit. The final move is a critical section: SIGTERM, SIGHUP and SIGINT
+    arriving during it are delivered once every output is in place (or every one rolled back).
     """
 
     def __init__(self, *, inputs: Iterable[Path] = (), overwrite: bool = False,
@@ -323,10 +529,10 @@ class Outputs:
             except OSError as exc:
                 raise OutputError(f"cannot create a temporary beside the {what}: "
                                   f"{exc.strerror or exc}", path=target) from None
-        staged = stage.path / target.name
+        staged = stage.new / target.name
         if directory:
             os.mkdir(staged, default_mode(directory=True))
-        self._items.append(_Item(target, staged, directory, what))
+        self._items.append(_Item(target, staged, directory, what, stage))
         return staged
 
     def __enter__(self) -> "Outputs":
@@ -340,13 +546,13 @@ class Outputs:
 
     def abort(self) -> None:
         for stage in self._stages.values():
-            stage.remove()
+            stage.remove(self.log)
         self._stages.clear()
 
     def commit(self) -> None:
         """Move every staged output into place, or none (earlier ones are rolled back)."""
-        try:
-            for item in self._items:
+        for item in self._items:
+            try:
                 if item.directory:
                     write_manifest(item.staged)
                     fsync_dir(item.staged)
@@ -354,15 +560,36 @@ class Outputs:
                     os.chmod(item.staged, default_mode())
                 else:
                     raise OutputError(f"the {item.what} was never written", path=item.target)
+            except BaseException:
+                self.abort()
+                raise
+        with deferred_signals():
+            try:
+                self._journal()
+                for item in self._items:
+                    self._place(item)
+                for parent in {i.target.parent for i in self._items}:
+                    fsync_dir(parent)
+                for stage in self._stages.values():
+                    _write_small(stage.path / COMMITTED_NAME, b"complete\n")
+            except BaseException:
+                self._rollback()
+                self.abort()
+                raise
+            self.abort()  # removes the staging directories (and any replaced old output)
+            note_committed(i.target for i in self._items)
+
+    def _journal(self) -> None:
+        for stage in self._stages.values():
+            entries = []
             for item in self._items:
-                self._place(item)
-            for parent in {i.target.parent for i in self._items}:
-                fsync_dir(parent)
-        except BaseException:
-            self._rollback()
-            self.abort()
-            raise
-        self.abort()  # removes the staging directories (and any replaced old output)
+                if item.stage is stage:
+                    st = os.lstat(item.staged)
+                    entries.append({"name": item.target.name, "directory": item.directory,
+                                    "dev": st.st_dev, "ino": st.st_ino})
+            _write_small(stage.path / JOURNAL_NAME,
+                         json.dumps({"outputs": entries}).encode("utf-8"))
+            fsync_dir(stage.path)
 
     def _place(self, item: _Item) -> None:
         # re-check at the last moment: the path may have changed while we worked
@@ -373,20 +600,16 @@ class Outputs:
                               path=item.target)
         check_output(item.target, directory=item.directory, overwrite=self.overwrite,
                      inputs=self.inputs, what=item.what)
-        stage = item.staged.parent
         if self.overwrite and os.path.lexists(item.target):
-            backup = stage / f".old-{item.target.name}"
+            backup = item.stage.old / item.target.name
             if item.directory:
-                os.rename(item.target, backup)
+                os.rename(item.target, backup)  # journaled: a killed run's is moved back
             else:
-                os.link(item.target, backup)
-            item.backup = backup
-            if not item.directory:
+                os.link(item.target, backup)  # the old file never leaves its place
                 os.replace(item.staged, item.target)
-                item.placed = True
                 return
         try:
-            if item.directory and item.backup is None and os.path.isdir(item.target):
+            if item.directory and os.path.isdir(item.target) and not os.path.islink(item.target):
                 os.rename(item.staged, item.target)  # onto an empty directory: ENOTEMPTY if not
             else:
                 rename_noreplace(item.staged, item.target)
@@ -396,24 +619,13 @@ class Outputs:
             raise OutputError(f"the {item.what} appeared while this run was writing (another "
                               "run?); nothing was written; pass --overwrite to replace it",
                               path=item.target) from None
-        item.placed = True
 
     def _rollback(self) -> None:
-        for item in reversed(self._items):
+        for stage in self._stages.values():
             try:
-                if item.directory:
-                    if item.placed:
-                        shutil.rmtree(item.target, ignore_errors=True)
-                    if item.backup is not None:
-                        os.rename(item.backup, item.target)
-                elif item.backup is not None:
-                    if item.placed:  # the backup is a hard link to the old file
-                        os.replace(item.backup, item.target)
-                elif item.placed:
-                    os.unlink(item.target)
+                recover(stage.path, stage.parent, self.log)
             except OSError:
                 pass
-
 
 def write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True,
                 inputs: Iterable[Path] = (), what: str = "output") -> None:
@@ -437,7 +649,9 @@ def write_file(path: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------------------------
 def open_temp(path: Path) -> tuple[int, Path]:
     """A new temporary file beside ``path`` (fd, path), with the permissions ``open`` gives."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=STAGING_SUFFIX, dir=path.parent)
+    # the name is cut so the temporary stays within NAME_MAX whatever the output is called
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=STAGING_SUFFIX,
+                               dir=path.parent)
     try:
         os.fchmod(fd, default_mode())
     except BaseException:
@@ -473,41 +687,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------------------------
-# signals
-# --------------------------------------------------------------------------------------------
-class Terminated(KeyboardInterrupt):
-    """Raised in the main thread on SIGTERM / SIGHUP so cleanup runs as on Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-@contextmanager
-def terminate_on_signals():
-    """While active, SIGTERM and SIGHUP raise ``Terminated`` (cleanup, then exit 128 + N)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated(signum)
-
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            previous[sig] = signal.signal(sig, handler)
-        except (ValueError, OSError):
-            pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+def resolve_stale(paths: Iterable[str | os.PathLike | None],
+                  log: Callable[[str], None] | None = None) -> None:
+    """Resolve killed runs' staging directories beside each of ``paths`` (``clean_stale``)
+    before the outputs are checked, so a run that died between its outputs' moves is undone
+    first (its lone output would otherwise look like an existing file)."""
+    seen = set()
+    for p in paths:
+        if p is None:
+            continue
+        parent = Path(p).parent
+        if parent.is_dir() and parent.resolve() not in seen:
+            seen.add(parent.resolve())
+            clean_stale(parent, log)

@@ -7,6 +7,7 @@ from h3quant.formats.rules.checks import (
     S_REL_DTYPES,
     SCALE_DTYPES,
     Violation,
+    codebook_violation,
     combination_violations,
     fit_error,
     int8_scale_shapes,
@@ -16,6 +17,7 @@ from h3quant.formats.rules.checks import (
     weight_violation,
 )
 
-__all__ = ["S_REL_DTYPES", "SCALE_DTYPES", "Violation", "combination_violations", "fit_error",
+__all__ = ["S_REL_DTYPES", "SCALE_DTYPES", "Violation", "codebook_violation",
+           "combination_violations", "fit_error",
            "int8_scale_shapes", "layer_violations", "scale_violations", "w4a8_channel_shapes",
            "weight_violation"]

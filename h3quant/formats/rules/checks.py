@@ -180,3 +180,29 @@ def weight_violation(values: torch.Tensor, offset: int = 0) -> Violation | None:
     first = offset + int(bad.nonzero()[0, 0])
     return Violation("D106", f"{int(bad.sum())} non-finite weight value(s) (first at flat index "
                      f"{first}); expected finite weights")
+
+
+CODEBOOK_LEVELS = 16
+
+
+def codebook_violation(levels: torch.Tensor) -> Violation | None:
+    """A W4A8 codebook must hold 16 finite levels in [-1, 1], sorted ascending (D104). The
+    encoder's nearest-level search and the decoders assume it; convert and verify refuse a
+    layer that breaks it, validate --deep reports it."""
+    import torch
+
+    levels = levels.float().reshape(-1)
+    problems = []
+    if levels.numel() != CODEBOOK_LEVELS:
+        problems.append(f"{levels.numel()} levels (expected {CODEBOOK_LEVELS})")
+    finite = bool(torch.isfinite(levels).all())
+    if not finite:
+        problems.append("non-finite levels")
+    elif levels.numel() and (levels.abs() > 1).any():
+        problems.append(f"levels outside [-1, 1] (max |level| {levels.abs().max().item():.6g})")
+    if levels.numel() > 1 and finite and (levels[1:] < levels[:-1]).any():
+        problems.append("levels not sorted ascending")
+    if not problems:
+        return None
+    return Violation("D104", "codebook has " + ", ".join(problems) + "; expected 16 sorted "
+                     "finite levels in [-1, 1]", "weight_codebook")

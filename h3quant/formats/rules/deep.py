@@ -96,20 +96,9 @@ def _check_int8_codes(src, info, out: list[Finding]) -> None:
 
 
 def _check_codebook(src, info, out: list[Finding]) -> None:
-    levels = _read(src, info).float()
-    problems = []
-    if levels.numel() != 16:
-        problems.append(f"{levels.numel()} levels (expected 16)")
-    if not torch.isfinite(levels).all():
-        problems.append("non-finite levels")
-    elif levels.numel() and (levels.abs() > 1).any():
-        problems.append(f"levels outside [-1, 1] (max |level| {levels.abs().max().item():.6g})")
-    if levels.numel() > 1 and torch.isfinite(levels).all() and (levels[1:] < levels[:-1]).any():
-        problems.append("levels not sorted ascending")
-    if problems:
-        out.append(Finding("D104", "codebook has " + ", ".join(problems) +
-                           "; expected 16 sorted finite levels in [-1, 1]",
-                           tensor=info.name, file=str(info.file)))
+    v = rules.codebook_violation(_read(src, info))  # the rule convert and verify apply too
+    if v is not None:
+        out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
 
 
 def _check_float(src, info, out: list[Finding]) -> None:

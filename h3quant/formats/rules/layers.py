@@ -127,9 +127,9 @@ def scan_layers(
                 add("M108", "marker has no weight tensor beside it", mname)
         hdr = header_fields.get(layer.name)
         if hdr is not None and tensor_fields is not None:
-            if _acted_on(hdr) != _acted_on(tensor_fields):
-                add("M110", f"header metadata says {_short(hdr)}, marker tensor says "
-                    f"{_short(tensor_fields)}; ComfyUI uses the header", mname)
+            why = marker_disagreement(hdr, tensor_fields)
+            if why:
+                add("M110", why, mname)
             layer.fields, layer.source = hdr, "header+tensor"
         elif hdr is not None:
             layer.fields, layer.source = hdr, "header"
@@ -156,6 +156,15 @@ _ACTED_ON = ("format", "convrot", "convrot_groupsize", "group_size", "full_preci
 def _acted_on(fields: dict) -> dict:
     """The fields a loader acts on (extra fields such as orig_dtype are ignored by ComfyUI)."""
     return {k: fields[k] for k in _ACTED_ON if k in fields}
+
+
+def marker_disagreement(header_fields: dict, tensor_fields: dict) -> str | None:
+    """Why a layer's header metadata entry and its marker tensor disagree on a field a loader
+    acts on (finding M110), or None. validate reports it; convert and verify refuse the file."""
+    if _acted_on(header_fields) == _acted_on(tensor_fields):
+        return None
+    return (f"header metadata says {_short(header_fields)}, marker tensor says "
+            f"{_short(tensor_fields)}; ComfyUI uses the header")
 
 
 def _short(fields: dict) -> str:

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import cast
 
-from h3quant.formats.container.atomic import Outputs, write_bytes, write_file
+from h3quant.formats.container.atomic import Outputs, resolve_stale, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import adopt, survival
@@ -64,6 +64,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
+    resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         source, loras = ckpt, None

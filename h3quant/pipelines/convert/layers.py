@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from h3quant.errors import FormatError, MarkerError
+from h3quant.errors import FormatError, MarkerError, MarkerFindingError
 from h3quant.formats.codecs import registry
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.rules.layers import Layer
+from h3quant.formats.rules.layers import Layer, marker_disagreement
 from h3quant.formats.rules.markers import (
     check_marker_object,
     effective_fields,
@@ -148,6 +148,10 @@ def resolve_marker(layer: Layer, header: dict | None, read_bytes) -> Resolved:
             raise FormatError(f"weight is {w.dtype} but the layer has no quantization marker",
                               tensor=f"{name}.weight")
         return Resolved(None, None)
+    disagree = marker_disagreement(h_eff, t_eff) if t_eff and h_eff else None
+    if disagree:  # validate's M110: which one describes the tensors cannot be known
+        raise MarkerFindingError(f"{disagree}; refusing to guess which marker is right; nothing "
+                           "written", tensor=name, code="M110")
     tried = []
     for src, raw, eff in (("marker tensor", t_raw, t_eff), ("header metadata", h_raw, h_eff)):
         if raw is None:

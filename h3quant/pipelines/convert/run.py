@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from h3quant.alloc import keep_freed_memory
-from h3quant.errors import FormatError, H3QuantError
+from h3quant.errors import FindingError, FormatError, H3QuantError
 from h3quant.formats.rules import checks as rules
 from h3quant.formats.codecs import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
@@ -45,6 +45,19 @@ def check_source_scales(lp, reader) -> None:
         for v in rules.scale_violations(values):
             raise FormatError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
                               tensor=info.name, code=v.code)
+
+
+def check_source_codebook(lp, reader) -> None:
+    """Refuse a W4A8 source layer whose codebook breaks ``validate --deep``'s rule (D104),
+    whatever becomes of the layer: decoded through it, its codes would be laundered into a
+    clean-looking file; copied, the output would carry the same broken table."""
+    info = lp.inputs.get("weight_codebook")
+    if info is None:
+        return
+    v = rules.codebook_violation(reader.whole(info))
+    if v is not None:
+        raise FindingError(f"[{v.code}] source weight_codebook: {v.message}; nothing written",
+                           tensor=info.name, code=v.code)
 
 
 class CheckedRows(SourceRows):
@@ -116,6 +129,7 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
 
     entry = lp.to_dict()
     try:
+        check_source_codebook(lp, reader)
         if lp.action == "convert":
             check_source_scales(lp, reader)  # validate --deep's rules, before any output
         if lp.action == "convert" and lp.via != "encode":  # codes moved, not quantized

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from h3quant.formats.container.atomic import fsync_dir
+from h3quant.formats.container.signals import deferred_signals
 from h3quant.pipelines.convert.io import OffsetWriter, Reader, Sinks, by_input_offset, copy_tensor
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.result import ConvertReport, build_report
@@ -112,8 +113,10 @@ def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> ConvertR
                file=sys.stderr, disable=not progress, desc="convert", leave=False)
     try:
         with CopyStream(plan, ckpt, out, bar.update) as stream:
-            # torch loads here, while the copies run
-            from h3quant.pipelines.convert.run import convert_layers
+            # torch loads here, while the copies run; a signal meanwhile is held until the
+            # import ends (torch's C initialisation would swallow it)
+            with deferred_signals():
+                from h3quant.pipelines.convert.run import convert_layers
 
             results = convert_layers(plan, stream, bar)
     finally:
