@@ -31,11 +31,14 @@ def _size(n: int) -> str:
                    "time_embedder.proj_in/proj_out.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
+@click.option("--head-bank", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Stack N output heads in final_layer.video_out / audio_out (N x 96 / N x 32 "
+                   "rows), as few-step checkpoints do; 1 writes the plain heads.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @handle_errors
-def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, overwrite: bool,
-            quiet: bool) -> None:
+def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, head_bank: int,
+            overwrite: bool, quiet: bool) -> None:
     """Write a synthetic, unquantized H3-shaped checkpoint to OUT.
 
     The file has the real H3 DiT tensor names, dtypes and shapes (FORMATS.md 5) with seeded
@@ -48,6 +51,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
       h3quant synth h3_tiny.safetensors
       h3quant synth h3_tiny_full.safetensors --form full --seed 7
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
+      h3quant synth h3_fewstep.safetensors --head-bank 4                # a 4-head bank
     """
     from h3quant.formats.container.atomic import Outputs
     from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
@@ -60,10 +64,11 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, ov
     with Outputs(overwrite=overwrite, log=log) as outs:
         staged = outs.add(out)  # checked before any work; appears only when complete
         result = synth_checkpoint(staged, preset=preset, blocks=blocks, form=form, seed=seed,
-                                  progress=not quiet and approx >= PROGRESS_MIN_BYTES
+                                  head_bank=head_bank, progress=not quiet and approx >= PROGRESS_MIN_BYTES
                                   and sys.stderr.isatty())
     if not quiet:
         c = result.config
         log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
             f"preset={preset} form={c.form} blocks={c.blocks} refiner_blocks={c.refiner_blocks} "
-            f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}")
+            f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}"
+            + (f" head_bank={head_bank}" if head_bank > 1 else ""))
