@@ -34,13 +34,20 @@ import numpy as np
 import torch
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.rules.topology import BLOCK_LINEARS, H3Config, config_for, expected_tensors
+from h3quant.formats.rules.topology import (
+    BANK_TENSORS,
+    BLOCK_LINEARS,
+    H3Config,
+    config_for,
+    expected_tensors,
+)
 from h3quant.formats.container.writer import Entry, StreamingWriter, plan_layout
 
 SYNTH_VERSION = 1
 CHUNK_ELEMS = 1 << 22
 OUTLIER_CHANNELS = 6
 METADATA_KEY = "h3quant.synth"
+MAX_HEAD_BANK = 64
 
 _NORM_RE = re.compile(r"(?:^|\.)(?:norm\d*|q_norm|k_norm|final_norm)\.weight$")
 _OUTLIER_LAYERS = tuple(f".{sub}.weight" for sub in BLOCK_LINEARS) + ("condition_proj.weight",)
@@ -179,22 +186,32 @@ def _run_ordered(jobs: Iterator[tuple[str, Callable]], workers: int = 2,
                 fut.cancel()
 
 
-def synth_metadata(cfg: H3Config, preset: str, seed: int) -> dict[str, str]:
+def synth_metadata(cfg: H3Config, preset: str, seed: int, head_bank: int = 1) -> dict[str, str]:
     info = {"preset": preset, "form": cfg.form, "blocks": cfg.blocks, "seed": seed,
             "version": SYNTH_VERSION}
+    if head_bank > 1:
+        info["head_bank"] = head_bank
     return {"format": "pt", METADATA_KEY: json.dumps(info, sort_keys=True)}
 
 
 def synth_checkpoint(path: str | os.PathLike, *, preset: str = "tiny", blocks: int | None = None,
                      form: str = "pruned", seed: int = 0, progress: bool = False,
-                     workers: int | None = None) -> SynthResult:
-    """Write an H3-shaped plain checkpoint to ``path`` (atomically; an existing file is replaced)."""
+                     workers: int | None = None, head_bank: int = 1) -> SynthResult:
+    """Write an H3-shaped plain checkpoint to ``path`` (atomically; an existing file is replaced).
+    ``head_bank``: stack that many output heads in ``final_layer.video_out`` / ``audio_out``
+    (``n * 96`` / ``n * 32`` rows, as few-step checkpoints do); 1 writes the plain heads."""
     if not isinstance(seed, int) or seed < 0:
         raise UnsupportedError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(head_bank, int) or not 1 <= head_bank <= MAX_HEAD_BANK:
+        raise UnsupportedError(f"head_bank must be in 1..{MAX_HEAD_BANK}, got {head_bank!r}")
     cfg = config_for(preset, blocks=blocks, form=form)
     workers = workers or min(4, os.cpu_count() or 1)
-    entries = [Entry(n, d, s) for n, (d, s) in expected_tensors(cfg).items()]
-    layout = plan_layout(entries, synth_metadata(cfg, preset, seed))
+    tensors = expected_tensors(cfg)
+    for name in BANK_TENSORS if head_bank > 1 else ():
+        dtype, shape = tensors[name]
+        tensors[name] = (dtype, (shape[0] * head_bank, *shape[1:]))
+    entries = [Entry(n, d, s) for n, (d, s) in tensors.items()]
+    layout = plan_layout(entries, synth_metadata(cfg, preset, seed, head_bank))
     path = Path(path)
     from tqdm import tqdm
 

@@ -88,12 +88,12 @@ def test_seed3_cuda_version_on_npu_build_selects_npu(monkeypatch, data):
         y = layer(sim.device.put(x))
         assert y.device.type == "npu"
         assert layer.runner.torch_npu is sys.modules["torch_npu"]
-        assert sim.extras["module"].calls == ["npu_dynamic_quant", "npu_quant_matmul"]
+        assert sim.extras["module"].calls == ["npu_rotate_quant", "npu_quant_matmul"]
 
 
 def test_seed4_no_double_scaling(data):
     q, s, x, _ = data
-    with simulated_npu() as sim:
+    with simulated_npu(rotate_quant=False) as sim:  # rotate, then npu_dynamic_quant
         layer = QuantizedLinear.from_int8(q, s, convrot=True, device="npu", probe=sim.probe)
         y = sim.device.fetch(layer(sim.device.put(x)))
     assert y.dtype == torch.bfloat16 and y.shape == (2, 9, 64)
@@ -107,7 +107,7 @@ def test_seed4_no_double_scaling(data):
 
 def test_npu_bias_applied_once(data):
     q, s, x, bias = data
-    with simulated_npu() as sim:
+    with simulated_npu(rotate_quant=False) as sim:
         layer = QuantizedLinear.from_int8(q, s, convrot=True, bias=bias, device="npu", probe=sim.probe)
         y = sim.device.fetch(layer(sim.device.put(x)))
     expect = w8a8_emulation(rotate(x, 256).to(torch.bfloat16), q, s, False, 256, bias)
@@ -115,17 +115,18 @@ def test_npu_bias_applied_once(data):
     assert rel(y, reference_linear(x, q, s, True, 256, bias)) < 0.02
 
 
-def test_npu_no_int_mm_and_nothing_leaves_the_device(data):
+@pytest.mark.parametrize("fused", [False, True])
+def test_npu_no_int_mm_and_nothing_leaves_the_device(data, fused):
     q, s, x, _ = data
-    with simulated_npu() as sim:
+    with simulated_npu(rotate_quant=fused) as sim:
         layer = QuantizedLinear.from_int8(q, s, convrot=True, device="npu", probe=sim.probe)
         layer(sim.device.put(x))
         layer(sim.device.put(torch.cat([x, x], -1)), input_act="swiglu")
         dev = sim.device
         assert not dev.saw("aten::_int_mm")
         assert dev.of_kind("cpu_fallback") == [] and dev.of_kind("to_cpu") == []
-        assert [e.name for e in dev.of_kind("kernel")] == [
-            "torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"] * 2
+        quant = "torch_npu.npu_rotate_quant" if fused else "torch_npu.npu_dynamic_quant"
+        assert [e.name for e in dev.of_kind("kernel")] == [quant, "torch_npu.npu_quant_matmul"] * 2
 
 
 def test_npu_fused_equals_unfused(data):

@@ -89,6 +89,8 @@ def _naming_line(n: dict) -> str:
 def _topology_line(topo: dict) -> str:
     keys = ("preset", "preset_name", "form", "blocks", "hidden")
     parts = [f"{k}={topo[k]}" for k in keys if k in topo and not isinstance(topo[k], (list, dict))]
+    if topo.get("head_bank", 1) > 1:
+        parts.append(f"head_bank={topo['head_bank']}")
     return "MiniMax H3 DiT" + (" (" + ", ".join(parts) + ")" if parts else "")
 
 

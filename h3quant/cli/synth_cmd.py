@@ -41,11 +41,14 @@ def _size(n: int) -> str:
               show_default=True,
               help="fp8: the DiT and refiner block linears as float8_e4m3fn codes with a "
                    "per-tensor F32 scale_weight (ComfyUI's scaled fp8).")
+@click.option("--head-bank", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Stack N output heads in final_layer.video_out / audio_out (N x 96 / N x 32 "
+                   "rows), as few-step checkpoints do; 1 writes the plain heads.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @handle_errors
 def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, naming: str,
-            wdtype: str, overwrite: bool, quiet: bool) -> None:
+            wdtype: str, head_bank: int, overwrite: bool, quiet: bool) -> None:
     """Write a synthetic, unquantized H3-shaped checkpoint to OUT.
 
     The file has the real H3 DiT tensor names, dtypes and shapes (FORMATS.md 5) with seeded
@@ -60,6 +63,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
       h3quant synth /tmp/h3_2blk.safetensors --preset full --blocks 2   # ~3.1 GB
       h3quant synth h3_official/ --naming official      # shards + index, as released
       h3quant synth h3_diffusers/ --naming diffusers --dtype fp8
+      h3quant synth h3_fewstep.safetensors --head-bank 4                # a 4-head bank
     """
     from h3quant.formats.container.atomic import Outputs
     from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
@@ -75,6 +79,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
         staged = outs.add(out, directory=naming != "comfy")
         plain = staged.parent / (staged.name + ".comfy.safetensors") if relayout else staged
         result = synth_checkpoint(plain, preset=preset, blocks=blocks, form=form, seed=seed,
+                                  head_bank=head_bank,
                                   progress=not quiet and approx >= PROGRESS_MIN_BYTES
                                   and sys.stderr.isatty())
         if relayout:
@@ -87,4 +92,5 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
         c = result.config
         log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
             f"preset={preset} form={c.form} blocks={c.blocks} refiner_blocks={c.refiner_blocks} "
-            f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}")
+            f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}"
+            + (f" head_bank={head_bank}" if head_bank > 1 else ""))

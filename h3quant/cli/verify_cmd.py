@@ -65,6 +65,9 @@ W4A8 layer). --depth N runs the first N blocks only (the final layer is skipped)
 draws the drift (needs matplotlib: pip install 'h3quant[plot]').
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --model
   h3quant verify h3_int8.safetensors --model --depth 8 --plot drift.png --json
+A bank of output heads (few-step checkpoints) is checked on every step of a schedule: --steps N
+(the sampler's simple schedule with shift 12) or --sigmas 1,0.9,...,0 (the sampler's own).
+  h3quant verify h3_fewstep_int8.safetensors --model --steps 8
 
 \b
 Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the
@@ -78,7 +81,7 @@ default: one activation scale all_reduced over the ranks), within rel L2 0.05 wi
 
 
 _MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot",
-               "overwrite")
+               "overwrite", "steps", "sigmas")
 _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 
 
@@ -114,6 +117,12 @@ def _given(ctx, names) -> list[str]:
               help="--model: text tokens L.")
 @click.option("--sigma", type=click.FloatRange(min=0, max=1, min_open=True), default=0.6,
               show_default=True, help="The sampler's video sigma (timesteps of adaLN).")
+@click.option("--steps", type=click.IntRange(1, 1000), default=None,
+              help="--model: check every step of the sampler's N-step schedule (shift 12); "
+                   "needed by a bank of output heads.")
+@click.option("--sigmas", default=None, metavar="S0,S1,...",
+              help="--model: check every step of this schedule (comma-separated sigmas, "
+                   "non-increasing, in [0, 1]; the last one ends the schedule).")
 @click.option("--depth", type=click.IntRange(1, MAX_BLOCKS), default=None,
               help="--model: run only the first N blocks (the final layer is then skipped).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -138,14 +147,16 @@ def _given(ctx, names) -> list[str]:
 @mmap_option
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
-            audio_frames, text_tokens, sigma, depth, plot, overwrite, seed, magnitude_factor,
+            audio_frames, text_tokens, sigma, steps, sigmas, depth, plot, overwrite, seed,
+            magnitude_factor,
             as_json, tp, tp_scale, tp_timeout, no_mmap):
     from h3quant.runtime.tp.launch import in_torchrun
 
     ctx = click.get_current_context()
     parallel = tp is not None or in_torchrun()
+    schedule = _schedule(steps, sigmas, ctx)
     if whole_model:
-        wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite") if parallel
+        wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite", "steps", "sigmas") if parallel
                                            else ("tp_scale", "tp_timeout")))
         mode = "--model --tp" if parallel else "--model"
     else:
@@ -163,7 +174,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
-                   sigma, depth, plot, seed, as_json, no_mmap, overwrite)
+                   sigma, depth, plot, seed, as_json, no_mmap, overwrite, schedule)
     from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -178,8 +189,32 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
 
 
+def _schedule(steps, sigmas, ctx):
+    """The schedule of --steps / --sigmas (None without them); a bad one is a usage error."""
+    if steps is None and sigmas is None:
+        return None
+    if steps is not None and sigmas is not None:
+        raise click.UsageError("--steps and --sigmas cannot be used together")
+    if _given(ctx, ("sigma",)):
+        raise click.UsageError("--sigma cannot be used with --steps / --sigmas (each step has "
+                               "its own sigma)")
+    from h3quant.errors import VerifyError
+    from h3quant.runtime.model.schedule import check_schedule, shifted_schedule
+
+    try:
+        if steps is not None:
+            return shifted_schedule(steps)
+        values = [v.strip() for v in sigmas.split(",") if v.strip()]
+        out = check_schedule(values)
+    except VerifyError as e:
+        raise click.BadParameter(str(e), param_hint="--sigmas") from None
+    if not out[0] > 0:
+        raise click.BadParameter("the first sigma must be > 0", param_hint="--sigmas")
+    return out
+
+
 def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
-               depth, plot, seed, as_json, no_mmap, overwrite=False):
+               depth, plot, seed, as_json, no_mmap, overwrite=False, schedule=None):
     from tqdm import tqdm
 
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
@@ -205,7 +240,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     try:
         res = guard("verifying the model", verify_model, ckpt, reference=reference,
                     device=device, inputs=inputs, depth=depth, mmap=not no_mmap,
-                    on_block=on_block)
+                    on_block=on_block, sigmas=schedule)
     finally:
         bar.close()
     if plot:

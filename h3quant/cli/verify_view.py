@@ -60,7 +60,15 @@ def render_model(res) -> str:
            f"inputs      video [1, C, {i.frames}, {i.height}, {i.width}]  audio [1, C, 2, "
            f"{i.audio_frames}]  text [1, {i.text_tokens}, D]  sigma {i.sigma:g}  seed {i.seed}",
            f"depth       {res.depth} of {res.blocks_total} blocks"
-           + ("" if res.final_layer_run else "  (final layer skipped)"), ""]
+           + ("" if res.final_layer_run else "  (final layer skipped)")]
+    if getattr(res, "head_bank", 1) > 1 or getattr(res, "steps", None):
+        out.append(f"schedule    {len(res.steps)} steps, output heads: "
+                   + (f"a bank of {res.head_bank}" if res.head_bank > 1 else "one"))
+        for st in res.steps:
+            heads = st["heads"]
+            out.append(f"  step {st['step']:>3}  sigma {st['sigma']:.6f}"
+                       + (f"  heads {heads[0]}..{heads[1] - 1}" if heads else ""))
+    out.append("")
     rows = [[o.name, f"{o.sqnr_db:.2f}", _f(o.rel_err), f"{o.cosine:.6f}", f">= {o.limit_db:g} dB",
              "ok" if o.passed else "FAIL"] for o in res.outputs]
     out.append(format_table(["output", "SQNR dB", "rel err", "cosine", "limit", ""], rows,

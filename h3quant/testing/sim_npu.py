@@ -1,7 +1,7 @@
 """SIMULATION of ``torch_npu`` (Ascend) on a CPU-only machine, for tests.
 
 ``SimulatedTorchNpu`` is a module object named ``torch_npu`` with the documented signatures of
-``npu_dynamic_quant`` and ``npu_quant_matmul`` (int8 path), their dtypes, shape rules and
+``npu_dynamic_quant``, ``npu_rotate_quant`` and ``npu_quant_matmul`` (int8 path), their dtypes, shape rules and
 semantics, computed exactly on the CPU data of simulated-NPU tensors (``simdevice.SimTensor``).
 It refuses tensors that are not on the simulated NPU. ``simulated_npu()`` installs it as
 ``sys.modules["torch_npu"]`` (with ``torch.npu`` reporting one NPU) and sets ``torch.version.cuda`` (as NPU builds do)
@@ -26,6 +26,15 @@ a new tensor tagged ``npu_format = 29`` (logged as a ``format_cast`` of its byte
 same values: the real op reorders them into 16 x 32 fractal tiles, which only the device sees.
 ``get_npu_format(t)`` returns that tag (2 = ND). ``npu_quant_matmul`` takes ``x2`` in either
 format, as the real op does.
+``npu_rotate_quant(x, h, *, dst_dtype=1, axis=-1, round_mode="rint", scale_alg=0,
+dst_type_max=0.0, transpose_y=False)``: the block rotation fused with per-token int8
+quantization: x fp16/bf16 ``[M, K]``, ``h`` ``[g, g]`` of x's dtype with ``16 <= g <= 1024``,
+``K % 8 == 0`` and ``K % g == 0``; each group of g columns is multiplied by ``h`` with fp32
+accumulation and quantized from fp32 (the rotated activation is not rounded to x's dtype first:
+an assumption of the simulation, the fused kernel keeps it on chip), ``scale = rowmax / 127``
+fp32 ``[M]`` (0 for an all-zero row), ``y = clamp(rint(r / scale), -128, 127)`` int8. Only the
+int8 destination (``dst_dtype`` 1), ``axis=-1``, ``round_mode="rint"``, ``scale_alg=0``,
+``dst_type_max=0`` and ``transpose_y=False`` are simulated.
 Not simulated (raise NotImplementedError): batched (> 2-D) operands, int4/int32 packing, int64
 scales from ``npu_trans_quant_param``, ``group_index``, formats other than ND / FRACTAL_NZ;
 hardware rounding details of the real kernels (e.g. reciprocal multiply) and the per-chip limits.
@@ -49,6 +58,10 @@ ACL_FORMAT_ND = 2
 ACL_FORMAT_FRACTAL_NZ = 29
 # FRACTAL_NZ tile (rows, cols) of the last two dims, per dtype (int8 tiles are 16 x 32).
 _NZ_TILE = {torch.int8: (16, 32), torch.float16: (16, 16), torch.bfloat16: (16, 16)}
+# npu_rotate_quant: the documented rotation sizes and input-width multiple; int8 destination code
+ROTATE_QUANT_MIN_SIZE, ROTATE_QUANT_MAX_SIZE = 16, 1024
+ROTATE_QUANT_K_MULTIPLE = 8
+ROTATE_QUANT_INT8 = 1
 
 
 class SimulatedTorchNpu(types.ModuleType):
@@ -56,8 +69,10 @@ class SimulatedTorchNpu(types.ModuleType):
 
     __simulation__ = True
 
-    def __init__(self, sim: SimulatedDevice) -> None:
+    def __init__(self, sim: SimulatedDevice, *, rotate_quant: bool = True) -> None:
         super().__init__("torch_npu")
+        if rotate_quant:  # rotate_quant=False: an older torch_npu without the fused op
+            self.npu_rotate_quant = self._npu_rotate_quant
         self._sim = sim
         self.npu = torch.npu  # the simulation's device module (see simdevice.ensure_npu_device_type)
         self.calls: list[str] = []
@@ -93,6 +108,47 @@ class SimulatedTorchNpu(types.ModuleType):
             scale = xf.abs().amax(dim=-1) / 127.0
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             y = torch.round(xf / safe.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
+        return SimTensor(y, x.device), SimTensor(scale, x.device)
+
+    def _npu_rotate_quant(self, x, h, *, dst_dtype=1, axis=-1, round_mode="rint", scale_alg=0,
+                         dst_type_max=0.0, transpose_y=False):
+        """Rotation by ``h`` per group of columns, fused with per-token int8 quantization:
+        ``(y int8 [M, K], scale fp32 [M])`` (see the module docstring)."""
+        op = "npu_rotate_quant"
+        self._on_npu(op, x=x, h=h)
+        if dst_dtype != ROTATE_QUANT_INT8:
+            raise NotImplementedError(f"{op}: dst_dtype {dst_dtype} is not simulated (int8 = 1)")
+        if axis != -1 or round_mode != "rint" or scale_alg != 0 or dst_type_max != 0.0 \
+                or transpose_y:
+            raise NotImplementedError(f"{op}: only axis=-1, round_mode='rint', scale_alg=0, "
+                                      "dst_type_max=0 and transpose_y=False are simulated")
+        if x.dtype not in _HALF:
+            raise RuntimeError(f"{op}: x must be float16 or bfloat16, got {x.dtype}")
+        if h.dtype != x.dtype:
+            raise RuntimeError(f"{op}: the rotation must have x's dtype {x.dtype}, got {h.dtype}")
+        if x.dim() != 2:
+            raise RuntimeError(f"{op}: x must be 2-D [M, K], got {x.dim()} dims")
+        if x.numel() == 0:
+            raise RuntimeError(f"{op}: empty tensors are not supported")
+        if h.dim() != 2 or h.shape[0] != h.shape[1]:
+            raise RuntimeError(f"{op}: the rotation must be square [g, g], got {list(h.shape)}")
+        g, k = int(h.shape[0]), int(x.shape[1])
+        if not ROTATE_QUANT_MIN_SIZE <= g <= ROTATE_QUANT_MAX_SIZE:
+            raise RuntimeError(f"{op}: rotation size {g} is outside "
+                               f"{ROTATE_QUANT_MIN_SIZE}..{ROTATE_QUANT_MAX_SIZE}")
+        if k % ROTATE_QUANT_K_MULTIPLE:
+            raise RuntimeError(f"{op}: input width {k} is not a multiple of "
+                               f"{ROTATE_QUANT_K_MULTIPLE}")
+        if k % g:
+            raise RuntimeError(f"{op}: rotation size {g} does not divide the input width {k}")
+        self.calls.append(op)
+        with self._sim.kernel(f"torch_npu.{op}"):
+            m = x.shape[0]
+            r = (x.inner.to(torch.float32).reshape(m, k // g, g)
+                 @ h.inner.to(torch.float32)).reshape(m, k)
+            scale = r.abs().amax(dim=-1) / 127.0
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            y = torch.round(r / safe.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
         return SimTensor(y, x.device), SimTensor(scale, x.device)
 
     def get_npu_format(self, t) -> int:
@@ -200,11 +256,13 @@ def npu_probe(module: SimulatedTorchNpu, cuda_version: str | None = "12.1") -> S
 
 
 @contextmanager
-def simulated_npu(cuda_version: str | None = "12.1") -> Iterator[Simulation]:
+def simulated_npu(cuda_version: str | None = "12.1", *,
+                  rotate_quant: bool = True) -> Iterator[Simulation]:
     """SIMULATION of an Ascend NPU machine (see module docstring). ``extras["module"]`` is the
-    simulated torch_npu; ``aten::_int_mm`` on NPU tensors runs but is logged ``cpu_fallback``."""
+    simulated torch_npu; ``aten::_int_mm`` on NPU tensors runs but is logged ``cpu_fallback``.
+    ``rotate_quant=False``: a torch_npu without ``npu_rotate_quant``."""
     dev = SimulatedDevice("npu", cpu_fallback_ops=(INT_MM_OP,))
-    module = SimulatedTorchNpu(dev)
+    module = SimulatedTorchNpu(dev, rotate_quant=rotate_quant)
     missing = object()
     saved = (sys.modules.get("torch_npu", missing), torch.version.cuda)
     sys.modules["torch_npu"] = module

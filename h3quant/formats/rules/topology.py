@@ -212,6 +212,24 @@ class Detection:
     blocks: int
     notes: tuple[str, ...] = field(default_factory=tuple)
     prefix: str = ""
+    head_bank: int = 1  # output heads stacked in final_layer.video_out / audio_out
+
+
+BANK_TENSORS = ("final_layer.video_out.weight", "final_layer.video_out.bias",
+                "final_layer.audio_out.weight", "final_layer.audio_out.bias")
+
+
+def head_bank(tensors: dict, prefix: str, cfg: "H3Config") -> int:
+    """How many output heads the file stacks: ``n`` when video_out / audio_out hold ``n * 96`` /
+    ``n * 32`` rows (weight and bias alike), else 1 (a plain head, or shapes the T102 check
+    reports)."""
+    rows = []
+    for name, width in zip(BANK_TENSORS, (cfg.video_patch,) * 2 + (cfg.audio_patch,) * 2):
+        info = tensors.get(prefix + name)
+        if info is None or not info.shape or not width or info.shape[0] % width:
+            return 1
+        rows.append(info.shape[0] // width)
+    return rows[0] if len(set(rows)) == 1 and rows[0] > 1 else 1
 
 
 def _find_prefix(tensors: dict) -> str | None:
@@ -295,7 +313,10 @@ def detect(tensors: dict) -> Detection | None:
                    if config_for(name, blocks=blocks, form=form) == cfg), "custom")
     if prefix:
         notes.append(f"tensor names carry the prefix '{prefix}'")
-    return Detection(cfg, preset, form, blocks, tuple(notes), prefix)
+    bank = head_bank(tensors, prefix, cfg)
+    if bank > 1:
+        notes.append(f"final_layer output heads: a bank of {bank} heads (few-step checkpoint)")
+    return Detection(cfg, preset, form, blocks, tuple(notes), prefix, bank)
 
 
 def _block_of(name: str, prefix: str) -> str | None:
@@ -314,6 +335,9 @@ def check(tensors: dict, detection: Detection | None,
     quantized = {k: _fmt(v) for k, v in (quantized_layers or {}).items()}
     prefix = detection.prefix
     expected = expected_tensors(detection.config, prefix)
+    for name in BANK_TENSORS if detection.head_bank > 1 else ():
+        dtype, shape = expected[prefix + name]
+        expected[prefix + name] = (dtype, (shape[0] * detection.head_bank, *shape[1:]))
     found: list[Finding] = []
     missing = [n for n in expected if n not in tensors]
     per_block = Counter(b for n in expected if (b := _block_of(n, prefix)))
@@ -372,6 +396,7 @@ def summary(detection: Detection | None, quantized_layers: dict | None = None) -
         "head_dim": cfg.head_dim,
         "ffn": cfg.ffn,
         "t_dim": cfg.t_dim,
+        "head_bank": detection.head_bank,
         "block_linears": {"total": len(linears), "quantized": sum(formats.values()),
                           "formats": dict(sorted(formats.items()))},
         "other_quantized": sum(1 for n in quantized if n not in linear_set),

@@ -4,6 +4,10 @@ Both models run the real forward (``h3quant.runtime.model.H3Model``), streamed b
 and interleaved, on the same seeded inputs: the model under test on the device's own path, the
 reference on the CPU in fp32. Reported: the output SQNR and the drift after every block; the
 limits (``ModelThresholds``) are in docs/verify.md.
+
+With a sampler schedule (``sigmas``, e.g. ``runtime.model.schedule.shifted_schedule(8)``) the
+comparison runs once per step at that step's sigma, so a bank of output heads is checked on
+every step's combination of heads; the drift is reported for the first step.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class ModelVerifyResult(Verdict):
     outputs: list[OutputCheck] = field(default_factory=list)
     backends: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    head_bank: int = 1  # output heads the file stacks
+    steps: list[dict] = field(default_factory=list)  # per step: step, sigma, heads [start, stop)
 
     @property
     def final_layer_run(self) -> bool:
@@ -93,6 +99,7 @@ class ModelVerifyResult(Verdict):
             "outputs": [asdict(o) for o in self.outputs],
             "drift": [asdict(d) for d in self.drift],
             "backends": self.backends, "notes": self.notes,
+            "head_bank": self.head_bank, "steps": self.steps,
         })
 
 
@@ -122,13 +129,19 @@ def verify_model(
     backend: str | None = None,
     probe=None,
     on_block=None,
+    sigmas=None,
 ) -> ModelVerifyResult:
     """Run both forwards and compare (see the module docstring). ``on_block(done, total)`` is
-    called after each block (progress). Raises VerifyError when the run cannot be set up."""
+    called after each block (progress). ``sigmas``: a sampler schedule (every step is checked;
+    ``inputs.sigma`` is then unused). Raises VerifyError when the run cannot be set up."""
     from h3quant.runtime.devices import parse_device
     from h3quant.runtime.model.model import H3Model
+    from h3quant.runtime.model.schedule import check_schedule
 
     inputs = inputs or ModelInputs()
+    sched = check_schedule(sigmas) if sigmas is not None else None
+    if sched is not None and not sched[0] > 0:
+        raise VerifyError("the schedule's first sigma must be > 0")
     th = thresholds or ModelThresholds()
     dev = parse_device(device, probe=probe)
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
@@ -148,46 +161,78 @@ def verify_model(
         run = model.blocks[:depth] if depth else model.blocks
         result = ModelVerifyResult(str(path), str(reference) if reference else "dequantized",
                                    str(dev), inputs, total, len(run), formats, th)
-        video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
-                                            model.text_dim)
-        sr = ref.start(video, audio, text, inputs.sigma)
-        shared = None
-        if dev.kind == "cpu" and _same_text_path(model, ref):
-            shared = sr.x[:inputs.text_tokens]
+        result.head_bank = model.head_bank
+        if reference and ref.head_bank != model.head_bank:
+            raise VerifyError(f"the reference holds {ref.head_bank} output head(s), the "
+                              f"checkpoint {model.head_bank}", path=ref.path)
+        if model.head_bank > 1 and sched is None:
+            raise VerifyError(f"final_layer.video_out / audio_out hold a bank of "
+                              f"{model.head_bank} heads: pass the sampler's schedule "
+                              "(--steps N or --sigmas) to check each step's head", path=path)
+        points = [(inputs.sigma, None)] if sched is None else \
+            [(sg, i) for i, sg in enumerate(sched[:-1]) if sg > 0]
+        share = dev.kind == "cpu" and _same_text_path(model, ref)
+        if share:
             result.notes.append("text refiner computed once: both files hold identical float "
                                 "condition_proj / token_refiner tensors and both run them in "
                                 "fp32 on the CPU (the results would be bit-identical)")
-        sq = model.start(video.to(dtype), audio.to(dtype), text.to(dtype), inputs.sigma,
-                         text_embed=shared)
-        for n, i in enumerate(run):
-            block = model.load_block(i, dtype)
-            for k, v in _backends(block).items():
-                result.backends[k] = result.backends.get(k, 0) + v
-            with torch.no_grad():
-                sq.x = block(sq.x, sq.cond)
-            del block
-            model.release_block(i)
-            ref.run_block(sr, i)
-            rel, sqnr, cos = error_metrics(sq.x.float().cpu(), sr.x)
-            result.drift.append(Drift(i, sqnr, rel, cos))
-            if on_block is not None:
-                on_block(n + 1, len(run))
-        limit = th.limit(formats)
-        last = result.drift[-1]
-        result.outputs.append(OutputCheck("hidden", last.sqnr_db, last.rel_err, last.cosine,
-                                          limit, last.sqnr_db >= limit))
-        if result.final_layer_run:
-            for name, got, want in zip(("video", "audio"), model.finish(sq), ref.finish(sr)):
-                rel, sqnr, cos = error_metrics(got.float().cpu(), want)
-                result.outputs.append(OutputCheck(name, sqnr, rel, cos, limit, sqnr >= limit))
-        else:
+        for n_point, (sigma, step) in enumerate(points):
+            _compare_at(model, ref, inputs, sigma, sched, step, run, dtype, share, result,
+                        drift=n_point == 0, on_block=on_block if n_point == 0 else None)
+        if not result.final_layer_run:
             result.notes.append(f"--depth {len(run)} of {total} blocks: the final layer was "
                                 "skipped; only the hidden-state drift is checked")
+        if len(points) > 1:
+            result.notes.append(f"{len(points)} steps of the schedule checked; the drift "
+                                "table is the first step's")
         if reference is None:
             result.notes.append("reference = the file's own quantized weights in float math (no "
                                 "activation quantization): this tests the runtime, not the "
                                 "weights; pass --reference to compare with the original")
     return result
+
+
+def _compare_at(model, ref, inputs, sigma, sched, step, run, dtype, share, result, *, drift,
+                on_block) -> None:
+    """One comparison at ``sigma`` (step ``step`` of ``sched``, or a lone sigma)."""
+    video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
+                                        model.text_dim)
+    sr = ref.start(video, audio, text, sigma, sigmas=sched)
+    shared = sr.x[:inputs.text_tokens] if share else None
+    sq = model.start(video.to(dtype), audio.to(dtype), text.to(dtype), sigma,
+                     text_embed=shared, sigmas=sched)
+    limit = result.thresholds.limit(result.formats)
+    last = None
+    for n, i in enumerate(run):
+        block = model.load_block(i, dtype)
+        if drift:
+            for k, v in _backends(block).items():
+                result.backends[k] = result.backends.get(k, 0) + v
+        with torch.no_grad():
+            sq.x = block(sq.x, sq.cond)
+        del block
+        model.release_block(i)
+        ref.run_block(sr, i)
+        if drift or n == len(run) - 1:
+            rel, sqnr, cos = error_metrics(sq.x.float().cpu(), sr.x)
+            last = Drift(i, sqnr, rel, cos)
+            if drift:
+                result.drift.append(last)
+        if on_block is not None:
+            on_block(n + 1, len(run))
+    tag = "" if step is None else f" (step {step})"
+    if step is not None:
+        head = sq.head
+        result.steps.append({"step": step, "sigma": sigma,
+                             "heads": None if head is None else [head.start, head.stop]})
+    if last is None:
+        raise VerifyError("no block was run")
+    result.outputs.append(OutputCheck("hidden" + tag, last.sqnr_db, last.rel_err, last.cosine,
+                                      limit, last.sqnr_db >= limit))
+    if result.final_layer_run:
+        for name, got, want in zip(("video", "audio"), model.finish(sq), ref.finish(sr)):
+            rel, sqnr, cos = error_metrics(got.float().cpu(), want)
+            result.outputs.append(OutputCheck(name + tag, sqnr, rel, cos, limit, sqnr >= limit))
 
 
 def _same_text_path(model, ref) -> bool:

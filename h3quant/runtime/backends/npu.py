@@ -1,5 +1,11 @@
 """``npu``: Ascend, through ``torch_npu.npu_dynamic_quant`` + ``torch_npu.npu_quant_matmul``.
 
+A ConvRot layer uses ``torch_npu.npu_rotate_quant`` (the block rotation fused with the per-token
+int8 quantization; ``H_g`` in the activation dtype) when the installed torch_npu has it and the
+call fits its documented limits (rotation size 16..1024, input width a multiple of 8, fp16 /
+bf16 activation); otherwise the activation is rotated (fp32, rounded to its dtype) and quantized
+by ``npu_dynamic_quant`` as before.
+
 ``aten::_int_mm`` must never be used on an NPU (it silently runs on the CPU). The weight operand is
 ``[K, N]``: for a canonical layer the ``w.t()`` view of the stored ``[N, K]`` weight (ND); for an
 ``int8_tensorwise_kn`` layer (the runtime sees ``q`` as the ``[N, K]`` transpose view of a
@@ -34,6 +40,18 @@ from h3quant.runtime.int8_math import rotate_activation
 
 NPU_ACT_DTYPES = (torch.float16, torch.bfloat16)
 NPU_K_MULTIPLE = 16
+ROTATE_QUANT_SIZES = (16, 1024)  # npu_rotate_quant: rotation sizes it takes
+ROTATE_QUANT_K_MULTIPLE = 8  # and the input width multiple
+ROTATE_QUANT_INT8 = 1  # its int8 destination code
+
+
+def rotate_quant_fits(torch_npu, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether ``torch_npu.npu_rotate_quant`` exists and takes a ``[M, k]`` activation of
+    ``dtype`` rotated in groups of ``group_size``."""
+    lo, hi = ROTATE_QUANT_SIZES
+    return (getattr(torch_npu, "npu_rotate_quant", None) is not None
+            and lo <= group_size <= hi and k % group_size == 0
+            and k % ROTATE_QUANT_K_MULTIPLE == 0 and dtype in NPU_ACT_DTYPES)
 
 
 def npu_layer_reasons(w: Int8Weights) -> list[str]:
@@ -102,6 +120,23 @@ class _NpuRunner(Runner):
         self.fallback = DequantizedLinear(w, options, resident=False)
         self.fallback_calls = 0
         self.last_fallback_reason: str | None = None
+        self._rotation: torch.Tensor | None = None  # H_g for npu_rotate_quant, made on first use
+        self.rotate_quant_calls = 0
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate (ConvRot layers) and quantize per token: ``(q_x int8 [M, K], s_x fp32)``."""
+        w = self.w
+        if w.convrot and rotate_quant_fits(self.torch_npu, w.in_features, w.group_size, x.dtype):
+            if self._rotation is None or self._rotation.dtype != x.dtype:
+                from h3quant.convrot import hadamard
+                self._rotation = hadamard(w.group_size, x.device).to(x.dtype).contiguous()
+            self.rotate_quant_calls += 1
+            return self.torch_npu.npu_rotate_quant(
+                x.reshape(-1, w.in_features).contiguous(), self._rotation,
+                dst_dtype=ROTATE_QUANT_INT8, axis=-1, round_mode="rint", scale_alg=0,
+                dst_type_max=0.0, transpose_y=False)
+        xr = rotate_activation(x, w.convrot, w.group_size).to(x.dtype) if w.convrot else x
+        return self.torch_npu.npu_dynamic_quant(xr.reshape(-1, w.in_features).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         reasons = npu_call_reasons(x)
@@ -111,9 +146,7 @@ class _NpuRunner(Runner):
             return self.fallback(x)
         w = self.w
         lead = x.shape[:-1]
-        xr = rotate_activation(x, w.convrot, w.group_size).to(x.dtype) if w.convrot else x
-        x2d = xr.reshape(-1, w.in_features).contiguous()
-        q_x, s_x = self.torch_npu.npu_dynamic_quant(x2d)
+        q_x, s_x = self._quantize(x)
         s_x = s_x.reshape(-1).clamp_min(1e-30)  # all-zero rows come back with scale 0
         bias = None if w.bias is None else w.bias.to(dtype=x.dtype).reshape(-1).contiguous()
         y = self.torch_npu.npu_quant_matmul(

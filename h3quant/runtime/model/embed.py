@@ -6,7 +6,8 @@
   in fp32; adaLN applies SiLU in the compute dtype);
 - ``patchify_video`` / ``unpatchify_video`` (1x2x2 patches, channel-major, circular padding of
   odd H / W like the reference) and ``pack_audio`` / ``unpack_audio`` (stereo channel-major);
-- ``FinalLayer``: RMSNorm, one (shift, scale) row per timestep, fp32 heads (head 0 of a bank).
+- ``FinalLayer``: RMSNorm, one (shift, scale) row per timestep, fp32 heads; a bank of heads is
+  combined per sampler step (``schedule``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from h3quant.errors import VerifyError
 from h3quant.runtime.model.ops import rms_norm
+from h3quant.runtime.model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, HeadSpan
 
 VIDEO_CHANNELS, AUDIO_CHANNELS = 24, 32
 PATCH = (1, 2, 2)
@@ -106,6 +108,12 @@ class FinalLayer:
         mod = F.linear(t, self.adaln_weight.to(dtype), self.adaln_bias.to(dtype))
         return mod.chunk(2, dim=-1)  # shift, scale: [M, hidden]
 
+    @property
+    def bank(self) -> int:
+        """How many heads ``video_out`` / ``audio_out`` stack (1: a plain head)."""
+        return head_bank_size(self.video_out[0].shape[0], self.audio_out[0].shape[0],
+                              self.video_patch, self.audio_patch)
+
     @staticmethod
     def head(weights: tuple[torch.Tensor, torch.Tensor], width: int):
         """Head 0 of a bank of ``rows / width`` heads (the whole head when there is one)."""
@@ -115,14 +123,39 @@ class FinalLayer:
         return w[:width].to(torch.float32), b[:width].to(torch.float32)
 
     def __call__(self, x: torch.Tensor, t_emb: torch.Tensor, video: tuple[int, int, int],
-                 audio: tuple[int, int, int], silu: bool, adaln_dtype: torch.dtype):
-        """``video`` / ``audio``: (start, stop, timestep row). Returns fp32 (video, audio) rows."""
+                 audio: tuple[int, int, int], silu: bool, adaln_dtype: torch.dtype,
+                 span: HeadSpan | None = None):
+        """``video`` / ``audio``: (start, stop, timestep row). Returns fp32 (video, audio) rows.
+        ``span``: the step's heads of a bank (``schedule.head_span``); needed when the layer
+        holds more than one head, ignored otherwise."""
+        n = self.bank
+        if n > 1 and span is None:
+            raise VerifyError(f"final_layer.video_out / audio_out hold a bank of {n} heads: the "
+                              "forward needs the sampler's sigma schedule (sigmas=...)",
+                              tensor="final_layer.video_out.weight")
+        if span is not None and n > 1 and span.heads != n:
+            raise VerifyError(f"the head span is for {span.heads} heads, the bank has {n}")
         shift, scale = self.shift_scale(t_emb, silu, adaln_dtype)
         outs = []
-        for (a, b, row), weights, width in ((video, self.video_out, self.video_patch),
-                                            (audio, self.audio_out, self.audio_patch)):
+        for (a, b, row), weights, width, flow in ((video, self.video_out, self.video_patch,
+                                                   VIDEO_SHIFT),
+                                                  (audio, self.audio_out, self.audio_patch,
+                                                   AUDIO_SHIFT)):
             h = rms_norm(x[a:b], self.norm)
             dt = torch.promote_types(h.dtype, scale.dtype)  # as the reference: no downcast
             h = (h.to(dt) * (1 + scale[row].to(dt)) + shift[row].to(dt)).to(torch.float32)
-            outs.append(F.linear(h, *self.head(weights, width)))
+            head = self.head(weights, width) if n == 1 or span is None \
+                else span.combine(*weights, width, flow)
+            outs.append(F.linear(h, *head))
         return outs[0], outs[1]
+
+
+def head_bank_size(video_rows: int, audio_rows: int, video_patch: int, audio_patch: int) -> int:
+    """The number of stacked heads (``video_rows / video_patch``); VerifyError when the video
+    and audio heads do not stack the same whole number of heads."""
+    if video_rows % video_patch or audio_rows % audio_patch \
+            or video_rows // video_patch != audio_rows // audio_patch or video_rows == 0:
+        raise VerifyError(f"output heads hold {video_rows} video rows and {audio_rows} audio "
+                          f"rows: not the same number n >= 1 of {video_patch}- and "
+                          f"{audio_patch}-row heads", tensor="final_layer.video_out.weight")
+    return video_rows // video_patch

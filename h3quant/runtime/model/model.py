@@ -3,6 +3,13 @@
     model = H3Model.open("h3_int8_convrot.safetensors", device="cpu")
     video, audio = model(video_latent, audio_latent, text_states, sigma)
 
+    # a few-step checkpoint whose output heads are a bank: the step of the sampler's schedule
+    sigmas = shifted_schedule(8)                  # or the sampler's own sigmas
+    video, audio = model(video_latent, audio_latent, text_states, sigmas=sigmas, step=3)
+
+``H3Model.head_bank`` says how many heads the file stacks; with one head ``sigmas`` / ``step``
+change nothing, with a bank the call needs the schedule (``schedule`` explains the rule).
+
 Only the small tensors stay resident (patch embeddings, condition projection, time embedding,
 RoPE frequencies, final layer). The token refiner blocks and the DiT blocks are loaded one at a
 time when they run; the next block's byte ranges are handed to the kernel's read-ahead
@@ -49,6 +56,7 @@ from h3quant.runtime.model.embed import (
 )
 from h3quant.runtime.model.layout import PackedLayout, Timesteps
 from h3quant.runtime.model.ops import RopeTable, rms_norm, rope_angles
+from h3quant.runtime.model.schedule import HeadSpan, check_schedule, head_span
 
 LINEAR_KINDS = ("runtime", "reference")
 
@@ -102,6 +110,7 @@ class ModelState:
     video_dtype: torch.dtype
     audio_dtype: torch.dtype
     done: list[int] = field(default_factory=list)  # block indices run so far
+    head: HeadSpan | None = None  # the step's heads of a bank (None: a single head)
 
 
 class H3Model:
@@ -151,6 +160,7 @@ class H3Model:
             raise VerifyError(f"video_patch_proj takes {vp} inputs: not channels x 1x2x2",
                               path=ckpt.path, tensor=p + "video_patch_proj.weight")
         self.video_channels, self.audio_channels = vp // 4, ap
+        self.head_bank = self.final.bank  # checks the two heads stack alike
         self.text_dim = int(self.condition_proj[0].shape[1])
 
     @classmethod
@@ -255,12 +265,43 @@ class H3Model:
         return sorted(n for n in self.ckpt.tensors
                       if n.startswith((p + "condition_proj.", p + "token_refiner.")))
 
-    def start(self, video, audio, text, sigma: float, *, text_embed=None) -> ModelState:
+    def step_sigma(self, sigma: float | None, sigmas=None, step: int | None = None) -> float:
+        """The sigma of a call: ``sigma``, or ``sigmas[step]`` (they must agree when both are
+        given)."""
+        if step is None:
+            if sigma is None:
+                raise VerifyError("give sigma, or sigmas and step")
+            return sigma
+        if sigmas is None:
+            raise VerifyError("step needs the schedule (sigmas=...)")
+        sched = check_schedule(sigmas)
+        if not isinstance(step, int) or not 0 <= step < len(sched) - 1:
+            raise VerifyError(f"step must be in 0..{len(sched) - 2} for a schedule of "
+                              f"{len(sched) - 1} steps, got {step!r}")
+        if sigma is not None and float(sigma) != sched[step]:
+            raise VerifyError(f"sigma {sigma} is not sigmas[{step}] = {sched[step]}")
+        return sched[step]
+
+    def head_for(self, sigma: float, sigmas=None) -> HeadSpan | None:
+        """The heads of the bank the step at ``sigma`` uses (None for a single head)."""
+        if self.head_bank == 1:
+            return None
+        if sigmas is None:
+            raise VerifyError(f"final_layer.video_out / audio_out hold a bank of "
+                              f"{self.head_bank} heads: the forward needs the sampler's sigma "
+                              "schedule (sigmas=...)", path=self.path,
+                              tensor=self.prefix + "final_layer.video_out.weight")
+        return head_span(self.head_bank, sigma, sigmas)
+
+    def start(self, video, audio, text, sigma: float, *, text_embed=None,
+              sigmas=None) -> ModelState:
         """Embeddings, text refiner and conditioning: the state before block 0.
         ``text_embed``: the [L, hidden] refined text already computed (e.g. by another model
-        with identical float text tensors and the same device and dtype)."""
+        with identical float text tensors and the same device and dtype). ``sigmas``: the
+        sampler's schedule (needed by a bank of output heads)."""
         self._check_inputs(video, audio, text)
         ts = Timesteps.from_sigma(sigma)
+        head = self.head_for(sigma, sigmas)
         dtype = text.dtype
         with torch.no_grad():
             rows, (t, h, w) = patchify_video(video)
@@ -273,7 +314,8 @@ class H3Model:
                                            *self.audio_proj).to(dtype)
             x = torch.cat((txt, a, v), dim=0)
             cond = make_conditioning(layout, ts, self.time_emb, self.inv_freq, dtype, self.tdev)
-        return ModelState(x, cond, layout, ts, tuple(video.shape), video.dtype, audio.dtype)
+        return ModelState(x, cond, layout, ts, tuple(video.shape), video.dtype, audio.dtype,
+                          head=head)
 
     def run_block(self, state: ModelState, index: int) -> torch.Tensor:
         """Run block ``index`` on the state (loads it, prefetches the next, releases it)."""
@@ -293,7 +335,7 @@ class H3Model:
         with torch.no_grad():
             v, a = self.final(state.x, state.cond.t_emb, (va, vb, ts.index(ts.video)),
                               (aa, ab, ts.index(ts.audio)), state.cond.adaln_silu,
-                              state.cond.adaln_dtype)
+                              state.cond.adaln_dtype, state.head)
             video = unpatchify_video(v, lay.frames, lay.height, lay.width, self.video_channels)
             _, _, t, h, w = state.video_shape
             video = video[:, :, :t, :h, :w]
@@ -301,11 +343,15 @@ class H3Model:
         return -video.to(state.video_dtype), -audio.to(state.audio_dtype)
 
     def __call__(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor,
-                 sigma: float, *, depth: int | None = None, on_block=None):
+                 sigma: float | None = None, *, sigmas=None, step: int | None = None,
+                 depth: int | None = None, on_block=None):
         """The denoiser output ``(video, audio)`` (negated predictions, input shapes and dtypes).
-        ``depth``: run only the first N blocks (then the final layer). ``on_block(i, x)`` is
-        called after each block with its hidden state."""
-        state = self.start(video, audio, text, sigma)
+        ``sigmas`` / ``step``: the sampler's schedule and the step (its sigma is
+        ``sigmas[step]``); a bank of output heads needs them. ``depth``: run only the first N
+        blocks (then the final layer). ``on_block(i, x)`` is called after each block with its
+        hidden state."""
+        sigma = self.step_sigma(sigma, sigmas, step)
+        state = self.start(video, audio, text, sigma, sigmas=sigmas)
         for i in self.blocks[:depth] if depth is not None else self.blocks:
             self.run_block(state, i)
             if on_block is not None:

@@ -9,8 +9,9 @@ MPS devices run exactly the same code as the CPU:
 - ``attention``: ``softmax(q k^T / sqrt(d)) v`` over the whole packed sequence, fp32, no mask,
   computed a few heads at a time so the score matrix stays bounded;
 - ``swiglu``: ``silu(gate) * up`` of ``[gate | up]``;
-- ``modulate`` / ``gated_residual``: the adaLN affine and the gated residual, each packed segment
-  with its own modulation row.
+- ``modulate`` / ``gated_residual``: the adaLN affine (rounded per operation, as the
+  reference's in-place ``mul_`` / ``add_``) and the gated residual (one rounding, as the
+  reference's ``addcmul_``), each packed segment with its own modulation row.
 """
 
 from __future__ import annotations
@@ -120,10 +121,23 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
                    segments: list[Segment]) -> torch.Tensor:
-    """``x + gate[row] * update`` per segment (a new tensor; x is not modified)."""
+    """``x + gate[row] * update`` per segment, rounded to x's dtype ONCE (a new tensor; x is
+    not modified).
+
+    The gate row is first cast to x's dtype (as the reference does), then the product and the
+    sum are formed in fp32 and rounded once: the fused multiply-add of the reference
+    (``addcmul``) on every device. The product of two bf16 / fp16 values is exact in fp32, so a
+    reduced-precision stream sees exactly one rounding; an fp32 stream computes ``x + g * u``
+    as before.
+    """
     out = torch.empty_like(x)
+    wide = torch.promote_types(x.dtype, torch.float32)
     for a, b, row in segments:
-        out[a:b] = x[a:b] + gate[row].to(x.dtype) * update[a:b].to(x.dtype)
+        g = gate[row].to(x.dtype).to(wide)
+        u = update[a:b]
+        if u.dtype != x.dtype and u.dtype != wide:
+            u = u.to(x.dtype)
+        out[a:b] = (x[a:b].to(wide) + g * u.to(wide)).to(x.dtype)
     return out
 
 
