@@ -43,6 +43,13 @@ def _group_size(ctx, param, value):
               help="Only convert layers whose name matches (re.search; repeatable).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
+@click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
+              help="Per-layer format (repeatable; the first matching rule wins, before "
+                   "--recipe's rules; unmatched layers get --to). FORMAT is a --to choice or "
+                   "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
+              help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
+                   "hand); see docs/FORMATS.md, Recipes.")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -69,8 +76,9 @@ def _group_size(ctx, param, value):
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
 @handle_errors
-def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, overwrite,
-            dry_run, as_json, quiet, report_path, no_report, workers, no_mmap):
+def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
+            rotation, layout, overwrite, dry_run, as_json, quiet, report_path, no_report, workers,
+            no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
@@ -87,14 +95,21 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
       h3quant convert model.safetensors.index.json out_dir/ --exclude 'blocks\\.0\\.'
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
+          --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
     """
     from h3quant.cli.render import render_plan, summary_line
     from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
+    from h3quant.pipelines.convert.recipe import load_recipe, parse_rule
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    rules = tuple(parse_rule(r) for r in layer_rules)
+    if recipe_path:
+        rules += load_recipe(recipe_path)
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
-                             exclude=tuple(exclude), group_size=group_size,
+                             exclude=tuple(exclude), layers=rules, group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
                              overwrite=overwrite, rotation=rotation, layout=layout)
     if dry_run:

@@ -58,6 +58,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             report_out = outs.add(report_path, what="report") if report_path else None
             for line in plan.repairs:
                 log(f"repair: {line}")
+            for line in plan.warnings:
+                log(f"note: {line}")
             if plan.identity:
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
