@@ -144,7 +144,8 @@ def layer_mix(layer_scan) -> list[dict] | None:
     out: list[dict] = [{"blocks": (f"{r['_first']}" if r["_first"] == r["_last"]
                                    else f"{r['_first']}-{r['_last']}"), "layers": r["layers"]}
                        for r in rows]
-    return out + others
+    used = {f for r in out for f in r["layers"].values()} | {r["format"] for r in others}
+    return out + others if len(used) > 1 else None
 
 
 def _bpw(nbytes: int, params: int) -> float | None:
