@@ -310,3 +310,30 @@ def test_lora_onto_fp8_merges_into_the_exact_decode(tmp_path):
         decoded = _np(codes.float() * scale.float().reshape(()))
         want = torch.from_numpy(decoded + d).to(torch.bfloat16)
         assert torch.equal(got[layer + ".weight"], want), layer
+
+
+def test_lora_promote_writes_the_touched_layers_int8(base, tmp_path):
+    """W4A8 file, LoRA on block 0 only, --lora-promote int8-convrot: block 0's linears int8
+    (the delta kept, no warning), block 1 W4A8; the markers say so."""
+    from h3quant.formats.container.checkpoint import Checkpoint
+    from h3quant.formats.rules.markers import parse_header_metadata
+
+    w4 = tmp_path / "w4.safetensors"
+    convert(base, w4, ConvertOptions(target="w4a8", report=False))
+    grid = tmp_path / "grid.safetensors"
+    convert(w4, grid, ConvertOptions(target="bf16", report=False))
+    lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=4, scale=0.02,
+                           blocks=1)
+    out = tmp_path / "o.safetensors"
+    rep = convert(grid, out, ConvertOptions(target="w4a8", loras=(lora_path,),
+                                            lora_promote="int8-convrot")).to_dict()
+    assert rep["lora"]["warnings"] == []
+    assert all(s["kept"] > 0.5 for s in rep["lora"]["survival"])
+    with Checkpoint(out) as ck:
+        formats = {k: v["format"] for k, v in parse_header_metadata(ck.metadata).items()}
+    for sub in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        assert formats[f"blocks.0.{sub}"] == "int8_tensorwise"
+        assert formats[f"blocks.1.{sub}"] == "asym_w4a8_int8"
+    r = CliRunner().invoke(cli_main, ["convert", str(grid), str(tmp_path / "x.safetensors"),
+                                      "--lora-promote", "int8-convrot"])
+    assert r.exit_code == 2 and "needs --lora" in r.output

@@ -18,6 +18,7 @@ _COMMANDS = {
     "validate": "validate_cmd",
     "convert": "convert_cmd",
     "verify": "verify_cmd",
+    "plan": "plan_cmd",
     "backends": "backends_cmd",
     "demo": "demo_cmd",
 }

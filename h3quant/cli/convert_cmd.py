@@ -43,6 +43,13 @@ def _group_size(ctx, param, value):
               help="Only convert layers whose name matches (re.search; repeatable).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
+@click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
+              help="Per-layer format (repeatable; the first matching rule wins, before "
+                   "--recipe's rules; unmatched layers get --to). FORMAT is a --to choice or "
+                   "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
+              help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
+                   "hand); see docs/FORMATS.md, Recipes.")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -72,6 +79,10 @@ def _group_size(ctx, param, value):
                    "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
                    "quantized IN without --to, the touched layers are decoded, merged and "
                    "encoded again in IN's own format.")
+@click.option("--lora-promote", type=click.Choice(_TARGETS), default=None,
+              help="Write every layer a LoRA touches in this format instead (e.g. "
+                   "int8-convrot in a W4A8 file: 4-bit rounding can eat a small delta; the "
+                   "report's 'kept' share says how much survives).")
 @click.option("--lora-skip-unmatched", is_flag=True,
               help="Skip LoRA keys that fit no layer of IN (listed) instead of refusing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
@@ -86,9 +97,10 @@ def _group_size(ctx, param, value):
                    "torch then runs one intra-op thread per worker).")
 @mmap_option
 @handle_errors
-def command(src, dst, target, preset, include, exclude, group_size, rotation, layout, naming,
-            loras, lora_skip_unmatched, overwrite,
-            dry_run, as_json, quiet, report_path, no_report, workers, no_mmap):
+def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
+            rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, overwrite, dry_run,
+            as_json,
+            quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
@@ -108,12 +120,18 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
       h3quant convert FL2VA/transformer h3_int8.safetensors          # official shards
       h3quant convert transformer/ h3_bf16.safetensors --to bf16     # diffusers: re-layout
       h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
+          --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
     """
     from h3quant.cli.render import render_plan, summary_line
     from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
+    from h3quant.pipelines.convert.recipe import load_recipe, parse_rule
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    if lora_promote and not loras:
+        raise ConvertError("--lora-promote needs --lora (it names the layers a LoRA touches)")
     ctx = click.get_current_context()
     if loras and ctx.get_parameter_source("target") == click.core.ParameterSource.DEFAULT:
         from h3quant.pipelines.convert import native_target
@@ -128,12 +146,15 @@ def command(src, dst, target, preset, include, exclude, group_size, rotation, la
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
+    rules = tuple(parse_rule(r) for r in layer_rules)
+    if recipe_path:
+        rules += load_recipe(recipe_path)
     options = ConvertOptions(target=target, preset=preset, include=tuple(include),
-                             exclude=tuple(exclude), group_size=group_size,
+                             exclude=tuple(exclude), layers=rules, group_size=group_size,
                              report=not no_report, workers=workers, mmap=not no_mmap,
                              overwrite=overwrite, rotation=rotation, layout=layout,
                              naming=naming, loras=tuple(loras),
-                             lora_skip_unmatched=lora_skip_unmatched)
+                             lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

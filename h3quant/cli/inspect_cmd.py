@@ -64,6 +64,10 @@ def render(res) -> str:
         out += ["", format_table(["format", "layers", "size"],
                                  [[k, v["layers"], human_bytes(v["bytes"])]
                                   for k, v in res.formats.items()], {1, 2})]
+    if res.mix:
+        from h3quant.cli.render import render_mix
+
+        out += ["", render_mix(res.mix)]
     if res.layers is not None:
         rows = [[r["name"], r["format"], r["N"], r["K"], human_bytes(r["bytes"]),
                  fmt_bpw(r["bits_per_weight"]), r["source"] or "-", r.get("layout") or "-",

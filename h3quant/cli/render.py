@@ -73,6 +73,22 @@ def render_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
+def render_mix(mix: list[dict]) -> str:
+    """The per-layer mix of formats (``InspectResult.mix``): one line per run of blocks whose
+    linears share their formats, then the other linears."""
+    lines = ["per-layer formats (a mixed file):"]
+    for row in mix:
+        if "blocks" in row:
+            by: dict[str, list[str]] = {}
+            for local, fmt in row["layers"].items():
+                by.setdefault(fmt, []).append(local)
+            parts = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in by.items())
+            lines.append(f"  blocks {row['blocks']:<8} {parts}")
+        else:
+            lines.append(f"  {row['layer']}: {row['format']}")
+    return "\n".join(lines)
+
+
 def summary_line(summary: dict) -> str:
     """One line of the convert error report's summary (``ConvertReport.summary``)."""
     if not summary.get("layers"):

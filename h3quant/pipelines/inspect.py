@@ -7,7 +7,8 @@ No tensor data is read, except the tiny ``.comfy_quant`` marker tensors of layer
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+import re
+from dataclasses import dataclass, field, fields
 
 from h3quant.errors import ContainerError, MarkerError
 from h3quant.findings import Severity
@@ -90,6 +91,7 @@ class InspectResult:
     findings: dict[str, int]  # container + marker findings by severity (validate details them)
     bytes_read: int  # tensor-data bytes read (marker tensors only)
     layers: list[dict] | None  # one row per layer with layers=True
+    mix: list[dict] | None = field(default=None)  # per-layer formats of a mixed file (see layer_mix)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -98,6 +100,54 @@ class InspectResult:
 INSPECT_KEYS = tuple(f.name for f in fields(InspectResult))
 LAYER_KEYS = ("name", "format", "N", "K", "dtypes", "bits_per_weight", "source", "bytes",
               "layout", "nz")
+
+
+_BLOCK = re.compile(r"^(?P<pre>.*?)blocks\.(?P<i>\d+)\.(?P<local>.+)$")
+
+
+def layer_mix(layer_scan) -> list[dict] | None:
+    """How the formats are mixed across layers, or None when every linear (2-D weight) has one
+    format: one row per run of consecutive DiT blocks whose linears (those quantized in some
+    block) have the same formats (``{"blocks": "0-1", "layers": {"attn.qkv_proj":
+    "int8_tensorwise convrot g=256", ...}}``), then one row per other quantized layer
+    (``{"layer": name, "format": ...}``)."""
+    from h3quant.formats.codecs import registry
+
+    desc: dict[str, str] = {}
+    for name, lay in layer_scan.layers.items():
+        w = lay.weight
+        if w is None or (lay.fields is None and len(w.shape) != 2):
+            continue
+        try:
+            desc[name] = registry.describe(lay.fields, w.dtype)
+        except (KeyError, TypeError):
+            continue
+    if len(set(desc.values())) < 2:
+        return None
+    blocks: dict[int, dict[str, str]] = {}
+    others = []
+    quantized = {n for n, lay in layer_scan.layers.items() if lay.fields is not None}
+    qlocal = {m.group("local") for n in quantized if (m := _BLOCK.match(n))}
+    for name, d in desc.items():
+        m = _BLOCK.match(name)
+        if m and "token_refiner." not in m.group("pre"):
+            if m.group("local") in qlocal:  # the linears quantized in some block
+                blocks.setdefault(int(m.group("i")), {})[m.group("local")] = d
+        elif name in quantized:
+            others.append({"layer": name, "format": d})
+    rows: list[dict] = []
+    for i in sorted(blocks):
+        sig = dict(sorted(blocks[i].items()))
+        last = rows[-1] if rows else None
+        if last is not None and last["layers"] == sig and last["_last"] == i - 1:
+            last["_last"] = i
+        else:
+            rows.append({"_first": i, "_last": i, "layers": sig})
+    out: list[dict] = [{"blocks": (f"{r['_first']}" if r["_first"] == r["_last"]
+                                   else f"{r['_first']}-{r['_last']}"), "layers": r["layers"]}
+                       for r in rows]
+    used = {f for r in out for f in r["layers"].values()} | {r["format"] for r in others}
+    return out + others if len(used) > 1 else None
 
 
 def _bpw(nbytes: int, params: int) -> float | None:
@@ -171,4 +221,5 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
             findings=counts,
             bytes_read=reader.bytes_read,
             layers=[r.to_dict() for r in reports] if layers else None,
+            mix=layer_mix(layer_scan),
         )

@@ -43,6 +43,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
         if mapping.trivial and not options.loras:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
         source, loras = _view(ckpt, mapping, options)
+        options = _promoted(options, loras)
         plan = build_plan(source, src, dst, options, dry_run=dry_run)
     if not mapping.trivial:
         plan.naming = _naming(det, mapping)
@@ -70,6 +71,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
         source, loras = ckpt, None
         if not mapping.trivial or options.loras:
             source, loras = _view(ckpt, mapping, options)
+            options = _promoted(options, loras)
         if not mapping.trivial:
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:
@@ -84,6 +86,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             report_out = outs.add(report_path, what="report") if report_path else None
             for line in plan.repairs:
                 log(f"repair: {line}")
+            for line in plan.warnings:
+                log(f"note: {line}")
             if plan.identity and source is not ckpt:
                 log("no layer re-encoded: the input's tensors are written in ComfyUI's layout")
             elif plan.identity:
@@ -123,6 +127,19 @@ def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
                           options.lora_skip_unmatched)
         bake.apply(view, loras, quantized)
     return cast(Checkpoint, view), loras
+
+
+def _promoted(options: ConvertOptions, loras) -> ConvertOptions:
+    """``--lora-promote FMT``: a first rule writing every layer the LoRAs touch as FMT."""
+    if loras is None or options.lora_promote is None or not loras.layers:
+        return options
+    import re
+    from dataclasses import replace
+
+    from h3quant.pipelines.convert.recipe import Rule
+
+    pattern = "^(?:" + "|".join(re.escape(n) for n in sorted(loras.layers)) + ")$"
+    return replace(options, layers=(Rule(pattern, options.lora_promote),) + options.layers)
 
 
 def _naming(det, mapping) -> dict:

@@ -49,6 +49,7 @@ class LayerPlan:
     via: str = "encode"  # convert: encode | relayout | grid (see convert.relayout)
     notes: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
+    options: ConvertOptions | None = None  # a --layer / --recipe rule's options (None: --to)
 
     @property
     def weight(self) -> TensorInfo:

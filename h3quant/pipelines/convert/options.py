@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
@@ -48,7 +48,10 @@ class ConvertOptions:
     loras: tuple[str, ...] = ()  # LoRA files to bake in, "FILE[:STRENGTH]", in order
     lora_skip_unmatched: bool = False  # LoRA keys that fit no layer: skipped (else an error)
     lora_warn: float = 0.5  # warn when a layer keeps less than this share of its LoRA delta
+    lora_promote: str | None = None  # a --to target for every layer a LoRA touches
+    layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
     _patterns: tuple = field(default=(), compare=False, repr=False)
+    _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -71,6 +74,9 @@ class ConvertOptions:
             raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
                                f"got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
+        if self.lora_promote is not None and self.lora_promote not in TARGETS:
+            raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
+                               f"got {self.lora_promote!r}")
         if not 0.0 <= self.lora_warn <= 1.0:
             raise ConvertError(f"--lora-warn must be a share in 0..1, got {self.lora_warn!r}")
         if self.workers is None:
@@ -90,6 +96,37 @@ class ConvertOptions:
                         from None
             compiled.append(tuple(out))
         object.__setattr__(self, "_patterns", tuple(compiled))
+        self._compile_rules()
+
+    def _compile_rules(self) -> None:
+        """Each rule's pattern and the options of the layers it decides (None: keep)."""
+        from h3quant.pipelines.convert.recipe import Rule
+
+        object.__setattr__(self, "layers", tuple(self.layers))
+        out = []
+        for i, rule in enumerate(self.layers, 1):
+            if not isinstance(rule, Rule):
+                raise ConvertError(f"layer rule {i} must be a recipe Rule, got {rule!r}")
+            sub = None
+            if rule.target is not None:
+                try:
+                    sub = replace(self, target=rule.target, layers=(),
+                                  group_size=rule.group_size or self.group_size,
+                                  layout=rule.layout or ("canonical" if registry.with_layout(
+                                      registry.target_codec(rule.target), self.layout) is None
+                                      else self.layout))
+                except ConvertError as exc:
+                    raise ConvertError(f"rule {i} {rule.text!r}: {exc.reason}") from None
+            out.append((re.compile(rule.pattern), sub))
+        object.__setattr__(self, "_rules", tuple(out))
+
+    def for_layer(self, layer: str) -> tuple[int | None, "ConvertOptions | None"]:
+        """(rule index, options) deciding ``layer``: the first matching rule's options (None
+        for ``keep``), or (None, self) when no rule matches."""
+        for i, (pat, sub) in enumerate(self._rules):
+            if pat.search(layer):
+                return i, sub
+        return None, self
 
     @property
     def codec(self) -> registry.Codec:
@@ -123,13 +160,17 @@ class ConvertOptions:
             from h3quant.pipelines.convert.lora import parse_spec
 
             body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
+        if self.layers:
+            body["layers"] = [r.text for r in self.layers]
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("_patterns", None)
+        d.pop("_rules", None)
         d["include"], d["exclude"] = list(self.include), list(self.exclude)
         d["loras"] = list(self.loras)
+        d["layers"] = [r.text for r in self.layers]
         return d
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant import __version__
-from h3quant.errors import MarkerError
+from h3quant.errors import ConvertError, MarkerError
 from h3quant.formats.codecs import registry
 from h3quant.formats.container.atomic import check_output
 from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
@@ -36,6 +36,7 @@ from h3quant.pipelines.convert.layers import (
     skip_reason,
 )
 from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects
+from h3quant.pipelines.convert.recipe import check_rules
 from h3quant.pipelines.convert.relayout import conversion_via, describe_via
 
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
@@ -71,6 +72,7 @@ class ConvertPlan:
     warnings: list[str] = field(default_factory=list)
     naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
     lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
+    rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
 
     @property
     def output_bytes(self) -> int:
@@ -94,6 +96,7 @@ class ConvertPlan:
             "copied": {"tensors": len(copies), "bytes": sum(c.src.nbytes for c in copies)},
             "dropped": list(self.dropped), "repairs": list(self.repairs),
             "warnings": list(self.warnings),
+            **({"rules": [u.to_dict() for u in self.rules]} if self.rules else {}),
             "files": [{"name": s.name, "bytes": s.layout.file_bytes, "tensors": len(s.entries)}
                       for s in self.shards.values()],
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
@@ -143,8 +146,9 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
     copies = [CopyItem(n, tensors[n], Entry(n, tensors[n].dtype, tensors[n].shape)) for n in others]
     plans: list[LayerPlan] = []
     dropped: list[str] = []
+    candidates: list[str] = []  # layers a --layer / --recipe rule may decide
     for layer in layers.values():
-        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset)
+        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates)
         if lp is None:  # plain layer, not converted: copied as is
             copies += [CopyItem(t.name, t, Entry(t.name, t.dtype, t.shape))
                        for t in layer.tensors.values()]
@@ -169,30 +173,48 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
                        repairs, dropped, identity, None, dict(ckpt.index_metadata),
                        sum(t.nbytes for t in tensors.values()))
     plan.warnings = warnings
+    if options.layers:
+        plan.rules, overlaps = check_rules(options.layers, [p for p, _ in options._rules],
+                                           candidates)
+        plan.warnings += overlaps
     _plan_shards(plan, ckpt)
     return plan
 
 
-def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str):
+def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str,
+                candidates: list[str] | None = None):
     res = resolve_marker(layer, header, read_bytes)
     w = layer.weight
     if w is None:
         return None  # a stray bias etc.: plain copy
     quantized = res.fields is not None
-    if not opts.codec.quantized:  # dequantizing: only quantized layers are candidates
+    rule, lopts = opts.for_layer(layer.name)  # a --layer / --recipe rule, or the --to options
+    if candidates is not None and opts.layers and opts.filtered(layer.name) and (
+            quantized or preset_selects(preset, layer.name, w.dtype, len(w.shape), False)):
+        candidates.append(layer.name)
+    if lopts is None:  # keep: written as it is in the input
+        selected = False
+        lopts = opts
+    elif not lopts.codec.quantized:  # dequantizing: only quantized layers are candidates
         selected = quantized and opts.filtered(layer.name)
     else:
         selected = (preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
                     and opts.filtered(layer.name))
+    base, opts = opts, lopts
     if not selected and not quantized:
         return None
     shape = logical_shape(layer, res.fields)
     lp = LayerPlan(layer.name, "untouched", registry.describe(res.fields, w.dtype), None, shape,
                    src_fields=res.fields, inputs=dict(layer.tensors), repairs=list(res.repairs))
+    if rule is not None:
+        lp.options = opts
     if selected:
         check_supported(layer, res.fields)
         lp.reason = (skip_reason(layer, res.fields, opts) if opts.codec.quantized
                      else empty_reason(layer))
+        if lp.reason and rule is not None:  # a rule names a format this layer cannot take
+            raise ConvertError(f"rule {rule + 1} {base.layers[rule].text!r}: layer "
+                               f"{layer.name} cannot be written as {opts.target}: {lp.reason}")
         if lp.reason:
             lp.action = "skip"
         elif quantized and same_target(layer, res.fields, opts):

@@ -117,7 +117,7 @@ def _convert_layers(layers, run, pool, stream) -> None:
 
 
 def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None:
-    opts = plan.options
+    opts = lp.options or plan.options  # a per-layer rule's target, else --to
     copied = {c.src.name for c in lp.copies}
     total = sum(t.nbytes for t in lp.inputs.values() if t.name not in copied)
     done = [0]

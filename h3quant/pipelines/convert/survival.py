@@ -70,7 +70,8 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
         changed = sum(int((merged[a:b] != base[a:b]).sum()) for a, b in spans)
         pairs = ((a, b, _rows(merged, a, b) - _rows(base, a, b)) for a, b in spans)
     else:
-        codec = getattr(lp, "codec", None) or options.codec
+        lopts = lp.options or options  # a --layer / --recipe rule's target, else --to
+        codec = lopts.codec
         fmt = codec.describe(lp.out_fields)
         if codec.chunked:
             changed = 0
@@ -78,8 +79,8 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
             def gen():
                 nonlocal changed
                 for a, b in spans:
-                    qm, cm = _encoded(codec, lp.out_fields, merged[a:b], options.rotation)
-                    qb, cb = _encoded(codec, lp.out_fields, base[a:b], options.rotation)
+                    qm, cm = _encoded(codec, lp.out_fields, merged[a:b], lopts.rotation)
+                    qb, cb = _encoded(codec, lp.out_fields, base[a:b], lopts.rotation)
                     changed += int((cm != cb).sum())
                     yield a, b, qm.to(torch.float64) - qb.to(torch.float64)
             pairs = gen()
@@ -87,10 +88,10 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
             from h3quant.pipelines.convert.compute import sample_rows
 
             idx = sample_rows(n)
-            qm, cm = _encoded(codec, lp.out_fields, merged, options.rotation)
+            qm, cm = _encoded(codec, lp.out_fields, merged, lopts.rotation)
             qm, cm = qm[idx].to(torch.float64), cm[idx].clone()
             del merged
-            qb, cb = _encoded(codec, lp.out_fields, base, options.rotation)
+            qb, cb = _encoded(codec, lp.out_fields, base, lopts.rotation)
             qb, cb = qb[idx].to(torch.float64), cb[idx].clone()
             changed, codes = int((cm != cb).sum()), cm.numel()
             pairs = ((int(r), int(r) + 1, (qm[i] - qb[i])[None]) for i, r in enumerate(idx))
@@ -118,7 +119,7 @@ def measure(view, loras, plan, options, log) -> dict:
         if lp is not None and row["kept"] < options.lora_warn:
             warnings.append(f"{layer}: only {row['kept']:.0%} of the LoRA delta survives "
                             f"{row['format']} ({row['codes_changed']:.1%} of codes changed); "
-                            "int8-convrot (or bf16, with --exclude) keeps it")
+                            "--lora-promote int8-convrot writes the layers a LoRA touches int8")
     for w in warnings:
         log(f"warning: {w}")
     return {**summary(loras), "survival": rows, "warnings": warnings}

@@ -1,0 +1,255 @@
+"""``h3quant plan IN``: per-block sensitivity, a planner that writes a recipe, the frontier."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+import click
+
+from h3quant.cli.common import SEED, emit_json, format_table, guard, handle_errors, log, \
+    mmap_option, progress_enabled
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``800MB``, ``1.5GB``, ``2GiB``, ``123456`` -> bytes (decimal units; ``i``: binary)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 800MB, 1.5GB, 2GiB, 123456)")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    power = " KMGT".index(unit) if unit else 0
+    return int(value * (1024 if binary else 1000) ** power)
+
+
+def _size(ctx, param, value):
+    return None if value is None else parse_size(value)
+
+
+def _formats(ctx, param, value):
+    from h3quant.pipelines.plan.sensitivity import PlanError, parse_candidates
+
+    try:
+        return parse_candidates(value)
+    except PlanError as exc:
+        raise click.BadParameter(exc.reason) from None
+
+
+def _targets(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of dB values") \
+            from None
+    if not out or not all(math.isfinite(v) for v in out):
+        raise click.BadParameter("give finite dB values, e.g. 25,30,35")
+    return out
+
+
+def _db(v: float) -> str:
+    return "exact" if v == math.inf else f"{v:.2f}"
+
+
+def render_sensitivity(sens) -> str:
+    table = sens.table()
+    fmts = sens.formats
+    rows = []
+    for unit, by in table.items():
+        rows.append([unit] + [f"{_db(by[f].sqnr_db['video'])} / {_db(by[f].sqnr_db['audio'])}"
+                              for f in fmts])
+    per = sum(sens.seconds_per_block) / max(1, len(sens.seconds_per_block))
+    head = (f"whole-model output SQNR (video / audio, dB) with only that "
+            f"{'linear' if sens.per_layer else 'block'} quantized, the rest float; "
+            f"{sens.blocks} blocks, {len(sens.units)} measurements in {sens.seconds:.1f} s "
+            f"({per:.2f} s per block)")
+    return head + "\n" + format_table(["unit"] + fmts, rows)
+
+
+def render_prediction(pred, exact_bytes: int, input_bytes: int) -> str:
+    counts = ", ".join(f"{n} x {f}" for f, n in sorted(pred.counts().items()))
+    return (f"planned: {counts}\npredicted whole-model SQNR: video {_db(pred.sqnr_db['video'])} "
+            f"dB, audio {_db(pred.sqnr_db['audio'])} dB\n"
+            f"planned size: {exact_bytes:,} bytes ({exact_bytes / 1e6:,.2f} MB; "
+            f"input {input_bytes / 1e6:,.2f} MB)")
+
+
+def render_frontier(points) -> str:
+    rows = []
+    for p in points:
+        rows.append([p.name, f"{p.predicted_bytes / 1e6:,.2f}",
+                     "-" if p.measured_bytes is None else f"{p.measured_bytes / 1e6:,.2f}",
+                     _db(p.predicted_min),
+                     "-" if p.measured_min is None else _db(p.measured_min),
+                     "-" if p.measured_min is None or not math.isfinite(p.predicted_min)
+                     else f"{p.measured_min - p.predicted_min:+.2f}",
+                     ", ".join(f"{n} {f}" for f, n in sorted(p.formats.items()))])
+    return ("size against whole-model SQNR (worse of video and audio)\n"
+            + format_table(["file", "MB predicted", "MB measured", "dB predicted",
+                            "dB measured", "error", "formats"], rows, {1, 2, 3, 4, 5}))
+
+
+@click.command("plan", epilog="""\b
+Examples:
+  h3quant plan h3_bf16.safetensors                      # sensitivity table
+  h3quant plan h3_bf16.safetensors --per-layer --json > sens.json
+  h3quant plan h3_bf16.safetensors --target-sqnr 30 --out recipe.json
+  h3quant plan h3_bf16.safetensors --from sens.json --max-size 1.2GB --out recipe.json
+  h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
+  h3quant verify planned.safetensors --model --reference h3_bf16.safetensors
+  h3quant plan h3_bf16.safetensors --from sens.json --frontier --plot frontier.png""")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
+              callback=_formats,
+              help="Candidate formats (comma-separated convert --to choices with options, e.g. "
+                   "int8-convrot:g=64); float is always the unquantized choice.")
+@click.option("--per-layer", is_flag=True,
+              help="Measure (and plan) each linear alone instead of each block.")
+@click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
+              help="Reuse a sensitivity pass saved with --json instead of measuring again.")
+@click.option("--target-sqnr", type=float, default=None, metavar="DB",
+              help="Plan the smallest file whose predicted whole-model SQNR (worse of video and "
+                   "audio) is at least DB.")
+@click.option("--max-size", default=None, callback=_size, metavar="SIZE",
+              help="Plan the best predicted quality within SIZE (e.g. 800MB, 1.5GB, 2GiB).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Write the planned recipe (JSON, for convert --recipe) to this file.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
+@click.option("--frontier", is_flag=True,
+              help="Size against SQNR for all-bf16, each all-FORMAT file and planner files at "
+                   "several targets, predicted and measured (converts and verifies each: slow).")
+@click.option("--targets", default=None, callback=_targets, metavar="DB,DB,..",
+              help="--frontier: the planner targets (default: 3 between the uniform files).")
+@click.option("--no-measure", is_flag=True,
+              help="--frontier: predictions only (no conversion, no verify).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="--frontier: draw it to this PNG (needs matplotlib: pip install "
+                   "'h3quant[plot]').")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the inputs.")
+@click.option("--frames", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Video latent frames of the seeded input.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
+@mmap_option
+@handle_errors
+def command(src, cands, per_layer, from_json, target_sqnr, max_size, out_path, overwrite,
+            frontier, targets, no_measure, plot, seed, frames, as_json, quiet, no_mmap):
+    """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
+
+    The sensitivity pass runs the whole model streamed (fp32, CPU) on seeded inputs and, for
+    each block (--per-layer: each linear) and candidate format, the whole-model output SQNR
+    with only that unit quantized. With --target-sqnr or --max-size the planner chooses a
+    format per unit, predicts the result (noise energies of the units add, docs/plan.md) and
+    writes the recipe with --out. Exit status: 0 ok, 2 usage or I/O error (nothing written).
+    """
+    import os
+
+    from h3quant.errors import H3QuantError
+    from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
+    from h3quant.pipelines.plan.planner import Model, choose, recipe_rules
+    from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
+
+    if target_sqnr is not None and max_size is not None:
+        raise click.UsageError("give --target-sqnr or --max-size, not both")
+    if target_sqnr is not None and not math.isfinite(target_sqnr):
+        raise click.BadParameter("must be finite", param_hint="--target-sqnr")
+    if out_path and target_sqnr is None and max_size is None:
+        raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
+    if (targets or no_measure or plot) and not frontier:
+        raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
+    plt = None
+    if plot:
+        from h3quant.cli.verify_view import require_matplotlib
+
+        plt = require_matplotlib()
+    out = None
+    if out_path:
+        from pathlib import Path
+
+        from h3quant.formats.container.atomic import check_output
+        from h3quant.formats.container.checkpoint import Checkpoint
+
+        with Checkpoint(src, mmap=not no_mmap) as ck:
+            inputs = [Path(src)] + [sf.path for sf in ck.files] \
+                + ([ck.index_path] if ck.index_path else [])
+        inputs += [Path(from_json)] if from_json else []
+        out = Path(out_path)
+        guard("checking --out", lambda: check_output(out, directory=False, overwrite=overwrite,
+                                                     inputs=inputs, what="recipe"))
+    if from_json:
+        try:
+            with open(from_json, encoding="utf-8") as fh:
+                loaded = json.load(fh)
+            sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
+                               f"'h3quant plan --json' ({exc})") from None
+    else:
+        from tqdm import tqdm
+
+        from h3quant.pipelines.verify.model import ModelInputs
+
+        bar = tqdm(total=None, unit="block", desc="sensitivity", file=sys.stderr, leave=False,
+                   disable=quiet or not progress_enabled())
+
+        def on_block(done, total):
+            bar.total = total
+            bar.update(1)
+
+        try:
+            sens = guard("measuring the sensitivity", measure, src, formats=cands,
+                         per_layer=per_layer, inputs=ModelInputs(frames=frames, seed=seed),
+                         mmap=not no_mmap, on_block=on_block)
+        finally:
+            bar.close()
+    model = Model(sens, os.path.getsize(src) if os.path.isfile(src) else
+                  sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)
+                      if f.endswith(".safetensors")))
+    doc: dict = {"sensitivity": sens.to_dict()}
+    text = [render_sensitivity(sens)]
+    if target_sqnr is not None or max_size is not None:
+        pred = guard("planning", choose, model, target_sqnr=target_sqnr, max_size=max_size)
+        rules = recipe_rules(sens, pred.assignment)
+        exact = guard("sizing the plan", planned_bytes, src, rules)
+        doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
+                       "rules": [r.to_dict() for r in rules]}
+        text.append(render_prediction(pred, exact, model.input_bytes))
+        if out is not None:
+            from h3quant.formats.container.atomic import write_bytes
+            from h3quant.pipelines.convert.recipe import recipe_data
+            from h3quant.pipelines.metrics import json_safe
+
+            notes = {"planned_by": "h3quant plan", "source": os.path.basename(src),
+                     "target_sqnr_db": target_sqnr, "max_size_bytes": max_size,
+                     "predicted": json_safe({**pred.to_dict(), "planned_bytes": exact}),
+                     "inputs": sens.inputs, "per_layer": sens.per_layer}
+            data = json.dumps(recipe_data(rules, **notes), indent=2) + "\n"
+            guard("writing the recipe", lambda: write_bytes(out, data.encode(),
+                                                            overwrite=overwrite, inputs=inputs,
+                                                            what="recipe"))
+            if not quiet:
+                log(f"wrote {out} ({len(rules)} rule(s)); apply it with: h3quant convert {src} "
+                    f"OUT --recipe {out}")
+    if frontier:
+        if not quiet and not no_measure:
+            log("frontier: converting and verifying each point (slow)")
+        points = guard("drawing the frontier", run_frontier, src, model, targets,
+                       measure=not no_measure, mmap=not no_mmap)
+        doc["frontier"] = [p.to_dict() for p in points]
+        text.append(render_frontier(points))
+        if plt is not None:
+            from h3quant.pipelines.plan.frontier import plot as draw
+
+            draw(points, plot, plt)
+            if not quiet:
+                log(f"wrote {plot}")
+    if as_json:
+        from h3quant.pipelines.metrics import json_safe
+
+        emit_json(json_safe(doc))
+    else:
+        click.echo("\n\n".join(text))

@@ -1,0 +1,131 @@
+"""Size against whole-model SQNR: uniform files and planner files, predicted and measured.
+
+Each point is a recipe. Predicted: the size from ``convert``'s header-only plan of that recipe
+(exact) and the SQNR of the additive noise model. Measured: the recipe is converted for real
+(to a temporary directory) and ``verify --model`` runs it against the float input on the same
+seeded inputs the sensitivity pass used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3quant.pipelines.plan.planner import FLOAT, Model, Prediction, choose, recipe_rules
+from h3quant.pipelines.plan.sensitivity import OUTPUTS, Sensitivity
+
+
+@dataclass
+class Point:
+    name: str  # "all-bf16", "all-int8-convrot", "plan >= 30 dB", ...
+    target_sqnr: float | None
+    rules: list[str]
+    predicted_bytes: int
+    predicted_sqnr_db: dict[str, float]
+    measured_bytes: int | None = None
+    measured_sqnr_db: dict[str, float] = field(default_factory=dict)
+    formats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def predicted_min(self) -> float:
+        return min(self.predicted_sqnr_db.values())
+
+    @property
+    def measured_min(self) -> float | None:
+        return min(self.measured_sqnr_db.values()) if self.measured_sqnr_db else None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "target_sqnr_db": self.target_sqnr, "rules": self.rules,
+                "formats": self.formats, "predicted_bytes": self.predicted_bytes,
+                "predicted_sqnr_db": self.predicted_sqnr_db,
+                "predicted_min_sqnr_db": self.predicted_min,
+                "measured_bytes": self.measured_bytes,
+                "measured_sqnr_db": self.measured_sqnr_db,
+                "measured_min_sqnr_db": self.measured_min}
+
+
+def planned_bytes(src, rules) -> int:
+    """The exact output size of converting ``src`` with ``rules`` (header-only plan)."""
+    from h3quant.pipelines.convert import ConvertOptions, plan_convert
+
+    with tempfile.TemporaryDirectory(prefix="h3quant-plan-") as d:
+        return plan_convert(src, Path(d) / "o.safetensors",
+                            ConvertOptions(layers=tuple(rules), report=False)).output_bytes
+
+
+def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | None = None,
+                   *, mmap: bool = True) -> tuple[int, dict[str, float]]:
+    """Convert ``src`` with ``rules`` and verify the whole model against ``src``:
+    (file bytes, output -> SQNR)."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.pipelines.verify.model import ModelInputs, verify_model
+
+    if all(r.target is None for r in rules):  # every unit kept: the float file itself
+        return os.path.getsize(src), {o: math.inf for o in OUTPUTS}
+    with tempfile.TemporaryDirectory(prefix="h3quant-plan-", dir=workdir) as d:
+        out = Path(d) / "point.safetensors"
+        convert(src, out, ConvertOptions(layers=tuple(rules), report=False, mmap=mmap))
+        res = verify_model(out, reference=src, device="cpu", inputs=ModelInputs(**sens.inputs),
+                           mmap=mmap)
+        got = {o.name: o.sqnr_db for o in res.outputs if o.name in OUTPUTS}
+        return out.stat().st_size, got
+
+
+def default_targets(model: Model, count: int = 3) -> list[float]:
+    """``count`` targets evenly inside the quality range of the uniform quantized files."""
+    lows = [model.uniform(f).min_sqnr_db for f in model.sens.formats]
+    lo, hi = min(lows), max(lows)
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi - lo < 0.5:
+        return [round(hi, 1)]
+    return [round(lo + (hi - lo) * (i + 1) / (count + 1), 1) for i in range(count)]
+
+
+def frontier(src, model: Model, targets: list[float] | None = None, *, measure: bool = True,
+             workdir=None, mmap: bool = True, on_point=None) -> list[Point]:
+    """The frontier points (uniform files, then one planner file per target)."""
+    sens = model.sens
+    preds: list[tuple[str, float | None, Prediction]] = [
+        (f"all-{f}", None, model.uniform(f)) for f in [FLOAT, *sens.formats]]
+    for t in targets if targets is not None else default_targets(model):
+        preds.append((f"plan >= {t:g} dB", t, choose(model, target_sqnr=t)))
+    points = []
+    for n, (name, target, pred) in enumerate(preds):
+        rules = recipe_rules(sens, pred.assignment)
+        point = Point(name, target, [r.text for r in rules], planned_bytes(src, rules),
+                      pred.sqnr_db, formats=pred.counts())
+        if measure:
+            point.measured_bytes, point.measured_sqnr_db = measure_recipe(
+                src, rules, sens, workdir, mmap=mmap)
+        points.append(point)
+        if on_point is not None:
+            on_point(n + 1, len(preds))
+    return points
+
+
+def plot(points: list[Point], path: str, plt) -> None:
+    """Size (MB) against the worse output's SQNR, predicted and measured (matplotlib ``plt``)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for attr, label, marker in (("predicted_min", "predicted", "o"),
+                                ("measured_min", "measured", "x")):
+        xs, ys, names = [], [], []
+        for p in points:
+            y = getattr(p, attr)
+            size = p.predicted_bytes if attr == "predicted_min" else p.measured_bytes
+            if y is not None and math.isfinite(y) and size is not None:
+                xs.append(size / 1e6)
+                ys.append(y)
+                names.append(p.name)
+        ax.scatter(xs, ys, marker=marker, label=label)
+        if attr == "predicted_min":
+            for x, y, name in zip(xs, ys, names):
+                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("file size (MB)")
+    ax.set_ylabel("whole-model SQNR, worse of video/audio (dB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,190 @@
+"""Choose per-unit formats from a sensitivity pass, predict the result, write the recipe.
+
+The prediction (docs/plan.md): each unit quantized alone puts noise energy ``N_o(u, f)`` on
+output ``o`` (video, audio). Quantization errors of different blocks are treated as
+independent, so their energies add: a file with unit ``u`` in format ``f_u`` is predicted to
+have ``SQNR_o = 10 log10(S_o / sum_u N_o(u, f_u))`` on each output (``S_o``: the float output's
+energy), and its quality is the worse of the two. The size of a unit in a format is exact (the
+codec's planned tensors); the file size is the float input's minus what the units replace.
+
+``choose`` is a greedy search over the units' options, ordered smallest first:
+
+* ``target_sqnr``: start from the smallest format everywhere; while the predicted quality is
+  below the target, take the one-step upgrade (a unit to its next larger option) that removes
+  the most normalised excess noise per added byte; then try to step back down every unit whose
+  saving keeps the target (largest saving first).
+* ``max_size``: start from the smallest format everywhere (refused when even that is too big);
+  take the upgrade with the largest drop of normalised noise per added byte that still fits,
+  until none fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from h3quant.pipelines.plan.sensitivity import (
+    OUTPUTS,
+    PlanError,
+    Sensitivity,
+    sqnr_db,
+    unit_pattern,
+)
+
+FLOAT = "bf16"  # the unquantized option of a unit (kept as stored in the float input)
+
+
+@dataclass
+class Prediction:
+    assignment: dict[str, str]  # unit -> format (FLOAT: kept)
+    sqnr_db: dict[str, float]  # output -> predicted SQNR
+    bytes: int  # predicted file size
+
+    @property
+    def min_sqnr_db(self) -> float:
+        return min(self.sqnr_db.values())
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.assignment.values():
+            out[f] = out.get(f, 0) + 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"sqnr_db": dict(self.sqnr_db), "min_sqnr_db": self.min_sqnr_db,
+                "bytes": self.bytes, "formats": self.counts()}
+
+
+@dataclass
+class Model:
+    """The additive noise model over a sensitivity pass."""
+
+    sens: Sensitivity
+    input_bytes: int  # size of the float input file
+    options: dict[str, list[str]] = field(default_factory=dict)  # unit -> formats, small first
+
+    def __post_init__(self) -> None:
+        table = self.sens.table()
+        for unit, by in table.items():
+            opts = sorted(by, key=lambda f: by[f].bytes)
+            self.options[unit] = opts + [FLOAT]
+        self._table = table
+
+    def noise(self, unit: str, fmt: str) -> dict[str, float]:
+        if fmt == FLOAT:
+            return {o: 0.0 for o in OUTPUTS}
+        return self._table[unit][fmt].noise
+
+    def size(self, unit: str, fmt: str) -> int:
+        r = next(iter(self._table[unit].values()))
+        return r.float_bytes if fmt == FLOAT else self._table[unit][fmt].bytes
+
+    def predict(self, assignment: dict[str, str]) -> Prediction:
+        total = {o: 0.0 for o in OUTPUTS}
+        nbytes = self.input_bytes
+        for unit, fmt in assignment.items():
+            for o, v in self.noise(unit, fmt).items():
+                total[o] += v
+            nbytes += self.size(unit, fmt) - self.size(unit, FLOAT)
+        return Prediction(dict(assignment), {o: sqnr_db(self.sens.signal[o], total[o])
+                                             for o in OUTPUTS}, nbytes)
+
+    def uniform(self, fmt: str) -> Prediction:
+        return self.predict({u: fmt for u in self.options})
+
+    def smallest(self) -> dict[str, str]:
+        return {u: opts[0] for u, opts in self.options.items()}
+
+
+def _upgrades(model: Model, assign: dict[str, str]):
+    for unit, fmt in assign.items():
+        opts = model.options[unit]
+        i = opts.index(fmt)
+        if i + 1 < len(opts):
+            yield unit, opts[i + 1]
+
+
+def choose(model: Model, *, target_sqnr: float | None = None,
+           max_size: int | None = None) -> Prediction:
+    """The assignment for a quality target or a size budget (see the module docstring)."""
+    if (target_sqnr is None) == (max_size is None):
+        raise PlanError("give exactly one of a target SQNR and a maximum size")
+    assign = model.smallest()
+    signal = model.sens.signal
+    if target_sqnr is not None:
+        budget = {o: signal[o] * 10 ** (-target_sqnr / 10) for o in OUTPUTS}
+
+        def totals(a):
+            t = {o: 0.0 for o in OUTPUTS}
+            for u, f in a.items():
+                for o, v in model.noise(u, f).items():
+                    t[o] += v
+            return t
+
+        def meets(a) -> bool:
+            t = totals(a)
+            return all(t[o] <= budget[o] for o in OUTPUTS)
+
+        while not meets(assign):
+            t = totals(assign)
+            over = [o for o in OUTPUTS if t[o] > budget[o]]
+            best, best_score = None, -math.inf
+            for unit, up in _upgrades(model, assign):
+                cur = model.noise(unit, assign[unit])
+                new = model.noise(unit, up)
+                gain = sum(max(0.0, cur[o] - new[o]) / budget[o] for o in over)
+                cost = max(1, model.size(unit, up) - model.size(unit, assign[unit]))
+                score = gain / cost
+                if gain > 0 and score > best_score:
+                    best, best_score = (unit, up), score
+            if best is None:  # nothing left to improve (every unit float: cannot happen)
+                raise PlanError(f"no choice of formats reaches {target_sqnr} dB")
+            assign[best[0]] = best[1]
+        # step back down where the target still holds, largest saving first
+        for unit in sorted(assign, key=lambda u: -(model.size(u, assign[u])
+                                                   - model.size(u, model.options[u][0]))):
+            opts = model.options[unit]
+            for fmt in opts[:opts.index(assign[unit])]:
+                trial = dict(assign, **{unit: fmt})
+                if meets(trial):
+                    assign = trial
+                    break
+        return model.predict(assign)
+    pred = model.predict(assign)
+    if pred.bytes > max_size:
+        raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "
+                        f"everywhere) is {pred.bytes:,} bytes, over --max-size {max_size:,}")
+    while True:
+        best, best_score = None, -math.inf
+        for unit, up in _upgrades(model, assign):
+            extra = model.size(unit, up) - model.size(unit, assign[unit])
+            if pred.bytes + extra > max_size:
+                continue
+            cur, new = model.noise(unit, assign[unit]), model.noise(unit, up)
+            gain = sum((cur[o] - new[o]) / signal[o] for o in OUTPUTS)
+            score = gain / max(1, extra)
+            if gain > 0 and score > best_score:
+                best, best_score = (unit, up), score
+        if best is None:
+            return pred
+        assign[best[0]] = best[1]
+        pred = model.predict(assign)
+
+
+def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
+    """The recipe rules giving each unit its format (one rule per format; float units: keep)."""
+    from h3quant.pipelines.convert.recipe import Rule, parse_format
+
+    by: dict[str, list[str]] = {}
+    for unit, fmt in assignment.items():
+        by.setdefault(fmt, []).append(unit)
+    rules = []
+    for fmt in sorted(by, key=lambda f: (f != FLOAT, f)):
+        pats = [unit_pattern(sens.prefix, u)[1:] for u in by[fmt]]  # drop each "^"
+        pattern = "^(" + "|".join(pats) + ")" if len(pats) > 1 else "^" + pats[0]
+        if fmt == FLOAT:
+            rules.append(Rule(pattern, None))
+        else:
+            target, opts = parse_format(fmt)
+            rules.append(Rule(pattern, target, opts.get("group_size")))
+    return tuple(rules)

@@ -1,0 +1,276 @@
+"""How much the whole model's output degrades when one block (or one linear) is quantized.
+
+One pass over the blocks of a float H3 checkpoint, with the real streamed forward
+(``runtime.model.H3Model``, fp32 on the CPU) on seeded inputs (the same ones ``verify --model``
+uses). At block ``j`` the float block is loaded once and, for each candidate format, its
+linears are encoded with that format's codec (the bytes ``convert`` would write) and run on
+the runtime's int8 path. Streams:
+
+* the float reference runs block ``j`` in float;
+* for each candidate (unit ``u`` in block ``j``, format ``f``) a new stream starts: the float
+  hidden state goes through block ``j`` with ``u`` in ``f`` (the rest of the block float);
+* every stream started at an earlier block runs block ``j`` in float.
+
+After the last block each stream's video and audio outputs are compared with the reference's:
+the noise energy each (unit, format) alone puts on each output. Memory holds one block's weights
+(plus its encoded copies) and one hidden state per stream; compute is one float block forward
+per stream per later block (blocks x candidates x blocks / 2 forwards in all).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from h3quant.errors import H3QuantError, VerifyError
+
+OUTPUTS = ("video", "audio")
+DEFAULT_FORMATS = ("int8-convrot", "w4a8")
+
+
+class PlanError(H3QuantError):
+    """The plan cannot be made (bad candidates, a quantized input, an unreachable target)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A format a unit may take: a ``convert --to`` target and its group size."""
+
+    target: str
+    group_size: int = 256
+
+    @property
+    def format(self) -> str:
+        return self.target if self.group_size == 256 else f"{self.target}:g={self.group_size}"
+
+
+def parse_candidates(text: str) -> tuple[Candidate, ...]:
+    """``int8-convrot,w4a8,int8-convrot:g=64`` -> candidates (PlanError on a bad one)."""
+    from h3quant.errors import ConvertError
+    from h3quant.pipelines.convert.recipe import parse_format
+
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            target, opts = parse_format(item, "--formats")
+        except ConvertError as exc:
+            raise PlanError(exc.reason) from None
+        if target is None or target == "bf16":
+            raise PlanError(f"--formats: {item!r} is not a quantized format (float is always "
+                            "the unquantized choice)")
+        if opts.get("layout", "canonical") != "canonical":
+            raise PlanError("--formats: the planner measures the canonical layout only")
+        cand = Candidate(target, opts.get("group_size") or 256)
+        if cand in out:
+            raise PlanError(f"--formats: {item!r} is given twice")
+        out.append(cand)
+    if not out:
+        raise PlanError("--formats: no format given")
+    return tuple(out)
+
+
+@dataclass
+class UnitResult:
+    """One unit (a block or a linear) in one format, the rest of the model float."""
+
+    unit: str  # "blocks.3" or "blocks.3.mlp.fc1"
+    block: int
+    format: str
+    bytes: int  # the unit's bytes in this format (weights, scales, markers; biases aside)
+    float_bytes: int  # the unit's bytes as stored in the float input
+    noise: dict[str, float]  # output -> ||y_u,f - y||^2
+    sqnr_db: dict[str, float]  # output -> whole-model SQNR with only this unit quantized
+
+    @property
+    def min_sqnr_db(self) -> float:
+        return min(self.sqnr_db.values())
+
+
+@dataclass
+class Sensitivity:
+    path: str
+    inputs: dict
+    formats: list[str]
+    per_layer: bool
+    blocks: int
+    prefix: str
+    signal: dict[str, float]  # output -> ||y||^2 of the float reference
+    units: list[UnitResult] = field(default_factory=list)
+    seconds: float = 0.0
+    seconds_per_block: list[float] = field(default_factory=list)
+
+    def unit_names(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for u in self.units:
+            seen.setdefault(u.unit, None)
+        return list(seen)
+
+    def table(self) -> dict[str, dict[str, UnitResult]]:
+        """unit -> format -> result."""
+        out: dict[str, dict[str, UnitResult]] = {}
+        for u in self.units:
+            out.setdefault(u.unit, {})[u.format] = u
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["units"] = [asdict(u) for u in self.units]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sensitivity":
+        def floats(m):
+            return {o: float(m[o]) for o in OUTPUTS}
+
+        units = [UnitResult(str(u["unit"]), int(u["block"]), str(u["format"]), int(u["bytes"]),
+                            int(u["float_bytes"]), floats(u["noise"]), floats(u["sqnr_db"]))
+                 for u in d["units"]]
+        if not units or not isinstance(d["signal"], dict):
+            raise ValueError("no measurements")
+        keys = ("path", "inputs", "formats", "per_layer", "blocks", "prefix", "signal")
+        fields_ = {k: d[k] for k in keys}
+        fields_["signal"] = floats(d["signal"])
+        return cls(**fields_, units=units, seconds=d.get("seconds", 0.0),
+                   seconds_per_block=list(d.get("seconds_per_block", [])))
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def _encoded_layer(layer, cand: Candidate):
+    """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format."""
+    from h3quant.formats.codecs import registry
+    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.runtime.loader import LoadedLayer
+
+    codec = registry.target_codec(cand.target)
+    marker = codec.marker(registry.target(cand.target), cand.group_size)
+    k = int(layer.weight.shape[1])
+    why = codec.skip_reason(k, marker)
+    if why:
+        raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
+    tensors = dict(codec.encode(layer.weight, marker, "exact"))
+    if layer.bias is not None:
+        tensors["bias"] = layer.bias
+    return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
+
+
+def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
+    """Bytes of an [n, k] linear's weight tensors in ``cand`` (None: as stored in float), with
+    its marker tensor; from the codec's planned tensor set, as convert lays them out."""
+    if cand is None:
+        return float_bytes
+    from h3quant.formats.codecs import registry
+    from h3quant.formats.container.dtypes import itemsize
+    from h3quant.formats.rules.markers import marker_bytes
+
+    codec = registry.target_codec(cand.target)
+    marker = codec.marker(registry.target(cand.target), cand.group_size)
+    total = len(marker_bytes(marker))
+    for dtype, shape in codec.planned(n, k, marker).values():
+        total += math.prod(shape) * itemsize(dtype)
+    return total
+
+
+def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool = False,
+            inputs=None, mmap: bool = True, blocks: int | None = None,
+            on_block=None) -> Sensitivity:
+    """The sensitivity pass (see the module docstring). ``formats``: Candidates or their text;
+    ``blocks``: measure only the first N blocks (the model then ends after them; for quick
+    looks); ``on_block(done, total)`` after each block."""
+    import torch
+
+    from h3quant.formats.rules.topology import BLOCK_LINEARS
+    from h3quant.pipelines.verify.model import ModelInputs
+    from h3quant.runtime.loader import load_prefix
+    from h3quant.runtime.model.block import build_block, quantized_linear, reference_linear
+    from h3quant.runtime.model.model import H3Model
+
+    cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
+    inputs = inputs or ModelInputs()
+    t0 = time.perf_counter()
+    with H3Model.open(path, "cpu", mmap=mmap, linear="reference") as model:
+        quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
+                     and n.startswith(model.prefix + "blocks.")]
+        if quantized:
+            raise PlanError(f"plan measures a float checkpoint; {quantized[0]} is quantized "
+                            f"({model.scan.layers[quantized[0]].fields['format']}): plan from "
+                            "the BF16 original")
+        run = model.blocks[:blocks] if blocks else model.blocks
+        video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
+                                            model.text_dim)
+        ref = model.start(video, audio, text, inputs.sigma)
+        result = Sensitivity(str(path), asdict(inputs), [c.format for c in cands], per_layer,
+                             len(run), model.prefix, {})
+        streams: list[tuple[int, torch.Tensor]] = []  # (unit index, hidden state)
+        meta: list[tuple[str, int, Candidate, int, int]] = []  # unit, block, cand, bytes, float
+        cpu = model.device
+        for done, i in enumerate(run):
+            tb = time.perf_counter()
+            prefix = f"{model.prefix}blocks.{i}"
+            loaded = load_prefix(model.ckpt, model.scan, prefix, i)
+            fblock = build_block(loaded, lambda lay: reference_linear(lay, device=model.tdev),
+                                 device=model.tdev)
+            with torch.no_grad():
+                for n, (u, x) in enumerate(streams):
+                    streams[n] = (u, fblock(x, ref.cond))
+                groups = [[lin] for lin in BLOCK_LINEARS] if per_layer else [list(BLOCK_LINEARS)]
+                for cand in cands:
+                    enc = {lin: _encoded_layer(loaded.linear(lin), cand) for lin in BLOCK_LINEARS}
+                    for group in groups:
+                        def make(lay, _g=group, _enc=enc):
+                            local = lay.name[len(prefix) + 1:]
+                            if local in _g:
+                                return quantized_linear(_enc[local], device=cpu,
+                                                        compute_dtype=torch.float32)
+                            return reference_linear(lay, device=model.tdev)
+
+                        qblock = build_block(loaded, make, device=model.tdev)
+                        unit = prefix if not per_layer else f"{prefix}.{group[0]}"
+                        nbytes = fbytes = 0
+                        for lin in group:
+                            w = model.ckpt.tensors[f"{prefix}.{lin}.weight"]
+                            nn_, kk = (int(d) for d in w.shape)
+                            fbytes += w.nbytes
+                            nbytes += unit_bytes(nn_, kk, cand, w.nbytes)
+                        meta.append((unit[len(model.prefix):], i, cand, nbytes, fbytes))
+                        streams.append((len(meta) - 1, qblock(ref.x, ref.cond)))
+                        del qblock
+                    del enc
+                ref.x = fblock(ref.x, ref.cond)
+            del fblock, loaded
+            model.release_block(i)
+            result.seconds_per_block.append(time.perf_counter() - tb)
+            if on_block is not None:
+                on_block(done + 1, len(run))
+        want = dict(zip(OUTPUTS, model.finish(ref)))
+        result.signal = {o: float(want[o].double().pow(2).sum()) for o in OUTPUTS}
+        for u, x in streams:
+            ref.x = x
+            got = dict(zip(OUTPUTS, model.finish(ref)))
+            noise = {o: float((got[o].double() - want[o].double()).pow(2).sum()) for o in OUTPUTS}
+            unit, block, cand, nbytes, fbytes = meta[u]
+            result.units.append(UnitResult(unit, block, cand.format, nbytes, fbytes, noise,
+                                           {o: sqnr_db(result.signal[o], noise[o])
+                                            for o in OUTPUTS}))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def unit_pattern(prefix: str, unit: str) -> str:
+    """The recipe pattern naming exactly ``unit`` (a block's linears, or one linear)."""
+    return "^" + re.escape(prefix + unit) + (r"\." if unit.count(".") == 1 else "$")
+
+
+__all__ = ["Candidate", "PlanError", "Sensitivity", "UnitResult", "VerifyError", "measure",
+           "parse_candidates", "sqnr_db", "unit_bytes", "unit_pattern"]
