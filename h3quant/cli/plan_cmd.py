@@ -114,6 +114,10 @@ Examples:
 @click.option("--target-sqnr", type=float, default=None, metavar="DB",
               help="Plan the smallest file whose predicted whole-model SQNR (worse of video and "
                    "audio) is at least DB.")
+@click.option("--margin", type=click.FloatRange(0, 20), default=1.0, show_default=True,
+              metavar="DB",
+              help="--target-sqnr (and --frontier's targets): plan for DB more than the "
+                   "target, for the additive model's error (docs/plan.md).")
 @click.option("--max-size", default=None, callback=_size, metavar="SIZE",
               help="Plan the best predicted quality within SIZE (e.g. 800MB, 1.5GB, 2GiB).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=str),
@@ -136,7 +140,7 @@ Examples:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
 @mmap_option
 @handle_errors
-def command(src, cands, per_layer, from_json, target_sqnr, max_size, out_path, overwrite,
+def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
             frontier, targets, no_measure, plot, seed, frames, as_json, quiet, no_mmap):
     """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
 
@@ -212,7 +216,8 @@ def command(src, cands, per_layer, from_json, target_sqnr, max_size, out_path, o
     doc: dict = {"sensitivity": sens.to_dict()}
     text = [render_sensitivity(sens)]
     if target_sqnr is not None or max_size is not None:
-        pred = guard("planning", choose, model, target_sqnr=target_sqnr, max_size=max_size)
+        pred = guard("planning", choose, model, max_size=max_size,
+                     target_sqnr=None if target_sqnr is None else target_sqnr + margin)
         rules = recipe_rules(sens, pred.assignment)
         exact = guard("sizing the plan", planned_bytes, src, rules)
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
@@ -224,7 +229,8 @@ def command(src, cands, per_layer, from_json, target_sqnr, max_size, out_path, o
             from h3quant.pipelines.metrics import json_safe
 
             notes = {"planned_by": "h3quant plan", "source": os.path.basename(src),
-                     "target_sqnr_db": target_sqnr, "max_size_bytes": max_size,
+                     "target_sqnr_db": target_sqnr, "margin_db": margin,
+                     "max_size_bytes": max_size,
                      "predicted": json_safe({**pred.to_dict(), "planned_bytes": exact}),
                      "inputs": sens.inputs, "per_layer": sens.per_layer}
             data = json.dumps(recipe_data(rules, **notes), indent=2) + "\n"
@@ -238,7 +244,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, max_size, out_path, o
         if not quiet and not no_measure:
             log("frontier: converting and verifying each point (slow)")
         points = guard("drawing the frontier", run_frontier, src, model, targets,
-                       measure=not no_measure, mmap=not no_mmap)
+                       margin=margin, measure=not no_measure, mmap=not no_mmap)
         doc["frontier"] = [p.to_dict() for p in points]
         text.append(render_frontier(points))
         if plt is not None:

@@ -83,14 +83,16 @@ def default_targets(model: Model, count: int = 3) -> list[float]:
     return [round(lo + (hi - lo) * (i + 1) / (count + 1), 1) for i in range(count)]
 
 
-def frontier(src, model: Model, targets: list[float] | None = None, *, measure: bool = True,
-             workdir=None, mmap: bool = True, on_point=None) -> list[Point]:
-    """The frontier points (uniform files, then one planner file per target)."""
+def frontier(src, model: Model, targets: list[float] | None = None, *, margin: float = 0.0,
+             measure: bool = True, workdir=None, mmap: bool = True,
+             on_point=None) -> list[Point]:
+    """The frontier points (uniform files, then one planner file per target, planned for
+    ``target + margin``)."""
     sens = model.sens
     preds: list[tuple[str, float | None, Prediction]] = [
         (f"all-{f}", None, model.uniform(f)) for f in [FLOAT, *sens.formats]]
     for t in targets if targets is not None else default_targets(model):
-        preds.append((f"plan >= {t:g} dB", t, choose(model, target_sqnr=t)))
+        preds.append((f"plan >= {t:g} dB", t, choose(model, target_sqnr=t + margin)))
     points = []
     for n, (name, target, pred) in enumerate(preds):
         rules = recipe_rules(sens, pred.assignment)

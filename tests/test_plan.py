@@ -1,0 +1,236 @@
+"""plan: the sensitivity pass, the additive prediction, the planner and its recipes, the CLI."""
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from h3quant.cli import main
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.rules.markers import parse_marker_bytes
+from h3quant.pipelines.convert import ConvertOptions, convert
+from h3quant.pipelines.convert.recipe import load_recipe, parse_rule
+from h3quant.pipelines.plan.frontier import frontier, measure_recipe, planned_bytes
+from h3quant.pipelines.plan.planner import FLOAT, Model, choose, recipe_rules
+from h3quant.pipelines.plan.sensitivity import (
+    Candidate,
+    PlanError,
+    Sensitivity,
+    measure,
+    parse_candidates,
+)
+from h3quant.pipelines.verify.model import ModelInputs, verify_model
+from h3quant.synth import synth_checkpoint
+
+BLOCKS = 4
+INPUTS = ModelInputs(frames=1, height=8, width=8, audio_frames=8, text_tokens=16, seed=3)
+FORMATS = (Candidate("int8-convrot"), Candidate("w4a8"))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    p = tmp_path_factory.mktemp("plan") / "bf16.safetensors"
+    synth_checkpoint(p, preset="tiny", blocks=BLOCKS, seed=21)
+    return p
+
+
+@pytest.fixture(scope="module")
+def sens(src):
+    return measure(src, formats=FORMATS, inputs=INPUTS)
+
+
+@pytest.fixture(scope="module")
+def model(src, sens):
+    return Model(sens, src.stat().st_size)
+
+
+def test_candidates_parse():
+    assert parse_candidates("int8-convrot,w4a8:g=64") == (Candidate("int8-convrot"),
+                                                          Candidate("w4a8", 64))
+    for bad in ("bf16", "keep", "int9", "w4a8,w4a8", "int8:layout=npu", ""):
+        with pytest.raises(PlanError):
+            parse_candidates(bad)
+
+
+def test_one_measurement_per_block_and_format(sens):
+    assert sens.blocks == BLOCKS and not sens.per_layer
+    assert [(u.unit, u.format) for u in sens.units] == [
+        (f"blocks.{i}", f) for i in range(BLOCKS) for f in ("int8-convrot", "w4a8")]
+    for u in sens.units:
+        assert all(v > 0 for v in u.noise.values())
+        assert u.bytes < u.float_bytes
+    t = sens.table()
+    for unit in t:  # 4-bit weights hurt more than int8 in every block
+        assert t[unit]["w4a8"].min_sqnr_db < t[unit]["int8-convrot"].min_sqnr_db
+    assert len(sens.seconds_per_block) == BLOCKS
+
+
+def test_a_measurement_equals_converting_that_block_alone_and_verifying(src, sens, tmp_path):
+    """Independent path: convert's bytes for block 2 in W4A8 (everything else kept), loaded and
+    run by verify --model against the float file on the same inputs."""
+    out = tmp_path / "one.safetensors"
+    convert(src, out, ConvertOptions(layers=(parse_rule(r"^blocks\.2\.=w4a8"),
+                                             parse_rule(r".=keep")), report=False))
+    res = verify_model(out, reference=src, inputs=INPUTS)
+    got = {o.name: o.sqnr_db for o in res.outputs}
+    want = sens.table()["blocks.2"]["w4a8"].sqnr_db
+    for o in ("video", "audio"):
+        assert got[o] == pytest.approx(want[o], abs=0.05), o
+    # and the unit's bytes are what the file gained over the float weights it replaced
+    with Checkpoint(out) as ck:
+        stored = sum(i.nbytes for n, i in ck.tensors.items()
+                     if n.startswith("blocks.2.") and not n.endswith(".bias")
+                     and n.rsplit(".", 2)[-2] in ("qkv_proj", "out_proj", "fc1", "fc2"))
+    assert stored == sens.table()["blocks.2"]["w4a8"].bytes
+
+
+def test_prediction_adds_the_noise_energies(sens, model):
+    assign = {"blocks.0": "int8-convrot", "blocks.1": "w4a8", "blocks.2": FLOAT,
+              "blocks.3": "w4a8"}
+    pred = model.predict(assign)
+    by = {(u.unit, u.format): u for u in sens.units}
+    for o in ("video", "audio"):
+        noise = sum(by[(unit, f)].noise[o] for unit, f in assign.items() if f != FLOAT)
+        assert pred.sqnr_db[o] == pytest.approx(10 * math.log10(sens.signal[o] / noise))
+    size = model.input_bytes + sum(by[(unit, f)].bytes - by[(unit, f)].float_bytes
+                                   for unit, f in assign.items() if f != FLOAT)
+    assert pred.bytes == size
+    assert model.uniform(FLOAT).min_sqnr_db == math.inf
+
+
+def test_target_mode_meets_the_target_and_no_unit_can_step_down(model):
+    lo, hi = model.uniform("w4a8").min_sqnr_db, model.uniform("int8-convrot").min_sqnr_db
+    target = (lo + hi) / 2
+    pred = choose(model, target_sqnr=target)
+    assert pred.min_sqnr_db >= target
+    order = ["w4a8", "int8-convrot", FLOAT]
+    for unit, fmt in pred.assignment.items():
+        for smaller in order[:order.index(fmt)]:
+            trial = model.predict(dict(pred.assignment, **{unit: smaller}))
+            assert trial.min_sqnr_db < target, (unit, smaller)
+    assert pred.bytes < model.uniform("int8-convrot").bytes
+
+
+def test_size_mode_stays_within_the_budget(model):
+    small, big = model.uniform("w4a8").bytes, model.uniform("int8-convrot").bytes
+    budget = (small + big) // 2
+    pred = choose(model, max_size=budget)
+    assert pred.bytes <= budget
+    assert pred.min_sqnr_db > model.uniform("w4a8").min_sqnr_db
+    with pytest.raises(PlanError, match="over --max-size"):
+        choose(model, max_size=small - 1)
+    with pytest.raises(PlanError, match="exactly one"):
+        choose(model)
+
+
+def test_planned_recipe_gives_each_block_its_format(src, sens, model, tmp_path):
+    pred = choose(model, target_sqnr=(model.uniform("w4a8").min_sqnr_db
+                                      + model.uniform("int8-convrot").min_sqnr_db) / 2)
+    rules = recipe_rules(sens, pred.assignment)
+    out = tmp_path / "planned.safetensors"
+    convert(src, out, ConvertOptions(layers=rules, report=False))
+    with Checkpoint(out) as ck:
+        for unit, fmt in pred.assignment.items():
+            for lin in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+                name = f"{unit}.{lin}"
+                if fmt == FLOAT:
+                    assert name + ".comfy_quant" not in ck.tensors
+                    continue
+                m = parse_marker_bytes(bytes(ck.read_bytes(name + ".comfy_quant")))
+                assert m["format"] == {"w4a8": "asym_w4a8_int8",
+                                       "int8-convrot": "int8_tensorwise"}[fmt], name
+    assert out.stat().st_size == planned_bytes(src, rules)
+
+
+def test_planner_file_between_w4a8_and_int8_meets_the_target_when_verified(src, sens, model):
+    """The done-when check: a target between the all-W4A8 and all-int8 qualities (planned with
+    the default 1 dB margin) gives a file smaller than all-int8 that verify --model measures at
+    or above the target."""
+    lo, hi = model.uniform("w4a8").min_sqnr_db, model.uniform("int8-convrot").min_sqnr_db
+    target = lo + (hi - lo) / 2
+    pred = choose(model, target_sqnr=target + 1.0)
+    rules = recipe_rules(sens, pred.assignment)
+    size, got = measure_recipe(src, rules, sens)
+    int8_size = planned_bytes(src, recipe_rules(sens, {u: "int8-convrot" for u in pred.assignment}))
+    assert size < int8_size
+    assert min(got.values()) >= target, (got, target)
+    assert abs(min(got.values()) - pred.min_sqnr_db) < 2.0  # the additive model is close
+
+
+def test_frontier_points_predicted_and_measured(src, model):
+    points = frontier(src, model, targets=[model.uniform("w4a8").min_sqnr_db + 2], margin=1.0)
+    names = [p.name for p in points]
+    assert names[:3] == ["all-bf16", "all-int8-convrot", "all-w4a8"] and len(points) == 4
+    for p in points:
+        assert p.measured_bytes == p.predicted_bytes
+    assert points[0].measured_min == math.inf
+    assert points[2].predicted_bytes < points[3].predicted_bytes < points[1].predicted_bytes
+    for p in points[1:]:
+        assert abs(p.measured_min - p.predicted_min) < 2.0, p.to_dict()
+
+
+def test_per_layer_pass(src):
+    s = measure(src, formats=(Candidate("w4a8"),), per_layer=True, inputs=INPUTS, blocks=1)
+    assert [u.unit for u in s.units] == [f"blocks.0.{lin}" for lin in
+                                         ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+    rules = recipe_rules(s, {"blocks.0.mlp.fc1": "w4a8", "blocks.0.attn.qkv_proj": FLOAT,
+                             "blocks.0.attn.out_proj": FLOAT, "blocks.0.mlp.fc2": FLOAT})
+    assert [r.text for r in rules][1] == r"^blocks\.0\.mlp\.fc1$=w4a8"
+
+
+def test_quantized_input_is_refused(src, tmp_path):
+    q = tmp_path / "q.safetensors"
+    convert(src, q, ConvertOptions(report=False))
+    with pytest.raises(PlanError, match="float checkpoint"):
+        measure(q, inputs=INPUTS)
+
+
+# --------------------------------------------------------------------------------------- CLI
+def test_cli_plan_from_json_writes_a_recipe_convert_applies(src, sens, tmp_path):
+    saved = tmp_path / "sens.json"
+    saved.write_text(json.dumps({"sensitivity": sens.to_dict()}))
+    recipe = tmp_path / "recipe.json"
+    r = CliRunner()
+    res = r.invoke(main, ["plan", str(src), "--from", str(saved), "--target-sqnr", "15",
+                          "--out", str(recipe), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["plan"]["min_sqnr_db"] >= 16.0  # the 1 dB margin
+    rules = load_recipe(recipe)
+    assert [r.to_dict() for r in rules] == doc["plan"]["rules"]
+    again = r.invoke(main, ["plan", str(src), "--from", str(saved), "--target-sqnr", "15",
+                            "--out", str(recipe), "-q"])
+    assert again.exit_code == 2 and "exists" in again.output
+    over_input = r.invoke(main, ["plan", str(src), "--from", str(saved), "--max-size", "1GB",
+                                 "--out", str(src), "--overwrite", "-q"])
+    assert over_input.exit_code == 2
+    out = tmp_path / "planned.safetensors"
+    conv = r.invoke(main, ["convert", str(src), str(out), "--recipe", str(recipe), "-q"])
+    assert conv.exit_code == 0, conv.output
+    assert out.stat().st_size == doc["plan"]["planned_bytes"]
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--target-sqnr", "20", "--max-size", "1GB"], "not both"),
+    (["--formats", "int4"], "unknown format"),
+    (["--max-size", "lots"], "not a size"),
+    (["--out", "r.json"], "--target-sqnr or --max-size"),
+    (["--plot", "x.png"], "apply to --frontier"),
+])
+def test_cli_usage_errors(src, args, why):
+    res = CliRunner().invoke(main, ["plan", str(src)] + args)
+    assert res.exit_code == 2 and why in res.output, res.output
+
+
+def test_cli_from_a_bad_file(src, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"units": []}')
+    res = CliRunner().invoke(main, ["plan", str(src), "--from", str(bad)])
+    assert res.exit_code == 2 and "not a sensitivity pass" in res.output
+
+
+def test_sensitivity_json_round_trip(sens):
+    back = Sensitivity.from_dict(json.loads(json.dumps(sens.to_dict())))
+    assert back.table().keys() == sens.table().keys()
+    assert back.signal == sens.signal
