@@ -67,7 +67,9 @@ def test_per_rank_scale_differs_but_within_tolerance(files):
 def _npu_rank(ctx):
     from h3quant.testing.sim_npu import simulated_npu
 
-    with simulated_npu() as sim:
+    # an older torch_npu without npu_rotate_quant: the runtime's single-NPU block rounds to bf16
+    # inside npu_quant_matmul, which the shared-scale comparison below relies on
+    with simulated_npu(rotate_quant=False) as sim:
         yield sim.probe, "npu:0"
         calls = sim.extras["module"].calls
         assert "npu_quant_matmul" in calls, calls
