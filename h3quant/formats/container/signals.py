@@ -41,17 +41,11 @@ def _in_main_thread() -> bool:
 
 
 @contextmanager
-def terminate_on_signals() -> Iterator[None]:
-    """While active, SIGTERM and SIGHUP raise ``Terminated`` (cleanup, then exit 128 + N)."""
-    if not _in_main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated(signum)
-
+def _handling(signals, handler) -> Iterator[None]:
+    """``handler`` for each of ``signals`` while the block runs (those Python may not handle
+    here are skipped); the previous handlers are put back however the block ends."""
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in signals:
         try:
             previous[sig] = signal.signal(sig, handler)
         except (ValueError, OSError):
@@ -61,6 +55,20 @@ def terminate_on_signals() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """While active, SIGTERM and SIGHUP raise ``Terminated`` (cleanup, then exit 128 + N)."""
+    if not _in_main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    with _handling((signal.SIGTERM, signal.SIGHUP), handler):
+        yield
 
 
 @contextmanager
@@ -76,17 +84,10 @@ def deferred_signals() -> Iterator[None]:
     def record(signum, frame):
         pending.append(signum)
 
-    previous = {}
-    for sig in _DEFERRED:
-        try:
-            previous[sig] = signal.signal(sig, record)
-        except (ValueError, OSError):
-            pass
     try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        with _handling(_DEFERRED, record):
+            yield
+    finally:  # also when the block raised, as a signal that arrived must not be lost
         if pending:
             signal.raise_signal(pending[0])  # runs the restored handler (may raise)
 
