@@ -67,8 +67,14 @@ def check_scale_values(ckpt: Checkpoint) -> None:
         for s in naming.FP8_SCALES:
             if f"{stem}.{s}" not in tensors:
                 continue
-            v = ckpt.read(f"{stem}.{s}").to(torch.float32)
-            bad = int((~torch.isfinite(v) | (v <= 0)).sum())
-            if bad:
-                raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
-                                  "value(s)", tensor=f"{stem}.{s}", code="N305")
+            check_scale(ckpt.read(f"{stem}.{s}").to(torch.float32), f"{stem}.{s}")
+
+
+def check_scale(scale, name: str, note: str = "") -> None:
+    """N305 unless every value of the fp8 scale tensor ``scale`` is finite and positive."""
+    import torch
+
+    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
+    if bad:
+        raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
+                          f"value(s){note}", tensor=name, code="N305")

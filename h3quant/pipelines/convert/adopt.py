@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from h3quant.errors import FormatError, MarkerError
+from h3quant.errors import MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.naming import (
     COPY,
@@ -37,7 +37,7 @@ from h3quant.formats.rules.naming import (
     plan_mapping,
     staged_entries,
 )
-from h3quant.pipelines.naming_view import has_config
+from h3quant.pipelines.naming_view import check_scale, has_config
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
@@ -56,17 +56,15 @@ def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Ma
 
 
 def decode_fp8(ckpt: Checkpoint, src):
-    """fp8 codes -> fp32 (codes exact; code x scale rounded once), the scale (per tensor or per row) multiplied in."""
+    """fp8 codes -> fp32 (codes exact; code x scale rounded once), the scale (per tensor or
+    per row) multiplied in."""
     import torch
 
     w = ckpt.read(src.name).to(torch.float32)
     if src.scale is None:
         return w
     s = ckpt.read(src.scale).to(torch.float32)
-    bad = ~torch.isfinite(s) | (s <= 0)
-    if bool(bad.any()):
-        raise FormatError(f"[N305] fp8 scale holds {int(bad.sum())} non-finite, zero or negative "
-                          "value(s); nothing written", tensor=src.scale, code="N305")
+    check_scale(s, src.scale, "; nothing written")
     if s.numel() == 1:
         return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
     return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
@@ -144,13 +142,6 @@ class _ViewFile:
         real = self.forward(info)
         if real is not None:
             real[0].prefetch(real[1], start, length)
-
-    def iter_bytes(self, info: TensorInfo, chunk: int = 16 << 20):
-        for start in range(0, info.nbytes, chunk):
-            yield self.read_bytes(info, start, min(chunk, info.nbytes - start))
-
-    def read(self, info: TensorInfo):
-        return self.view.read(info.name)
 
     def check_unchanged(self, **_) -> None:
         self.view.source.check_unchanged()

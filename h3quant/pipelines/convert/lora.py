@@ -87,13 +87,6 @@ class LoraSet:
                 done(r0, r1)
         return out
 
-    def delta_norm(self, layer: str, n: int, k: int) -> float:
-        total = 0.0
-        for r0 in range(0, n, MERGE_ROWS):
-            r1 = min(n, r0 + MERGE_ROWS)
-            total += float(self.delta_rows(layer, r0, r1, k).square().sum())
-        return total ** 0.5
-
 
 def load(specs: list[str] | tuple[str, ...], base_shapes: dict[str, tuple[int, ...]],
          skip_unmatched: bool = False) -> LoraSet:
