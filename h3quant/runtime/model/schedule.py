@@ -1,4 +1,4 @@
-"""Sampler schedules and the output-head bank of few-step (distilled) checkpoints (FORMATS.md 5.1).
+"""Sampler schedules and the output-head bank of few-step (distilled) checkpoints (FORMATS.md 15).
 
 A checkpoint may store a *bank* of ``n`` output heads: ``final_layer.video_out`` holds
 ``n * 96`` rows and ``final_layer.audio_out`` ``n * 32`` (bias likewise). Row block 0 is a full
