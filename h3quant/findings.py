@@ -109,6 +109,7 @@ _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected con
 _r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuration")
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
 _r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
+_r("T106", "h3-block-index-limit", E, "block indices stay below 1000 (H3 has 50)")
 # A check that could not run.
 _r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
    "the input is malformed in a way h3quant does not anticipate)")

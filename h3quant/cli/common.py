@@ -183,10 +183,18 @@ def finite_float(lo: float | None = None, hi: float | None = None) -> click.Para
     return _Finite(lo, hi)
 
 
-MAX_BLOCKS = 1000  # H3 has 50; bounds the work any option value can ask for
-MAX_TOKENS = 16384  # verify activations: tokens x hidden floats per layer
+# the documented limits (h3quant.limits): H3 has 50 blocks; verify activations are tokens x
+# hidden floats per layer; more workers than this gain nothing and cost memory
+from h3quant.limits import (  # noqa: E402,F401
+    MAX_AUDIO_FRAMES,
+    MAX_BLOCKS,
+    MAX_MODEL_ROWS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+)
+
 SEED = click.IntRange(0, 2**32 - 1)  # numpy and torch both take it; beyond is an error
-WORKERS = click.IntRange(1, 256)
+WORKERS = click.IntRange(1, MAX_WORKERS)
 
 
 def check_device(spec: str, *, require_available: bool) -> str:

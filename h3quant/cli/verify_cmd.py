@@ -14,6 +14,8 @@ from h3quant.cli.common import (
     MAX_BLOCKS,
     MAX_TOKENS,
     SEED,
+    MAX_AUDIO_FRAMES,
+    MAX_MODEL_ROWS,
     device_callback,
     emit_json,
     finite_float,
@@ -61,8 +63,9 @@ memory at a time) against the reference forward on the same seeded inputs (--fra
 --width --audio-frames --text-tokens --sigma --seed), interleaved block by block. Reports the
 video and audio output SQNR / relative error and the drift (hidden-state SQNR after each block).
 Passes when video, audio and the last hidden state reach SQNR >= 20 dB (int8) or >= 8 dB (any
-W4A8 layer). --depth N runs the first N blocks only (the final layer is skipped); --plot FILE.png
-draws the drift (needs matplotlib: pip install 'h3quant[plot]').
+W4A8 layer). The packed sequence, text + 2 x audio frames + frames x ceil(H/2) x ceil(W/2)
+rows, is at most {rows} (checked before any work). --depth N runs the first N blocks only
+(the final layer is skipped); --plot FILE.png draws the drift (needs matplotlib: pip install 'h3quant[plot]').
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --model
   h3quant verify h3_int8.safetensors --model --depth 8 --plot drift.png --json
 A bank of output heads (few-step checkpoints) is checked on every step of a schedule: --steps N
@@ -92,7 +95,8 @@ def _given(ctx, names) -> list[str]:
             if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
 
 
-@click.command("verify", help=_HELP, context_settings={"max_content_width": 100})
+@click.command("verify", help=_HELP.replace("{rows}", f"{MAX_MODEL_ROWS:,}"),
+               context_settings={"max_content_width": 100})
 @click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
@@ -111,8 +115,10 @@ def _given(ctx, names) -> list[str]:
               help="--model: latent height H (odd sizes are padded to the 2x2 patch).")
 @click.option("--width", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="--model: latent width W.")
-@click.option("--audio-frames", type=click.IntRange(1, 65536), default=32, show_default=True,
-              help="--model: audio latent frames Ta (stereo: 2 x Ta rows).")
+@click.option("--audio-frames", type=click.IntRange(1, MAX_AUDIO_FRAMES), default=32,
+              show_default=True,
+              help=f"--model: audio latent frames Ta (stereo: 2 x Ta rows; at most "
+                   f"{MAX_AUDIO_FRAMES}).")
 @click.option("--text-tokens", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True,
               help="--model: text tokens L.")
 @click.option("--sigma", type=click.FloatRange(min=0, max=1, min_open=True), default=0.6,

@@ -169,9 +169,18 @@ def find_prefix(names) -> str:
 
 def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     """Indices ``i`` of every ``{prefix}blocks.{i}.*`` tensor, sorted (token_refiner excluded)."""
+    from h3quant.formats.rules.topology import MAX_BLOCKS, block_index_beyond_limit
+
     prefix = find_prefix(ckpt.tensors) if prefix is None else prefix
-    return sorted({int(m.group(2)) for name in ckpt.tensors
-                   if (m := _BLOCK_RE.match(name)) and m.group(1) == prefix})
+    found = set()
+    for name in ckpt.tensors:
+        if (m := _BLOCK_RE.match(name)) and m.group(1) == prefix:
+            if block_index_beyond_limit(name[len(prefix):]) is not None:  # validate's T106
+                raise FindingError(f"block index beyond the limit: at most {MAX_BLOCKS} blocks "
+                                   f"(0 .. {MAX_BLOCKS - 1})", path=ckpt.path, tensor=name,
+                                   code="T106")
+            found.add(int(m.group(2)))
+    return sorted(found)
 
 
 def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:

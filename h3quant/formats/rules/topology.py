@@ -40,6 +40,10 @@ _BLOCK_LINEAR_RE = re.compile(
     r"^(?!(?:.*\.)?token_refiner\.)(?:.*\.)?blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$"
 )
 _ANCHOR = "blocks.0.attn.qkv_proj.weight"
+# The most blocks (DiT or refiner) any command accepts: H3 has 50. A header naming a block index
+# at or beyond it is finding T106, and its tensors take no part in the detected configuration
+# (so no list of that many blocks is ever built).
+from h3quant.limits import MAX_BLOCKS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,18 @@ def head_bank(tensors: dict, prefix: str, cfg: "H3Config") -> int:
     return rows[0] if len(set(rows)) == 1 and rows[0] > 1 else 1
 
 
+def refuse_beyond_limit(names, path=None) -> None:
+    """Raise ``FindingError`` (T106) for the first tensor naming a block index beyond
+    ``MAX_BLOCKS``: what validate reports, convert and verify refuse."""
+    from h3quant.errors import FindingError
+
+    for name in names:
+        if block_index_beyond_limit(name) is not None:
+            raise FindingError(f"block index beyond the limit: at most {MAX_BLOCKS} blocks "
+                               f"(0 .. {MAX_BLOCKS - 1}); nothing written", path=path,
+                               tensor=name, code="T106")
+
+
 def _find_prefix(tensors: dict) -> str | None:
     found = []
     for name in tensors:
@@ -245,8 +261,27 @@ def _find_prefix(tensors: dict) -> str | None:
 
 
 def _indices(tensors: dict, pattern: str) -> list[int]:
+    """Block indices named by ``pattern`` below ``MAX_BLOCKS`` (larger ones are T106)."""
     rx = re.compile(pattern)
-    return sorted({int(m.group(1)) for n in tensors if (m := rx.match(n))})
+    found = set()
+    for n in tensors:
+        m = rx.match(n)
+        if m and len(m.group(1)) <= len(str(MAX_BLOCKS)) and int(m.group(1)) < MAX_BLOCKS:
+            found.add(int(m.group(1)))
+    return sorted(found)
+
+
+_INDEX_RE = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def block_index_beyond_limit(name: str) -> int | None:
+    """The block index a tensor name gives when it is ``MAX_BLOCKS`` or more (else None). The
+    digits are compared by length first: a thousand-digit index is never turned into an int."""
+    for m in _INDEX_RE.finditer(name):
+        digits = m.group(1).lstrip("0") or "0"
+        if len(digits) > len(str(MAX_BLOCKS)) or int(digits) >= MAX_BLOCKS:
+            return -1 if len(digits) > 18 else int(digits)
+    return None
 
 
 def detect(tensors: dict) -> Detection | None:
@@ -326,7 +361,7 @@ def _block_of(name: str, prefix: str) -> str | None:
 
 def check(tensors: dict, detection: Detection | None,
           quantized_layers: dict | None = None) -> list[Finding]:
-    """Topology findings (T101..T105) of ``tensors`` against the detected configuration.
+    """Topology findings (T101..T106) of ``tensors`` against the detected configuration.
 
     ``quantized_layers`` maps quantized layer names (no ``.weight``) to their format.
     """
@@ -361,6 +396,12 @@ def check(tensors: dict, detection: Detection | None,
                                  f"configuration needs {list(shape)}", tensor=name))
     for name in tensors:
         if name in expected:
+            continue
+        beyond = block_index_beyond_limit(name)
+        if beyond is not None:
+            index = "a block index of over 18 digits" if beyond < 0 else f"block index {beyond}"
+            found.append(Finding("T106", f"{index} is beyond the limit: at most {MAX_BLOCKS} "
+                                 f"blocks (0 .. {MAX_BLOCKS - 1})", tensor=name))
             continue
         layer, _, suffix = name.rpartition(".")
         if suffix in COMPANION_SUFFIXES and f"{layer}.weight" in expected:

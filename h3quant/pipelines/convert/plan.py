@@ -15,6 +15,7 @@ from h3quant.errors import ConvertError, MarkerError
 from h3quant.formats.codecs import registry
 from h3quant.formats.container.atomic import check_output
 from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
+from h3quant.formats.rules.topology import refuse_beyond_limit
 from h3quant.formats.rules.layers import Layer, group_tensors
 from h3quant.formats.rules.markers import (
     HEADER_KEY,
@@ -131,6 +132,7 @@ def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwri
 def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
                *, dry_run: bool = False) -> ConvertPlan:
     tensors = ckpt.tensors
+    refuse_beyond_limit(tensors, ckpt.path)  # validate's T106: bounded work for any header
     h3 = is_h3(tensors)
     preset = options.preset or ("h3" if h3 else "all-linears")
     # a SourceView is ComfyUI's single file, whatever directory it is read from

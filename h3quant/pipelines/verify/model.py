@@ -33,6 +33,12 @@ class ModelInputs:
     sigma: float = 0.6
     seed: int = 0
 
+    def __post_init__(self) -> None:  # bounded: at most MAX_MODEL_ROWS packed rows
+        from h3quant.limits import check_model_rows
+
+        check_model_rows(self.frames, self.height, self.width, self.audio_frames,
+                         self.text_tokens)
+
     def tensors(self, video_channels: int, audio_channels: int, text_dim: int):
         """Seeded fp32 (video, audio, text) on the CPU: the same values on every device."""
         g = torch.Generator().manual_seed(self.seed)

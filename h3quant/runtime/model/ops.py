@@ -90,15 +90,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     """Softmax attention of q, k, v [S, H, D] -> [S, H * D] in q's dtype (fp32 math, no mask,
     scale 1/sqrt(D)); heads are taken in groups so at most ``SCORE_BUDGET_ELEMS`` scores live."""
     s, h, d = q.shape
-    step = max(1, min(h, SCORE_BUDGET_ELEMS // max(s * k.shape[0], 1)))
+    sk = max(k.shape[0], 1)
+    step = max(1, min(h, SCORE_BUDGET_ELEMS // max(s * sk, 1)))
+    # one head's scores beyond the budget: query rows in blocks too (each row's softmax is its
+    # own, so the result does not depend on the blocking)
+    rows = s if step > 1 else max(1, min(s, SCORE_BUDGET_ELEMS // sk))
     out = torch.empty((s, h, d), dtype=q.dtype, device=q.device)
     scale = d ** -0.5
     for h0 in range(0, h, step):
-        qf = q[:, h0:h0 + step].float().transpose(0, 1)
         kf = k[:, h0:h0 + step].float().transpose(0, 1)
         vf = v[:, h0:h0 + step].float().transpose(0, 1)
-        w = torch.softmax((qf @ kf.transpose(-2, -1)) * scale, dim=-1)
-        out[:, h0:h0 + step] = (w @ vf).transpose(0, 1).to(q.dtype)
+        for r0 in range(0, s, rows):
+            qf = q[r0:r0 + rows, h0:h0 + step].float().transpose(0, 1)
+            w = torch.softmax((qf @ kf.transpose(-2, -1)) * scale, dim=-1)
+            out[r0:r0 + rows, h0:h0 + step] = (w @ vf).transpose(0, 1).to(q.dtype)
     return out.reshape(s, h * d)
 
 

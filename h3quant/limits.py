@@ -1,0 +1,44 @@
+"""The documented limits on every size a header or an option can name.
+
+Each is checked before any work (a usage error, exit 2, or for a header a finding, exit 1), so
+no value can make a command allocate without bound. ``--help`` of each command states them.
+
+* ``MAX_BLOCKS`` (1000): DiT or refiner blocks, as an option (``--blocks``, ``--depth``) or as a
+  block index in a header (finding T106 at index 1000 and beyond). H3 has 50.
+* ``MAX_TOKENS`` (16384): per-block verify's ``--tokens``, and ``--text-tokens``.
+* ``MAX_MODEL_ROWS`` (16384): the packed sequence of ``verify --model``: text tokens + 2 x audio
+  frames + video tokens (frames x ceil(height / 2) x ceil(width / 2)). Attention runs in bounded
+  score blocks, so memory grows with rows x width, never rows squared.
+* ``MAX_AUDIO_FRAMES`` (8192): ``--audio-frames`` (2 rows each).
+* ``MAX_WORKERS`` (64): convert's ``--workers``. W4A8 encodes at most 16 row chunks at once
+  whatever the count, so its working memory does not grow with more workers.
+"""
+
+from __future__ import annotations
+
+from h3quant.errors import UsageError
+
+MAX_BLOCKS = 1000
+MAX_TOKENS = 16384
+MAX_MODEL_ROWS = 16384
+MAX_AUDIO_FRAMES = MAX_MODEL_ROWS // 2
+MAX_WORKERS = 64
+
+
+def model_rows(frames: int, height: int, width: int, audio_frames: int, text_tokens: int) -> int:
+    """Rows of the packed sequence ``verify --model`` builds (odd sizes padded to the patch)."""
+    return text_tokens + 2 * audio_frames + frames * (-(-height // 2)) * (-(-width // 2))
+
+
+def check_model_rows(frames: int, height: int, width: int, audio_frames: int,
+                     text_tokens: int) -> int:
+    """The packed rows of these inputs, or ``UsageError`` when they exceed ``MAX_MODEL_ROWS``."""
+    rows = model_rows(frames, height, width, audio_frames, text_tokens)
+    if rows > MAX_MODEL_ROWS:
+        video = rows - text_tokens - 2 * audio_frames
+        raise UsageError(f"the whole-model inputs make {rows:,} sequence rows (video {frames} x "
+                         f"{-(-height // 2)} x {-(-width // 2)} = {video:,}, audio "
+                         f"2 x {audio_frames}, text {text_tokens}); the limit is "
+                         f"{MAX_MODEL_ROWS:,}: lower --frames, --height, --width, "
+                         "--audio-frames or --text-tokens")
+    return rows
