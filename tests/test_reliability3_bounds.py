@@ -47,6 +47,16 @@ def test_absurd_block_index_is_a_finding_everywhere(tmp_path, index):
     assert "Traceback" not in res.stderr
 
 
+def test_absurd_block_index_in_a_file_that_is_not_h3_is_one_verdict(tmp_path):
+    """No H3 detected (only the absurd block): validate still reports T106, as convert refuses."""
+    src = write(tmp_path / "in.safetensors",
+                {"blocks.1000000000000.attn.qkv_proj.weight": torch.ones(4, 4)})
+    res = h3q("validate", src)
+    assert res.returncode == 1 and "T106" in res.stdout, res.stdout + res.stderr
+    res = h3q("convert", src, tmp_path / "o.safetensors")
+    assert res.returncode == 1 and "T106" in res.stderr, res.stderr
+
+
 def test_block_index_just_below_the_limit_is_legal(tmp_path):
     from h3quant.formats.rules.topology import block_index_beyond_limit
 

@@ -8,8 +8,9 @@ only a missing or unreadable input raises (``ContainerError``, exit 2).
 
 from __future__ import annotations
 
+
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from h3quant.errors import ContainerError, H3QuantError
@@ -137,9 +138,11 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     checked["naming"] = named
     tensors = ckpt.tensors if viewed is None else viewed  # as ComfyUI names them
     detection = topology.detect(tensors)
-    if detection is None:
+    if detection is None:  # the block index limit holds for any file (convert refuses it)
+        beyond = [replace(f, file=str(ckpt.path)) for n in tensors
+                  if (f := topology.beyond_limit_finding(n)) is not None]
         return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
-                        "topology checks skipped", file=str(ckpt.path))]
+                        "topology checks skipped", file=str(ckpt.path)), *beyond]
     quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
                  if viewed is None else {})
     checked["topology"] = topology.summary(detection, quantized)

@@ -359,6 +359,16 @@ def _block_of(name: str, prefix: str) -> str | None:
     return m.group(1) if m else None
 
 
+def beyond_limit_finding(name: str) -> Finding | None:
+    """T106 for a tensor naming a block index at or beyond ``MAX_BLOCKS`` (else None)."""
+    beyond = block_index_beyond_limit(name)
+    if beyond is None:
+        return None
+    index = "a block index of over 18 digits" if beyond < 0 else f"block index {beyond}"
+    return Finding("T106", f"{index} is beyond the limit: at most {MAX_BLOCKS} blocks "
+                   f"(0 .. {MAX_BLOCKS - 1})", tensor=name)
+
+
 def check(tensors: dict, detection: Detection | None,
           quantized_layers: dict | None = None) -> list[Finding]:
     """Topology findings (T101..T106) of ``tensors`` against the detected configuration.
@@ -397,11 +407,9 @@ def check(tensors: dict, detection: Detection | None,
     for name in tensors:
         if name in expected:
             continue
-        beyond = block_index_beyond_limit(name)
+        beyond = beyond_limit_finding(name)
         if beyond is not None:
-            index = "a block index of over 18 digits" if beyond < 0 else f"block index {beyond}"
-            found.append(Finding("T106", f"{index} is beyond the limit: at most {MAX_BLOCKS} "
-                                 f"blocks (0 .. {MAX_BLOCKS - 1})", tensor=name))
+            found.append(beyond)
             continue
         layer, _, suffix = name.rpartition(".")
         if suffix in COMPANION_SUFFIXES and f"{layer}.weight" in expected:
