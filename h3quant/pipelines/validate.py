@@ -8,7 +8,6 @@ only a missing or unreadable input raises (``ContainerError``, exit 2).
 
 from __future__ import annotations
 
-
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
