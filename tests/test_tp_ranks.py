@@ -199,7 +199,8 @@ def test_torchrun_style_ranks_join_one_group(files, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        env = dict(os.environ, TORCHELASTIC_RUN_ID="t", RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "h3quant", "verify", str(files["int8"]), "--tp", "2",

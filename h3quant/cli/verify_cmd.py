@@ -156,10 +156,8 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
             audio_frames, text_tokens, sigma, steps, sigmas, depth, plot, overwrite, seed,
             magnitude_factor,
             as_json, tp, tp_scale, tp_timeout, no_mmap):
-    from h3quant.runtime.tp.launch import in_torchrun
-
     ctx = click.get_current_context()
-    parallel = tp is not None or in_torchrun()
+    parallel = tp is not None  # never the environment alone (docs/verify.md)
     schedule = _schedule(steps, sigmas, ctx)
     if whole_model:
         wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite", "steps", "sigmas") if parallel

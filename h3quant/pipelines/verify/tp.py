@@ -24,6 +24,7 @@ from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.result import Verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
+from h3quant.runtime.tp.env import torchrun_coords
 from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
 from h3quant.runtime.tp.plan import COLUMN_PARALLEL, SCALE_MODES, TpError, check_world
 from h3quant.runtime.tp.runner import (
@@ -359,9 +360,10 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
               comm_cls=None, rank_setup=None, sigma: float = 0.6,
-              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult:
-    """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
-    may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
+              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult | None:
+    """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun
+    (``h3quant.runtime.tp.env``; ``tp`` must equal its WORLD_SIZE), else spawns ``tp`` local
+    ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
     simulations (default: the device's backend and plain collectives)."""
     from h3quant.runtime.tp.group import Collectives
@@ -372,6 +374,12 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
         raise VerifyError(f"tokens must be a positive integer, got {tokens!r}")
     if timeout_s <= 0:
         raise TpError(f"--tp-timeout must be > 0 seconds, got {timeout_s}")
+    if tp is None:
+        raise TpError("--tp N is required (under torchrun too: the number of ranks)")
+    check_world(tp)
+    torchrun = in_torchrun()
+    if torchrun:  # a malformed RANK / WORLD_SIZE is a usage error, before anything starts
+        torchrun_coords(tp=tp)
     kind = device.split(":")[0]
     if kind == "auto":
         from h3quant.runtime.devices import resolve_auto
@@ -385,12 +393,9 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
                   sigma=sigma, rank_setup=rank_setup, model=model,
                   model_inputs=model_inputs, depth=depth)
     comm_cls = comm_cls or Collectives
-    if in_torchrun():
+    if torchrun:
         return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
                              timeout_s=timeout_s, comm_cls=comm_cls)
-    if tp is None:
-        raise TpError("--tp N is required outside torchrun")
-    check_world(tp)
     return spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
                        timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
 
