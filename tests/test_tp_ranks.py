@@ -164,8 +164,14 @@ def test_a_stuck_rank_times_out_on_the_collective():
 def test_unavailable_backend_is_refused(files):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: nccl may be available")  # noted, not silent
-    with pytest.raises(TpError, match="nccl needs CUDA"):
+    from h3quant.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="no cuda device is available on this machine"):
         verify_tp(files["int8"], tp=2, device="cuda", blocks=1)
+    from h3quant.runtime.tp.group import check_backend
+
+    with pytest.raises(TpError, match="nccl needs CUDA"):
+        check_backend("nccl")
 
 
 # ------------------------------------------------------------------------------- the CLI

@@ -8,7 +8,6 @@ seeded inputs; rank 0 then runs the single-device reference and compares (bit-id
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
@@ -380,14 +379,11 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     torchrun = in_torchrun()
     if torchrun:  # a malformed RANK / WORLD_SIZE is a usage error, before anything starts
         torchrun_coords(tp=tp)
-    kind = device.split(":")[0]
-    if kind == "auto":
-        from h3quant.runtime.devices import resolve_auto
+    from h3quant.runtime.availability import require_device
 
-        kind = resolve_auto().kind
+    # checked like the CLI's --device (same message); a simulated device comes with rank_setup
+    kind = require_device(device).kind
     backend_for(kind)
-    if not os.path.exists(path):
-        raise VerifyError("no such file or directory", path=path)
     _precheck(path, tp, None if model else blocks, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
                   sigma=sigma, rank_setup=rank_setup, model=model,
