@@ -174,7 +174,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed) \
             if whole_model else None
         _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                         tp_timeout, no_mmap, inputs, depth, sigma)
+                         tp_timeout, no_mmap, inputs, depth, sigma, magnitude_factor)
         return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
@@ -258,20 +258,18 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
 
 
 def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                     tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6):
-    from h3quant.cli.common import EXIT_USAGE
+                     tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6,
+                     magnitude_factor=3.0):
+    from h3quant.pipelines.verify.blocks import Thresholds
     from h3quant.pipelines.verify.tp import verify_tp
 
-    if reference is not None:
-        click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
-                   "run with one device); run it without --tp", err=True)
-        sys.exit(EXIT_USAGE)
     what = "the whole model" if model_inputs else f"{blocks} blocks"
     log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {what}, device {device})")
     res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
                 device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
                 timeout_s=tp_timeout, sigma=sigma, model=model_inputs is not None,
-                model_inputs=model_inputs, depth=depth)
+                model_inputs=model_inputs, depth=depth, reference=reference,
+                thresholds=Thresholds(magnitude_factor=magnitude_factor))
     if res is None:  # a torchrun rank other than 0: rank 0 reports
         sys.exit(EXIT_OK)
     if as_json:

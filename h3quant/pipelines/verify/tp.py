@@ -21,6 +21,7 @@ from h3quant.formats.rules.layers import scan_checkpoint
 from h3quant.pipelines.verify import blocks as verify
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.result import Verdict
+from h3quant.pipelines.verify.tp_reference import precheck_reference, reference_verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
 from h3quant.runtime.tp.env import torchrun_coords
@@ -83,15 +84,23 @@ class TpResult(Verdict):
     linear_bytes: int = 0  # bytes of the chosen blocks' linears in the file
     reference_vs_runtime: float = 0.0  # rel L2 of the tp=1 reference vs the runtime's block
     notes: list[str] = field(default_factory=list)
+    # --reference: the single-device verify against the float checkpoint (pipelines.verify.
+    # tp_reference); its failures are this result's too
+    reference: Any = None
 
     @property
     def failures(self) -> list[str]:
-        return [f"block {c.block} {c.what}: " + (f"max |diff| {c.max_abs:.3g}" if
-                self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
-                for c in self.checks if not c.passed]
+        own = [f"block {c.block} {c.what}: " + (f"max |diff| {c.max_abs:.3g}" if
+               self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
+               for c in self.checks if not c.passed]
+        ref = [f"vs the float reference: {f}" for f in self.reference.failures] \
+            if self.reference is not None else []
+        return own + ref
 
     def to_dict(self) -> dict:
-        return self.verdict_dict(asdict(self))
+        body = asdict(self)
+        body["reference"] = None if self.reference is None else self.reference.to_dict()
+        return self.verdict_dict(body)
 
 
 @dataclass(frozen=True)
@@ -359,12 +368,15 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
               comm_cls=None, rank_setup=None, sigma: float = 0.6,
-              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult | None:
+              model: bool = False, model_inputs=None, depth: int | None = None,
+              reference=None, thresholds=None) -> TpResult | None:
     """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun
     (``h3quant.runtime.tp.env``; ``tp`` must equal its WORLD_SIZE), else spawns ``tp`` local
     ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
-    simulations (default: the device's backend and plain collectives)."""
+    simulations (default: the device's backend and plain collectives). ``reference``: a float
+    checkpoint; rank 0 then also runs the single-device verify against it (``thresholds``: its
+    per-block ``Thresholds``) and the result holds both verdicts (``tp_reference``)."""
     from h3quant.runtime.tp.group import Collectives
 
     if scale_mode not in SCALE_MODES:
@@ -385,15 +397,25 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     kind = require_device(device).kind
     backend_for(kind)
     _precheck(path, tp, None if model else blocks, mmap)
+    if reference is not None:
+        precheck_reference(reference, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
                   sigma=sigma, rank_setup=rank_setup, model=model,
                   model_inputs=model_inputs, depth=depth)
     comm_cls = comm_cls or Collectives
     if torchrun:
-        return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                             timeout_s=timeout_s, comm_cls=comm_cls)
-    return spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                       timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+        res = join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
+                            timeout_s=timeout_s, comm_cls=comm_cls)
+    else:
+        res = spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
+                          timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+    if res is not None and reference is not None:  # rank 0 (or the parent), the group gone
+        res.reference = reference_verdict(
+            path, reference, device=device, blocks=res.blocks, tokens=tokens, seed=seed,
+            sigma=sigma, mmap=mmap, backend=backend, model=model,
+            model_inputs=model_inputs or _small_model_inputs(), depth=depth,
+            thresholds=thresholds)
+    return res
 
 
 def _precheck(path, tp, blocks, mmap) -> None:
