@@ -76,10 +76,18 @@ A bank of output heads (few-step checkpoints) is checked on every step of a sche
 Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the
 sharded blocks compute what one device computes: bit-identical with --tp-scale shared (the
 default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
+With --reference the same blocks are then also verified against the float file on one device
+(the verdicts of verify --reference); both must pass.
+Only --tp makes a run tensor-parallel: RANK, WORLD_SIZE, MASTER_PORT... left in the environment
+are ignored without it. With --tp, torchrun's group is joined when its variables and
+TORCHELASTIC_RUN_ID are set (--tp must equal WORLD_SIZE; a malformed variable is a usage
+error); otherwise N local ranks are spawned. Every rendezvous and collective ends within
+--tp-timeout seconds (exit 2, naming the rank and the operation), whatever listens on MASTER_PORT.
   h3quant verify h3_int8.safetensors --tp 2
+  h3quant verify h3_int8.safetensors --tp 2 --reference h3_bf16.safetensors --blocks 1
   h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
   h3quant verify h3_int8.safetensors --tp 4 --model      # the whole forward, sharded blocks
-  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
+  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4 --tp-timeout 60
 """
 
 
@@ -143,13 +151,14 @@ def _given(ctx, names) -> list[str]:
                    "magnitude check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Tensor parallel over N ranks (spawned here, or torchrun's group): compare "
-                   "the sharded blocks with one device.")
+              help="Tensor parallel over N ranks (spawned here, or torchrun's group when "
+                   "launched by torchrun): compare the sharded blocks with one device.")
 @click.option("--tp-scale", type=click.Choice(["shared", "per-rank"]), default="shared",
               show_default=True, help="Row-parallel activation scale: one all_reduced scale "
                                       "(bit-identical) or each rank its own.")
 @click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
-              show_default=True, help="Seconds any collective may wait before the run fails.")
+              show_default=True, help="Seconds the rendezvous or any collective may wait before "
+                                      "the run fails (exit 2).")
 @mmap_option
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
