@@ -102,6 +102,10 @@ class UsageError(H3QuantError):
     """An option value is out of range or unavailable (exit 2, before any work)."""
 
 
+class ClosedError(UsageError):
+    """An object of the Python API (a model, a checkpoint) was used after ``close()``."""
+
+
 class DeviceError(H3QuantError):
     """A device string is invalid or the device cannot run what was asked."""
 

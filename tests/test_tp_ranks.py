@@ -164,8 +164,14 @@ def test_a_stuck_rank_times_out_on_the_collective():
 def test_unavailable_backend_is_refused(files):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: nccl may be available")  # noted, not silent
-    with pytest.raises(TpError, match="nccl needs CUDA"):
+    from h3quant.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="no cuda device is available on this machine"):
         verify_tp(files["int8"], tp=2, device="cuda", blocks=1)
+    from h3quant.runtime.tp.group import check_backend
+
+    with pytest.raises(TpError, match="nccl needs CUDA"):
+        check_backend("nccl")
 
 
 # ------------------------------------------------------------------------------- the CLI
@@ -199,7 +205,8 @@ def test_torchrun_style_ranks_join_one_group(files, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        env = dict(os.environ, TORCHELASTIC_RUN_ID="t", RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "h3quant", "verify", str(files["int8"]), "--tp", "2",

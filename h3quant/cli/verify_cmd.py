@@ -76,10 +76,18 @@ A bank of output heads (few-step checkpoints) is checked on every step of a sche
 Tensor parallel (--tp N): spawns N ranks (or joins torchrun's group) and checks that the
 sharded blocks compute what one device computes: bit-identical with --tp-scale shared (the
 default: one activation scale all_reduced over the ranks), within rel L2 0.05 with per-rank.
+With --reference the same blocks are then also verified against the float file on one device
+(the verdicts of verify --reference); both must pass.
+Only --tp makes a run tensor-parallel: RANK, WORLD_SIZE, MASTER_PORT... left in the environment
+are ignored without it. With --tp, torchrun's group is joined when its variables and
+TORCHELASTIC_RUN_ID are set (--tp must equal WORLD_SIZE; a malformed variable is a usage
+error); otherwise N local ranks are spawned. Every rendezvous and collective ends within
+--tp-timeout seconds (exit 2, naming the rank and the operation), whatever listens on MASTER_PORT.
   h3quant verify h3_int8.safetensors --tp 2
+  h3quant verify h3_int8.safetensors --tp 2 --reference h3_bf16.safetensors --blocks 1
   h3quant verify h3_int8.safetensors --tp 4 --tp-scale per-rank --blocks 1
   h3quant verify h3_int8.safetensors --tp 4 --model      # the whole forward, sharded blocks
-  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4
+  torchrun --nproc-per-node 4 -m h3quant verify h3_int8.safetensors --tp 4 --tp-timeout 60
 """
 
 
@@ -148,23 +156,22 @@ def _given(ctx, names) -> list[str]:
                    "magnitude check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Tensor parallel over N ranks (spawned here, or torchrun's group): compare "
-                   "the sharded blocks with one device.")
+              help="Tensor parallel over N ranks (spawned here, or torchrun's group when "
+                   "launched by torchrun): compare the sharded blocks with one device.")
 @click.option("--tp-scale", type=click.Choice(["shared", "per-rank"]), default="shared",
               show_default=True, help="Row-parallel activation scale: one all_reduced scale "
                                       "(bit-identical) or each rank its own.")
 @click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
-              show_default=True, help="Seconds any collective may wait before the run fails.")
+              show_default=True, help="Seconds the rendezvous or any collective may wait before "
+                                      "the run fails (exit 2).")
 @mmap_option
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
             audio_frames, text_tokens, sigma, steps, sigmas, depth, plot, overwrite, seed,
             inputs_file, magnitude_factor,
             as_json, tp, tp_scale, tp_timeout, no_mmap):
-    from h3quant.runtime.tp.launch import in_torchrun
-
     ctx = click.get_current_context()
-    parallel = tp is not None or in_torchrun()
+    parallel = tp is not None  # never the environment alone (docs/verify.md)
     schedule = _schedule(steps, sigmas, ctx)
     if whole_model:
         wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite", "steps", "sigmas") if parallel
@@ -182,7 +189,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         inputs = given_inputs or ModelInputs(frames, height, width, audio_frames, text_tokens,
                                              sigma, seed) if whole_model else None
         _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                         tp_timeout, no_mmap, inputs, depth, sigma)
+                         tp_timeout, no_mmap, inputs, depth, sigma, magnitude_factor)
         return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
@@ -287,20 +294,18 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
 
 
 def _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
-                     tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6):
-    from h3quant.cli.common import EXIT_USAGE
+                     tp_timeout, no_mmap, model_inputs=None, depth=None, sigma=0.6,
+                     magnitude_factor=3.0):
+    from h3quant.pipelines.verify.blocks import Thresholds
     from h3quant.pipelines.verify.tp import verify_tp
 
-    if reference is not None:
-        click.echo("h3quant: error: --reference does not apply to --tp (it compares the sharded "
-                   "run with one device); run it without --tp", err=True)
-        sys.exit(EXIT_USAGE)
     what = "the whole model" if model_inputs else f"{blocks} blocks"
     log(f"verifying {ckpt} with tp={tp} ({tp_scale} scale, {what}, device {device})")
     res = guard("running tensor parallel", verify_tp, ckpt, tp=tp, scale_mode=tp_scale,
                 device=device, blocks=blocks, tokens=tokens, seed=seed, mmap=not no_mmap,
                 timeout_s=tp_timeout, sigma=sigma, model=model_inputs is not None,
-                model_inputs=model_inputs, depth=depth)
+                model_inputs=model_inputs, depth=depth, reference=reference,
+                thresholds=Thresholds(magnitude_factor=magnitude_factor))
     if res is None:  # a torchrun rank other than 0: rank 0 reports
         sys.exit(EXIT_OK)
     if as_json:

@@ -149,4 +149,10 @@ def render_tp(res) -> str:
     out.append(format_table(["rank", "linears read MiB", "share of linears", "held MiB (1 block)",
                              "peak RSS MiB"], rows, {1, 2, 3, 4}))
     out.append("")
+    if res.reference is not None:  # --reference: the single-device verify against it
+        out += ["vs the float reference (the same blocks on one device, which the sharded run "
+                "matches above):", ""]
+        out.append(render_model(res.reference) if hasattr(res.reference, "drift")
+                   else render_blocks(res.reference))
+        out.append("")
     return "\n".join(out + _footer(res))

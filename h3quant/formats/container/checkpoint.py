@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3quant.errors import ContainerError
+from h3quant.errors import ClosedError, ContainerError
 from h3quant.findings import Finding
 from h3quant.formats.container import jsonsafe
 from h3quant.formats.container.reader import (
@@ -187,6 +187,9 @@ class Checkpoint:
             raise ContainerError("no such tensor in the checkpoint", path=self.path, tensor=name) from None
 
     def file_of(self, name: str) -> SafetensorsFile:
+        if getattr(self, "_closed", False):
+            raise ClosedError("this checkpoint was closed; open it again to read "
+                              f"'{name}'", path=self.path)
         return self._by_path[self.info(name).file]
 
     def read(self, name: str) -> torch.Tensor:
@@ -206,6 +209,8 @@ class Checkpoint:
             sf.check_unchanged()
 
     def close(self) -> None:
+        """Close every file; any later read raises ``ClosedError``."""
+        self._closed = True
         for sf in self.files:
             sf.close()
 

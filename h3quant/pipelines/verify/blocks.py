@@ -317,14 +317,14 @@ def verify_checkpoint(
     first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
     about torch and the machine (see ``h3quant.runtime.capabilities``; simulations use it).
     Raises VerifyError (or DeviceError) when the run cannot be set up."""
-    from h3quant.runtime.devices import parse_device
+    from h3quant.runtime.availability import require_device
 
     th = thresholds or Thresholds()
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise VerifyError(f"tokens must be a positive integer, got {tokens!r}")
     if th.magnitude_factor and th.magnitude_factor < 1:
         raise VerifyError(f"magnitude_factor must be 0 (off) or >= 1, got {th.magnitude_factor}")
-    dev = parse_device(device, probe=probe)
+    dev = require_device(device, probe=probe)
     tdev = dev.torch_device
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     with Checkpoint(path, mmap=mmap) as ckpt:

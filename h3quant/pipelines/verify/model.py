@@ -156,7 +156,7 @@ def verify_model(
     """Run both forwards and compare (see the module docstring). ``on_block(done, total)`` is
     called after each block (progress). ``sigmas``: a sampler schedule (every step is checked;
     ``inputs.sigma`` is then unused). Raises VerifyError when the run cannot be set up."""
-    from h3quant.runtime.devices import parse_device
+    from h3quant.runtime.availability import require_device
     from h3quant.runtime.model.model import H3Model
     from h3quant.runtime.model.schedule import check_schedule
 
@@ -165,7 +165,7 @@ def verify_model(
     if sched is not None and not sched[0] > 0:
         raise VerifyError("the schedule's first sigma must be > 0")
     th = thresholds or ModelThresholds()
-    dev = parse_device(device, probe=probe)
+    dev = require_device(device, probe=probe)
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     with H3Model.open(path, dev, mmap=mmap, backend=backend, probe=probe) as model, \
             H3Model.open(reference or path, "cpu", mmap=mmap,

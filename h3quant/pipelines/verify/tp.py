@@ -8,7 +8,6 @@ seeded inputs; rank 0 then runs the single-device reference and compares (bit-id
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
@@ -22,8 +21,10 @@ from h3quant.formats.rules.layers import scan_checkpoint
 from h3quant.pipelines.verify import blocks as verify
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.result import Verdict
+from h3quant.pipelines.verify.tp_reference import precheck_reference, reference_verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
+from h3quant.runtime.tp.env import torchrun_coords
 from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
 from h3quant.runtime.tp.plan import COLUMN_PARALLEL, SCALE_MODES, TpError, check_world
 from h3quant.runtime.tp.runner import (
@@ -83,15 +84,23 @@ class TpResult(Verdict):
     linear_bytes: int = 0  # bytes of the chosen blocks' linears in the file
     reference_vs_runtime: float = 0.0  # rel L2 of the tp=1 reference vs the runtime's block
     notes: list[str] = field(default_factory=list)
+    # --reference: the single-device verify against the float checkpoint (pipelines.verify.
+    # tp_reference); its failures are this result's too
+    reference: Any = None
 
     @property
     def failures(self) -> list[str]:
-        return [f"block {c.block} {c.what}: " + (f"max |diff| {c.max_abs:.3g}" if
-                self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
-                for c in self.checks if not c.passed]
+        own = [f"block {c.block} {c.what}: " + (f"max |diff| {c.max_abs:.3g}" if
+               self.scale_mode == "shared" else f"rel L2 {c.rel_l2:.4g}") + f" (limit {c.limit})"
+               for c in self.checks if not c.passed]
+        ref = [f"vs the float reference: {f}" for f in self.reference.failures] \
+            if self.reference is not None else []
+        return own + ref
 
     def to_dict(self) -> dict:
-        return self.verdict_dict(asdict(self))
+        body = asdict(self)
+        body["reference"] = None if self.reference is None else self.reference.to_dict()
+        return self.verdict_dict(body)
 
 
 @dataclass(frozen=True)
@@ -359,11 +368,15 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
               comm_cls=None, rank_setup=None, sigma: float = 0.6,
-              model: bool = False, model_inputs=None, depth: int | None = None) -> TpResult:
-    """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun (``tp``
-    may then be None), else spawns ``tp`` local ranks. ``device``: cpu, cuda or npu (ranks use
+              model: bool = False, model_inputs=None, depth: int | None = None,
+              reference=None, thresholds=None) -> TpResult | None:
+    """Run the check with ``tp`` ranks: joins torchrun's group when launched by torchrun
+    (``h3quant.runtime.tp.env``; ``tp`` must equal its WORLD_SIZE), else spawns ``tp`` local
+    ranks. ``device``: cpu, cuda or npu (ranks use
     ``<kind>:<local_rank>``). ``dist_backend``/``comm_cls``/``rank_setup``: tests and
-    simulations (default: the device's backend and plain collectives)."""
+    simulations (default: the device's backend and plain collectives). ``reference``: a float
+    checkpoint; rank 0 then also runs the single-device verify against it (``thresholds``: its
+    per-block ``Thresholds``) and the result holds both verdicts (``tp_reference``)."""
     from h3quant.runtime.tp.group import Collectives
 
     if scale_mode not in SCALE_MODES:
@@ -372,27 +385,37 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
         raise VerifyError(f"tokens must be a positive integer, got {tokens!r}")
     if timeout_s <= 0:
         raise TpError(f"--tp-timeout must be > 0 seconds, got {timeout_s}")
-    kind = device.split(":")[0]
-    if kind == "auto":
-        from h3quant.runtime.devices import resolve_auto
+    if tp is None:
+        raise TpError("--tp N is required (under torchrun too: the number of ranks)")
+    check_world(tp)
+    torchrun = in_torchrun()
+    if torchrun:  # a malformed RANK / WORLD_SIZE is a usage error, before anything starts
+        torchrun_coords(tp=tp)
+    from h3quant.runtime.availability import require_device
 
-        kind = resolve_auto().kind
+    # checked like the CLI's --device (same message); a simulated device comes with rank_setup
+    kind = require_device(device).kind
     backend_for(kind)
-    if not os.path.exists(path):
-        raise VerifyError("no such file or directory", path=path)
     _precheck(path, tp, None if model else blocks, mmap)
+    if reference is not None:
+        precheck_reference(reference, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
                   sigma=sigma, rank_setup=rank_setup, model=model,
                   model_inputs=model_inputs, depth=depth)
     comm_cls = comm_cls or Collectives
-    if in_torchrun():
-        return join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                             timeout_s=timeout_s, comm_cls=comm_cls)
-    if tp is None:
-        raise TpError("--tp N is required outside torchrun")
-    check_world(tp)
-    return spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                       timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+    if torchrun:
+        res = join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
+                            timeout_s=timeout_s, comm_cls=comm_cls)
+    else:
+        res = spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
+                          timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+    if res is not None and reference is not None:  # rank 0 (or the parent), the group gone
+        res.reference = reference_verdict(
+            path, reference, device=device, blocks=res.blocks, tokens=tokens, seed=seed,
+            sigma=sigma, mmap=mmap, backend=backend, model=model,
+            model_inputs=model_inputs or _small_model_inputs(), depth=depth,
+            thresholds=thresholds)
+    return res
 
 
 def _precheck(path, tp, blocks, mmap) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3quant.errors import VerifyError
+from h3quant.errors import ClosedError, VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.formats.rules.layers import scan_checkpoint
@@ -118,13 +118,14 @@ class H3Model:
 
     def __init__(self, ckpt: Checkpoint, *, device="cpu", linear: str = "runtime",
                  backend: str | None = None, probe=None, owns: bool = False):
-        from h3quant.runtime.devices import parse_device
+        from h3quant.runtime.availability import require_device
 
         if linear not in LINEAR_KINDS:
             raise VerifyError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
-        self.ckpt, self._owns = ckpt, owns
+        self.ckpt, self._owns, self._closed = ckpt, owns, False
         self.path = str(ckpt.path)
-        self.device = parse_device(device, probe=probe) if isinstance(device, str) else device
+        # a string is checked like the CLI's --device: malformed or absent -> DeviceError
+        self.device = require_device(device, probe=probe) if isinstance(device, str) else device
         self.tdev = torch_device(self.device)
         self.linear, self.backend, self.probe = linear, backend, probe
         self.scan = scan_checkpoint(ckpt)
@@ -176,8 +177,20 @@ class H3Model:
             raise
 
     def close(self) -> None:
-        if self._owns:
+        """Release the checkpoint (when the model opened it); any later use raises
+        ``ClosedError``. Closing twice is harmless."""
+        if self._owns and not self._closed:
             self.ckpt.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this H3Model was closed; open the checkpoint again "
+                              "(H3Model.open) to run it", path=self.path)
 
     def __enter__(self) -> "H3Model":
         return self
@@ -201,6 +214,7 @@ class H3Model:
 
     def load_block(self, index: int, dtype: torch.dtype):
         """Build block ``index`` (its tensors read now) and prefetch the next one."""
+        self._check_open()
         prefix = f"{self.prefix}blocks.{index}"
         loaded = load_prefix(self.ckpt, self.scan, prefix, index)
         if index + 1 in self.blocks:
@@ -234,6 +248,7 @@ class H3Model:
     def embed_text(self, text: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[L, hidden]: condition_proj -> refiner blocks -> final_norm (skipped when the text
         width already equals hidden)."""
+        self._check_open()
         x = text[0].to(device=self.tdev, dtype=dtype)
         if x.shape[-1] == self.hidden:
             return x
@@ -299,6 +314,7 @@ class H3Model:
         ``text_embed``: the [L, hidden] refined text already computed (e.g. by another model
         with identical float text tensors and the same device and dtype). ``sigmas``: the
         sampler's schedule (needed by a bank of output heads)."""
+        self._check_open()
         self._check_inputs(video, audio, text)
         ts = Timesteps.from_sigma(sigma)
         head = self.head_for(sigma, sigmas)
@@ -329,6 +345,7 @@ class H3Model:
 
     def finish(self, state: ModelState):
         """Final layer, un-patchify, negation: (video [1, C, T, H, W], audio [1, C, 2, Ta])."""
+        self._check_open()
         lay, ts = state.layout, state.timesteps
         va, vb = lay.span("video")
         aa, ab = lay.span("audio")
@@ -350,6 +367,7 @@ class H3Model:
         ``sigmas[step]``); a bank of output heads needs them. ``depth``: run only the first N
         blocks (then the final layer). ``on_block(i, x)`` is called after each block with its
         hidden state."""
+        self._check_open()
         sigma = self.step_sigma(sigma, sigmas, step)
         state = self.start(video, audio, text, sigma, sigmas=sigmas)
         for i in self.blocks[:depth] if depth is not None else self.blocks:

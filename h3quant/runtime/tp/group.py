@@ -16,6 +16,7 @@ import os
 import torch
 
 from h3quant.runtime.tp.plan import TpError
+from h3quant.runtime.tp.watchdog import bounded
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 DEFAULT_TIMEOUT_S = 120.0
@@ -60,20 +61,26 @@ def init_group(backend: str, rank: int, world: int, timeout_s: float, *,
         os.environ["MASTER_ADDR"] = addr
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
+    where = (f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+             f"MASTER_PORT={os.environ.get('MASTER_PORT')}")
+    stuck = (f"rank {rank}: cannot join the {backend} group of {world} within {timeout_s:g} s "
+             f"({where}): no answer from the rendezvous -- a rank never joined, or something "
+             "other than rank 0's store listens on MASTER_PORT")
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        with bounded(stuck, timeout_s):
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as exc:
         raise TpError(f"rank {rank}: cannot join the {backend} group of {world} "
-                      f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
-                      f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {_first_line(exc)}") from None
+                      f"({where}): {_first_line(exc)}") from None
 
 
-def destroy_group() -> None:
+def destroy_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        with bounded(f"tearing down the process group took over {timeout_s:g} s", timeout_s):
+            dist.destroy_process_group()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -103,10 +110,13 @@ class Collectives:
         import torch.distributed as dist
 
         self.calls.append(what)
+        stuck = (f"rank {self.rank}: {what} failed after at most {self.timeout_s:g} s (a peer "
+                 "rank died, hung or diverged): no answer")
         try:
-            work = start(dist)
-            if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
-                raise RuntimeError(f"timed out after {self.timeout_s:g} s")
+            with bounded(stuck, self.timeout_s):
+                work = start(dist)
+                if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+                    raise RuntimeError(f"timed out after {self.timeout_s:g} s")
         except TpError:
             raise
         except Exception as exc:  # noqa: BLE001 (DistBackendError, RuntimeError...: a dead or stuck peer)

@@ -7,8 +7,11 @@ value back through a file. When a rank raises, dies or is killed, the others are
 error names each failed rank and why (its own error message, or its exit code / signal).
 
 ``join_torchrun(fn, world, args)`` runs ``fn`` in this process when it was started by ``torchrun``
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set): one rank of a
+(``h3quant.runtime.tp.env``: its variables and ``TORCHELASTIC_RUN_ID`` set): one rank of a
 group that may span machines. Rank 0 gets ``fn``'s result; the others get None.
+
+Every wait of a rank is bounded (``h3quant.runtime.tp.watchdog``): a spawned rank whose bound
+expires leaves its message for the parent; a torchrun rank prints it and exits 2.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from h3quant.runtime.tp.group import (
     destroy_group,
     init_group,
 )
+from h3quant.runtime.tp.env import launched_by_torchrun, torchrun_coords
 from h3quant.runtime.tp.plan import TpError, check_world
+from h3quant.runtime.tp.watchdog import set_reporter
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _RANK_FAILED = 3  # exit code of a rank that reported its own error
 
 
@@ -51,7 +55,8 @@ class RankContext:
 
 
 def in_torchrun() -> bool:
-    return all(v in os.environ for v in _TORCHRUN_VARS)
+    """This process is a rank torchrun started (``h3quant.runtime.tp.env``)."""
+    return launched_by_torchrun()
 
 
 def rank_device(kind: str, local_rank: int) -> str:
@@ -82,6 +87,12 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
 
     torch.set_num_threads(threads)
     out = Path(outdir)
+
+    def report(msg: str) -> None:
+        (out / f"rank{rank}.err").write_text(msg, encoding="utf-8")
+        os._exit(_RANK_FAILED)
+
+    set_reporter(report)
     try:
         init_group(backend, rank, world, timeout_s, addr="127.0.0.1", port=port)
         ctx = RankContext(rank, world, rank, rank_device(kind, rank), backend,
@@ -91,7 +102,7 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
         msg = str(exc) if isinstance(exc, H3QuantError) else f"unexpected {type(exc).__name__}: {exc}"
         (out / f"rank{rank}.err").write_text(msg, encoding="utf-8")
         os._exit(_RANK_FAILED)
-    destroy_group()
+    destroy_group(timeout_s)
     with open(out / f"rank{rank}.pkl", "wb") as fh:
         pickle.dump(result if rank == 0 else None, fh)
 
@@ -178,11 +189,8 @@ def join_torchrun(fn, world: int | None, args: tuple = (), *, device_kind: str =
                   backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                   comm_cls=Collectives):
     """Run ``fn`` as this process's rank of the torchrun group; rank 0 gets the result."""
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ["LOCAL_RANK"])
-    if world is not None and world != size:
-        raise TpError(f"--tp {world} but torchrun started WORLD_SIZE={size} ranks; they must "
-                      "agree (or omit --tp under torchrun)")
+    coords = torchrun_coords(tp=world)
+    rank, size, local = coords.rank, coords.world, coords.local_rank
     backend = backend or backend_for(device_kind)
     init_group(backend, rank, size, timeout_s)
     try:
@@ -190,5 +198,5 @@ def join_torchrun(fn, world: int | None, args: tuple = (), *, device_kind: str =
                           comm_cls(rank, size, timeout_s), timeout_s)
         result = fn(ctx, *args)
     finally:
-        destroy_group()
+        destroy_group(timeout_s)
     return result if rank == 0 else None
