@@ -6,8 +6,8 @@ would fail a file that is exactly what it should be. Such a layer is judged by W
 when either
 
 - the header says so: its name is listed in ``h3quant.from_w4a8`` (written by ``convert``), or
-- its data says so: it is a ConvRot int8 layer and every group of ``GROUP`` codes of every
-  sampled row is ``clamp(round(level * s), -127, 127)`` for one positive e4m3 ``s`` and a
+- its data says so: it is a ConvRot int8 layer and every group of ``GROUP`` codes of the
+  sampled rows (``SAMPLE_ROWS`` rows, their first ``SAMPLE_COLS`` codes) is ``clamp(round(level * s), -127, 127)`` for one positive e4m3 ``s`` and a
   16-level table shared by the layer (W4A8's frozen Lloyd-Max table or the uniform
   ``code - 8`` table; a fitted table is not recognised from the data, only from the header).
 
@@ -26,7 +26,8 @@ from h3quant.formats.rules import origin
 
 W4A8 = origin.W4A8
 GROUP = 16  # W4A8's group of codes sharing one e4m3 scale (the group size h3quant writes)
-SAMPLE_ROWS = 256  # rows the grid test reads per layer (evenly spaced)
+SAMPLE_ROWS = 256  # rows the grid test reads per layer (evenly spaced) ...
+SAMPLE_COLS = 1024  # ... and codes of each (64 groups of 16)
 _INT8_FAMILY = ("int8_tensorwise", "int8_tensorwise_kn")
 REASON_HEADER = "header says converted from W4A8"
 REASON_GRID = "rows on a W4A8 grid"
@@ -84,8 +85,10 @@ def grid_table(q: torch.Tensor, group: int = GROUP) -> str | None:
 
 
 def _sampled_rows(q: torch.Tensor) -> torch.Tensor:
+    """Up to SAMPLE_ROWS evenly spaced rows, their first SAMPLE_COLS codes: a slab of a few
+    pages of the mapped file in either layout ([N, K], or [K, N] stored for the kn layout)."""
     step = max(1, -(-q.shape[0] // SAMPLE_ROWS))
-    return q[::step].contiguous()
+    return q[::step, :SAMPLE_COLS].contiguous()
 
 
 def judge(layer, from_header: set[str]) -> Judgement:
