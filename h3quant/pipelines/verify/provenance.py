@@ -7,9 +7,10 @@ when either
 
 - the header says so: its name is listed in ``h3quant.from_w4a8`` (written by ``convert``), or
 - its data says so: it is a ConvRot int8 layer and every group of ``GROUP`` codes of the
-  sampled rows (``SAMPLE_ROWS`` rows, their first ``SAMPLE_COLS`` codes) is ``clamp(round(level * s), -127, 127)`` for one positive e4m3 ``s`` and a
-  16-level table shared by the layer (W4A8's frozen Lloyd-Max table or the uniform
-  ``code - 8`` table; a fitted table is not recognised from the data, only from the header).
+  sampled rows (``SAMPLE_ROWS`` rows, their first ``SAMPLE_COLS`` codes) is
+  ``clamp(round(level * s), -127, 127)`` for one positive e4m3 ``s`` and a 16-level table
+  shared by the layer (W4A8's frozen Lloyd-Max table or the uniform ``code - 8`` table; a
+  fitted table is not recognised from the data, only from the header).
 
 Everything else (a float layer, a W4A8 layer, an int8 layer made from floats) is judged as
 stored. The rule is in docs/verify.md.
@@ -79,7 +80,10 @@ def grid_table(q: torch.Tensor, group: int = GROUP) -> str | None:
     if q.dim() != 2 or q.shape[1] % group or not q.numel() or not bool(q.any()):
         return None
     for name, table in _tables().items():
-        if bool(groups_on_grid(q, table, group).all()):
+        member = _membership(table)
+        g = q.reshape(-1, group).long() + 127
+        # chunk by chunk, stopping at the first group off the grid (int8 from floats: at once)
+        if all(bool(member[:, g[i:i + 512]].all(-1).any(0).all()) for i in range(0, g.shape[0], 512)):
             return name
     return None
 
