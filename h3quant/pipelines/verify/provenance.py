@@ -61,19 +61,6 @@ def _membership(table: torch.Tensor) -> torch.Tensor:
     return member
 
 
-def groups_on_grid(q: torch.Tensor, table: torch.Tensor, group: int = GROUP,
-                   chunk: int = 2048) -> torch.Tensor:
-    """Bool per group of ``group`` codes of int8 ``q`` [n, K]: whether one positive e4m3 scale
-    puts all of the group's codes on ``clamp(round(table * s))``."""
-    member = _membership(table.float())
-    g = q.reshape(-1, group).long() + 127
-    out = torch.empty(g.shape[0], dtype=torch.bool)
-    for i in range(0, g.shape[0], chunk):
-        part = g[i:i + chunk]
-        out[i:i + chunk] = member[:, part].all(-1).any(0)  # [S, n, group] -> [n]
-    return out
-
-
 def grid_table(q: torch.Tensor, group: int = GROUP) -> str | None:
     """The name of the W4A8 level table every group of ``q`` [n, K] sits on, or None. An
     all-zero ``q`` is on no grid (nothing to tell)."""
