@@ -136,12 +136,18 @@ Examples:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the inputs.")
 @click.option("--frames", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Video latent frames of the seeded input.")
+@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
+              default=None, metavar="FILE",
+              help="Measure on the latents in this safetensors file (video, audio, text, "
+                   "optional sigma: the file verify --model --inputs takes) instead of seeded "
+                   "ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
 @mmap_option
 @handle_errors
 def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
-            frontier, targets, no_measure, plot, seed, frames, as_json, quiet, no_mmap):
+            frontier, targets, no_measure, plot, seed, frames, inputs_file, as_json, quiet,
+            no_mmap):
     """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
 
     The sensitivity pass runs the whole model streamed (fp32, CPU) on seeded inputs and, for
@@ -165,25 +171,49 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
     if (targets or no_measure or plot) and not frontier:
         raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
-    plt = None
-    if plot:
-        from h3quant.cli.verify_view import require_matplotlib
+    given_inputs = None
+    if inputs_file is not None:
+        from click.core import ParameterSource
 
-        plt = require_matplotlib()
-    out = None
-    if out_path:
+        from h3quant.pipelines.verify.model import ModelInputs
+
+        ctx = click.get_current_context()
+        wrong = [f"--{n}" for n in ("seed", "frames", "from")
+                 if ctx.get_parameter_source(n if n != "from" else "from_json")
+                 is ParameterSource.COMMANDLINE]
+        if wrong:
+            raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs "
+                                   "(the file gives the latents; a saved pass records its own)")
+        given_inputs = ModelInputs.from_file(inputs_file)
+    # --out and --plot follow the output rules, are checked before the long work and are
+    # written together at the end (both or neither)
+    outputs = [(p, w) for p, w in ((out_path, "recipe"), (plot, "plot")) if p]
+    pending: list[tuple[str, bytes, str]] = []
+    inputs: list = []
+    if outputs:
         from pathlib import Path
 
-        from h3quant.formats.container.atomic import check_output
+        from h3quant.formats.container.atomic import Outputs, check_outputs_distinct
         from h3quant.formats.container.checkpoint import Checkpoint
 
         with Checkpoint(src, mmap=not no_mmap) as ck:
             inputs = [Path(src)] + [sf.path for sf in ck.files] \
                 + ([ck.index_path] if ck.index_path else [])
         inputs += [Path(from_json)] if from_json else []
-        out = Path(out_path)
-        guard("checking --out", lambda: check_output(out, directory=False, overwrite=overwrite,
-                                                     inputs=inputs, what="recipe"))
+        inputs += [Path(inputs_file)] if inputs_file else []
+
+        def check_all():
+            outs = Outputs(inputs=inputs, overwrite=overwrite)
+            for p, what in outputs:
+                outs.check(p, what=what)
+            check_outputs_distinct([Path(p) for p, _ in outputs])
+
+        guard("checking the outputs", check_all)
+    plt = None
+    if plot:
+        from h3quant.cli.verify_view import require_matplotlib
+
+        plt = require_matplotlib()
     if from_json:
         try:
             with open(from_json, encoding="utf-8") as fh:
@@ -206,7 +236,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
         try:
             sens = guard("measuring the sensitivity", measure, src, formats=cands,
-                         per_layer=per_layer, inputs=ModelInputs(frames=frames, seed=seed),
+                         per_layer=per_layer, inputs=given_inputs or ModelInputs(frames=frames, seed=seed),
                          mmap=not no_mmap, on_block=on_block)
         finally:
             bar.close()
@@ -223,8 +253,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
                        "rules": [r.to_dict() for r in rules]}
         text.append(render_prediction(pred, exact, model.input_bytes))
-        if out is not None:
-            from h3quant.formats.container.atomic import write_bytes
+        if out_path:
             from h3quant.pipelines.convert.recipe import recipe_data
             from h3quant.pipelines.metrics import json_safe
 
@@ -234,12 +263,9 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
                      "predicted": json_safe({**pred.to_dict(), "planned_bytes": exact}),
                      "inputs": sens.inputs, "per_layer": sens.per_layer}
             data = json.dumps(recipe_data(rules, **notes), indent=2) + "\n"
-            guard("writing the recipe", lambda: write_bytes(out, data.encode(),
-                                                            overwrite=overwrite, inputs=inputs,
-                                                            what="recipe"))
-            if not quiet:
-                log(f"wrote {out} ({len(rules)} rule(s)); apply it with: h3quant convert {src} "
-                    f"OUT --recipe {out}")
+            pending.append((out_path, data.encode(), "recipe"))
+            done_note = (f"wrote {out_path} ({len(rules)} rule(s)); apply it with: h3quant "
+                         f"convert {src} OUT --recipe {out_path}")
     if frontier:
         if not quiet and not no_measure:
             log("frontier: converting and verifying each point (slow)")
@@ -250,12 +276,24 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         if plt is not None:
             from h3quant.pipelines.plan.frontier import plot as draw
 
-            draw(points, plot, plt)
-            if not quiet:
-                log(f"wrote {plot}")
+            pending.append((plot, draw(points, plt), "plot"))
+    if pending:
+        guard("writing the outputs", _write_all, pending, inputs, overwrite)
+        if not quiet:
+            for p, _, what in pending:
+                log(done_note if what == "recipe" else f"wrote {p}")
     if as_json:
         from h3quant.pipelines.metrics import json_safe
 
         emit_json(json_safe(doc))
     else:
         click.echo("\n\n".join(text))
+
+
+def _write_all(pending, inputs, overwrite) -> None:
+    """Write every (path, bytes, what) in one transaction: all appear, or none."""
+    from h3quant.formats.container.atomic import Outputs, write_file
+
+    with Outputs(inputs=inputs, overwrite=overwrite) as outs:
+        for path, data, what in pending:
+            write_file(outs.add(path, what=what), data)

@@ -84,7 +84,7 @@ default: one activation scale all_reduced over the ranks), within rel L2 0.05 wi
 
 
 _MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "depth", "plot",
-               "overwrite", "steps", "sigmas")
+               "overwrite", "steps", "sigmas", "inputs_file")
 _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 
 
@@ -138,6 +138,11 @@ def _given(ctx, names) -> list[str]:
                    "or a non-regular file, nor inside an input directory).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the random inputs (0 .. 2^32-1).")
+@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
+              default=None, metavar="FILE",
+              help="--model: read the latents from this safetensors file (video [1,C,T,H,W], "
+                   "audio [1,C,2,Ta], text [1,L,D], optional sigma; docs/verify.md) instead "
+                   "of drawing them from --seed; the same file plan --inputs takes.")
 @click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
               help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
                    "magnitude check).")
@@ -154,7 +159,7 @@ def _given(ctx, names) -> list[str]:
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
             audio_frames, text_tokens, sigma, steps, sigmas, depth, plot, overwrite, seed,
-            magnitude_factor,
+            inputs_file, magnitude_factor,
             as_json, tp, tp_scale, tp_timeout, no_mmap):
     from h3quant.runtime.tp.launch import in_torchrun
 
@@ -170,17 +175,19 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         mode = "the per-block mode (add --model)" + ("" if parallel else " without --tp")
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
+    given_inputs = _file_inputs(ctx, inputs_file, sigma) if whole_model else None
     if parallel:
         from h3quant.pipelines.verify.model import ModelInputs
 
-        inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed) \
-            if whole_model else None
+        inputs = given_inputs or ModelInputs(frames, height, width, audio_frames, text_tokens,
+                                             sigma, seed) if whole_model else None
         _tensor_parallel(ckpt, reference, device, blocks, tokens, seed, as_json, tp, tp_scale,
                          tp_timeout, no_mmap, inputs, depth, sigma)
         return
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
-                   sigma, depth, plot, seed, as_json, no_mmap, overwrite, schedule)
+                   sigma, depth, plot, seed, as_json, no_mmap, overwrite, schedule,
+                   given_inputs)
     from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
@@ -219,8 +226,26 @@ def _schedule(steps, sigmas, ctx):
     return out
 
 
+def _file_inputs(ctx, path, sigma):
+    """ModelInputs read from --inputs FILE (None without it); its conflicts are usage errors."""
+    if path is None:
+        return None
+    wrong = _given(ctx, ("frames", "height", "width", "audio_frames", "text_tokens", "seed"))
+    if wrong:
+        raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs (the file "
+                               "gives the latents and their sizes)")
+    from h3quant.pipelines.verify.model import ModelInputs
+
+    inputs = ModelInputs.from_file(path, sigma)
+    if _given(ctx, ("sigma",)) and inputs.sigma != sigma:
+        raise click.UsageError(f"--sigma {sigma:g} conflicts with the sigma {inputs.sigma:g} "
+                               f"held in --inputs {path}")
+    return inputs
+
+
 def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
-               depth, plot, seed, as_json, no_mmap, overwrite=False, schedule=None):
+               depth, plot, seed, as_json, no_mmap, overwrite=False, schedule=None,
+               given_inputs=None):
     from tqdm import tqdm
 
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
@@ -229,11 +254,13 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     if plot:  # the plot is an output like any other: checked before the long run
         from h3quant.formats.container.atomic import check_output, checkpoint_inputs
 
-        plot_inputs = checkpoint_inputs(ckpt, reference)
+        plot_inputs = checkpoint_inputs(ckpt, reference,
+                                        given_inputs.file if given_inputs else None)
         check_output(plot, directory=False, overwrite=overwrite, inputs=plot_inputs,
                      what="plot")
         view.require_matplotlib()
-    inputs = ModelInputs(frames, height, width, audio_frames, text_tokens, sigma, seed)
+    inputs = given_inputs or ModelInputs(frames, height, width, audio_frames, text_tokens,
+                                         sigma, seed)
     log(f"verifying the whole model {ckpt} against "
         f"{reference or 'its own weights in float math (no --reference)'} on device {device}")
     bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False,

@@ -58,7 +58,8 @@ def render_model(res) -> str:
            f"device      {res.device}   formats {', '.join(res.formats)}   backends "
            + ", ".join(f"{k} x{v}" for k, v in sorted(res.backends.items())),
            f"inputs      video [1, C, {i.frames}, {i.height}, {i.width}]  audio [1, C, 2, "
-           f"{i.audio_frames}]  text [1, {i.text_tokens}, D]  sigma {i.sigma:g}  seed {i.seed}",
+           f"{i.audio_frames}]  text [1, {i.text_tokens}, D]  sigma {i.sigma:g}  "
+           + (f"from {i.file}" if getattr(i, "file", None) else f"seed {i.seed}"),
            f"depth       {res.depth} of {res.blocks_total} blocks"
            + ("" if res.final_layer_run else "  (final layer skipped)")]
     if getattr(res, "head_bank", 1) > 1 or getattr(res, "steps", None):

@@ -107,8 +107,11 @@ def frontier(src, model: Model, targets: list[float] | None = None, *, margin: f
     return points
 
 
-def plot(points: list[Point], path: str, plt) -> None:
-    """Size (MB) against the worse output's SQNR, predicted and measured (matplotlib ``plt``)."""
+def plot(points: list[Point], plt) -> bytes:
+    """Size (MB) against the worse output's SQNR, predicted and measured (matplotlib ``plt``):
+    the PNG's bytes (the caller writes them through the output rules)."""
+    import io
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for attr, label, marker in (("predicted_min", "predicted", "o"),
                                 ("measured_min", "measured", "x")):
@@ -129,5 +132,9 @@ def plot(points: list[Point], path: str, plt) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, dpi=120, format="png")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()

@@ -34,6 +34,7 @@ class ModelInputs:
     text_tokens: int = 64
     sigma: float = 0.6
     seed: int = 0
+    file: str | None = None  # the latents come from this inputs file (pipelines.inputs_file)
 
     def __post_init__(self) -> None:  # bounded: at most MAX_MODEL_ROWS packed rows
         from h3quant.limits import check_model_rows
@@ -41,8 +42,23 @@ class ModelInputs:
         check_model_rows(self.frames, self.height, self.width, self.audio_frames,
                          self.text_tokens)
 
+    @classmethod
+    def from_file(cls, path, sigma: float = 0.6) -> "ModelInputs":
+        """The inputs held in ``path`` (sizes from its header; its sigma when it has one, else
+        ``sigma``). UsageError naming the file and tensor when it is malformed or too large."""
+        from h3quant.pipelines.inputs_file import load_sigma, read_header
+
+        dims = read_header(path)
+        own = load_sigma(path)
+        return cls(**dims, sigma=sigma if own is None else own, seed=0, file=str(path))
+
     def tensors(self, video_channels: int, audio_channels: int, text_dim: int):
-        """Seeded fp32 (video, audio, text) on the CPU: the same values on every device."""
+        """fp32 (video, audio, text) on the CPU, seeded (the same values on every device) or
+        read from the inputs file."""
+        if self.file is not None:
+            from h3quant.pipelines.inputs_file import load_tensors
+
+            return load_tensors(self.file, video_channels, audio_channels, text_dim)
         g = torch.Generator().manual_seed(self.seed)
         video = torch.randn(1, video_channels, self.frames, self.height, self.width, generator=g)
         audio = torch.randn(1, audio_channels, 2, self.audio_frames, generator=g)
