@@ -15,6 +15,7 @@ from h3quant.errors import ConvertError, MarkerError
 from h3quant.formats.codecs import registry
 from h3quant.formats.container.atomic import check_output
 from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
+from h3quant.formats.rules import origin
 from h3quant.formats.rules.topology import refuse_beyond_limit
 from h3quant.formats.rules.layers import Layer, group_tensors
 from h3quant.formats.rules.markers import (
@@ -320,6 +321,15 @@ def _provenance(plan: ConvertPlan, src_meta: dict[str, str]) -> dict[str, str]:
             "h3quant.options": plan.options.provenance(plan.preset)}
 
 
+def _from_w4a8(plan: ConvertPlan, ckpt: Checkpoint) -> set[str]:
+    """The output layers converted from W4A8 (``h3quant.from_w4a8``, docs/FORMATS.md)."""
+    before = set().union(*(origin.read(sf.metadata) for sf in ckpt.files))
+    return {lp.name for lp in plan.layers
+            if origin.carried(before, lp.name, lp.action, lp.via,
+                              (lp.src_fields or {}).get("format"),
+                              (lp.out_fields or {}).get("format"))}
+
+
 def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
     files = {sf.path.name: sf for sf in ckpt.files}
     shard_of = {}
@@ -331,6 +341,7 @@ def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
             shard_of[c.out] = (c.src.file.name, c.entry)
         for e in lp.produced.values():
             shard_of[e.name] = (home, e)
+    from_w4a8 = _from_w4a8(plan, ckpt)
     for fname, sf in files.items():
         meta = dict(sf.metadata)
         if not plan.identity:
@@ -338,6 +349,9 @@ def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
             if plan.header_layers:
                 meta[HEADER_KEY] = header_metadata_value(plan.header_layers)
             meta.update(_provenance(plan, sf.metadata))
+            meta.pop(origin.KEY, None)
+            if from_w4a8:
+                meta[origin.KEY] = origin.value(from_w4a8)
         plan.shards[fname] = ShardPlan(fname, meta)
     for home, entry in shard_of.values():
         plan.shards[home].entries.append(entry)

@@ -20,6 +20,7 @@ from h3quant.formats.rules.layers import scan_checkpoint
 from h3quant.formats.codecs import registry
 from h3quant.formats.rules.markers import QuantFormat
 from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 from h3quant.runtime.model.block import (
     FloatLinear,
@@ -113,6 +114,7 @@ class VerifyResult(Verdict):
     block_checks: list[BlockCheck] = field(default_factory=list)
     data: list[DataCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    provenance: dict[str, dict] = field(default_factory=dict)  # int8 layers judged as W4A8
 
     @property
     def failures(self) -> list[str]:
@@ -132,7 +134,7 @@ class VerifyResult(Verdict):
             "layers": [asdict(c) for c in self.layers],
             "block_checks": [asdict(b) for b in self.block_checks],
             "data": [asdict(d) for d in self.data],
-            "notes": self.notes,
+            "notes": self.notes, "provenance": self.provenance,
         })
 
 
@@ -267,9 +269,10 @@ class _SharedReference(torch.nn.Module):
         return out[0]
 
 
-def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th):
-    """Layer checks from the reference outputs ``ref_out`` of the ``inputs`` (path, x)."""
-    limit = th.rel_err(layer.format)
+def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th, judged=None):
+    """Layer checks from the reference outputs ``ref_out`` of the ``inputs`` (path, x), held to
+    the limits of the format the layer is ``judged`` as (its own by default)."""
+    limit = th.rel_err(judged or layer.format)
     checks = []
     for (path, x), ref in zip(inputs, ref_out):
         act = "swiglu" if path == "swiglu" else None
@@ -335,6 +338,7 @@ def verify_checkpoint(
         result = VerifyResult(str(path), str(reference) if reference else "dequantized",
                               str(dev), idx, tokens, seed, th)
         siblings = float_siblings(ckpt, scan)
+        marks = provenance.header_set(ckpt)
         rck = Checkpoint(reference, mmap=mmap) if reference else None
         try:
             rscan = scan_checkpoint(rck) if rck is not None else None
@@ -342,7 +346,7 @@ def verify_checkpoint(
                 qb = load_blocks(ckpt, [i], scan=scan)[0]
                 rb = load_blocks(rck, [i], scan=rscan)[0] if rck is not None else None
                 _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings, ckpt,
-                              sigma)
+                              sigma, marks)
                 del qb, rb
                 _release(ckpt, f"{find_prefix(ckpt.tensors)}blocks.{i}.")
                 if rck is not None:
@@ -350,6 +354,7 @@ def verify_checkpoint(
         finally:
             if rck is not None:
                 rck.close()
+        result.notes.extend(provenance.notes(result.provenance))
         if not siblings:
             result.notes.append("magnitude check skipped: the file has no float linear of a block "
                                 "linear's role to compare scales with")
@@ -376,7 +381,7 @@ def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: 
     return torch.randn(tokens, hidden, generator=g).to(dtype).float(), cond
 
 
-def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
+def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset()) -> None:
     dev, tdev, dtype, backend, probe = run
     th, seed, tokens = result.thresholds, result.seed, result.tokens
     refs, mods, inputs = {}, {}, {}
@@ -403,15 +408,19 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma) -> None:
     with torch.no_grad():
         y_ref = rblock(x, cond_ref)
         y = qblock(x.to(dtype).to(tdev), cond.to(tdev)).float().cpu()
+    judged = []
     for name in BLOCK_LINEARS:
         layer = qb.linear(name)
         if layer.is_quantized:
+            j = provenance.judge(layer, marks)
+            judged.append(j)
             result.data.extend(data_checks(layer, th, siblings))
             result.layers.extend(_check_layer(layer, mods[name], refs[name].results,
-                                              inputs[name], tdev, dtype, th))
+                                              inputs[name], tdev, dtype, th, j.judged_as))
+    result.provenance.update(provenance.to_json(judged))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})
-    limit = th.block_limit(fmts)
+    limit = th.block_limit(provenance.judged_formats(judged, fmts))
     result.block_checks.append(BlockCheck(qb.index, fmts, sqnr, rel, cos, limit, sqnr >= limit))
 
 

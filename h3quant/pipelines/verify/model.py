@@ -20,6 +20,8 @@ import torch
 from h3quant.errors import VerifyError
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.pipelines.metrics import error_metrics
+from h3quant.formats.codecs import registry
+from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 
 
@@ -101,6 +103,7 @@ class ModelVerifyResult(Verdict):
     notes: list[str] = field(default_factory=list)
     head_bank: int = 1  # output heads the file stacks
     steps: list[dict] = field(default_factory=list)  # per step: step, sigma, heads [start, stop)
+    provenance: dict[str, dict] = field(default_factory=dict)  # int8 layers judged as W4A8
 
     @property
     def final_layer_run(self) -> bool:
@@ -121,7 +124,7 @@ class ModelVerifyResult(Verdict):
             "outputs": [asdict(o) for o in self.outputs],
             "drift": [asdict(d) for d in self.drift],
             "backends": self.backends, "notes": self.notes,
-            "head_bank": self.head_bank, "steps": self.steps,
+            "head_bank": self.head_bank, "steps": self.steps, "provenance": self.provenance,
         })
 
 
@@ -184,6 +187,10 @@ def verify_model(
         result = ModelVerifyResult(str(path), str(reference) if reference else "dequantized",
                                    str(dev), inputs, total, len(run), formats, th)
         result.head_bank = model.head_bank
+        if not registry.low_bit(formats):  # one int8 layer judged as W4A8 sets the limit
+            result.provenance = provenance.to_json(provenance.judge_checkpoint(
+                model.ckpt, model.scan, (model.prefix + "blocks.",), first=True).values())
+            result.notes.extend(provenance.notes(result.provenance, first=True))
         if reference and ref.head_bank != model.head_bank:
             raise VerifyError(f"the reference holds {ref.head_bank} output head(s), the "
                               f"checkpoint {model.head_bank}", path=ref.path)
@@ -223,7 +230,8 @@ def _compare_at(model, ref, inputs, sigma, sched, step, run, dtype, share, resul
     shared = sr.x[:inputs.text_tokens] if share else None
     sq = model.start(video.to(dtype), audio.to(dtype), text.to(dtype), sigma,
                      text_embed=shared, sigmas=sched)
-    limit = result.thresholds.limit(result.formats)
+    limit = result.thresholds.limit(result.formats + ([provenance.W4A8] if result.provenance
+                                                      else []))
     last = None
     for n, i in enumerate(run):
         block = model.load_block(i, dtype)

@@ -1,0 +1,50 @@
+"""The ``h3quant.from_w4a8`` header key: which int8 layers were converted from W4A8 layers.
+
+An int8 layer made from a W4A8 layer carries W4A8's error, not int8's, so ``verify`` judges it by
+W4A8's limits. ``convert`` records such layers in the file's header metadata (a JSON list of
+layer names, sorted); ComfyUI reads only ``_quantization_metadata`` and ignores this key.
+Torch-free: convert's planning writes it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+
+KEY = "h3quant.from_w4a8"
+W4A8 = "asym_w4a8_int8"
+_INT8_FAMILY = ("int8_tensorwise", "int8_tensorwise_kn")
+
+
+def read(metadata: dict[str, str] | None) -> set[str]:
+    """The layer names the header records as converted from W4A8 (empty when absent or
+    malformed: a bad value never loosens a limit)."""
+    raw = (metadata or {}).get(KEY)
+    if not raw:
+        return set()
+    try:
+        value = json.loads(raw)
+    except (TypeError, ValueError):
+        return set()
+    if not isinstance(value, list):
+        return set()
+    return {v for v in value if isinstance(v, str)}
+
+
+def value(names: set[str]) -> str:
+    return json.dumps(sorted(names))
+
+
+def carried(before: set[str], layer: str, action: str, via: str, src_format: str | None,
+            out_format: str | None) -> bool:
+    """Whether output layer ``layer`` is still "from W4A8" after one conversion step.
+
+    A W4A8 layer converted to an int8 format is (whatever route: its decoded grid or a
+    re-encoding of its decoded weights); an int8 layer that only changed layout, or was copied
+    or kept as it is, stays what it was; anything encoded afresh is not."""
+    if action != "convert":
+        return layer in before
+    if out_format not in _INT8_FAMILY:
+        return False
+    if src_format == W4A8:
+        return True
+    return via == "relayout" and layer in before
