@@ -41,6 +41,8 @@ def main() -> int:
     from h3quant.pipelines.plan.planner import Model
     from h3quant.pipelines.plan.sensitivity import measure
 
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="h3quant-bench-plan-", dir=args.dir) as d:
         src = Path(d) / "bf16.safetensors"
         # the synthetic file is written by a child process: the RSS below is the planner's own
