@@ -202,12 +202,10 @@ def check_device(spec: str, *, require_available: bool) -> str:
     from h3quant.errors import DeviceError
     from h3quant.runtime.devices import parse_device
 
-    try:
-        parse_device(spec)
-        if require_available:
-            from h3quant.runtime.availability import require_device
+    from h3quant.runtime.availability import require_device
 
-            require_device(spec)
+    try:  # require_device parses too, then asks the machine
+        (require_device if require_available else parse_device)(spec)
     except DeviceError as exc:
         raise click.BadParameter(exc.reason, param_hint="'--device'") from None
     return spec

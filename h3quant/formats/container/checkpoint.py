@@ -59,6 +59,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike, *, mmap: bool = True, strict: bool = True):
         self.path = Path(path)
+        self._closed = False
         self.findings: list[Finding] = []
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, TensorInfo] = {}
@@ -187,7 +188,7 @@ class Checkpoint:
             raise ContainerError("no such tensor in the checkpoint", path=self.path, tensor=name) from None
 
     def file_of(self, name: str) -> SafetensorsFile:
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise ClosedError("this checkpoint was closed; open it again to read "
                               f"'{name}'", path=self.path)
         return self._by_path[self.info(name).file]

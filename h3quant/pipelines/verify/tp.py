@@ -24,8 +24,8 @@ from h3quant.pipelines.verify.result import Verdict
 from h3quant.pipelines.verify.tp_reference import precheck_reference, reference_verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
 from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
-from h3quant.runtime.tp.env import torchrun_coords
-from h3quant.runtime.tp.launch import in_torchrun, join_torchrun, spawn_ranks
+from h3quant.runtime.tp.env import launched_by_torchrun, torchrun_coords
+from h3quant.runtime.tp.launch import join_torchrun, spawn_ranks
 from h3quant.runtime.tp.plan import COLUMN_PARALLEL, SCALE_MODES, TpError, check_world
 from h3quant.runtime.tp.runner import (
     assemble_columns,
@@ -228,7 +228,7 @@ def _rank_body(ctx, spec: TpSpec, probe):
         if ctx.rank != 0:
             return None
         result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx,
-                          spec.tokens, spec.seed, "torchrun" if in_torchrun() else "spawn")
+                          spec.tokens, spec.seed, "torchrun" if launched_by_torchrun() else "spawn")
         result.ranks = [RankStats(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
         for i in idx:
             info, backends = infos[i]
@@ -283,7 +283,7 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
         ref = {**{f"block {i} hidden": h for i, h in ref_hidden.items()}, **_final(ref_out)}
     idx = [i.index for i in infos]
     result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx, 0, spec.seed,
-                      "torchrun" if in_torchrun() else "spawn")
+                      "torchrun" if launched_by_torchrun() else "spawn")
     result.ranks = [RankStats(r, *(int(v) for v in t.tolist())) for r, t in enumerate(every)]
     result.linear_bytes = sum(i.bytes_total for i in infos)
     for info in infos[:1]:
@@ -388,7 +388,7 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str =
     if tp is None:
         raise TpError("--tp N is required (under torchrun too: the number of ranks)")
     check_world(tp)
-    torchrun = in_torchrun()
+    torchrun = launched_by_torchrun()
     if torchrun:  # a malformed RANK / WORLD_SIZE is a usage error, before anything starts
         torchrun_coords(tp=tp)
     from h3quant.runtime.availability import require_device

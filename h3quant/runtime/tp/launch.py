@@ -34,7 +34,7 @@ from h3quant.runtime.tp.group import (
     destroy_group,
     init_group,
 )
-from h3quant.runtime.tp.env import launched_by_torchrun, torchrun_coords
+from h3quant.runtime.tp.env import torchrun_coords
 from h3quant.runtime.tp.plan import TpError, check_world
 from h3quant.runtime.tp.watchdog import set_reporter
 
@@ -52,11 +52,6 @@ class RankContext:
     backend: str
     comm: Collectives
     timeout_s: float
-
-
-def in_torchrun() -> bool:
-    """This process is a rank torchrun started (``h3quant.runtime.tp.env``)."""
-    return launched_by_torchrun()
 
 
 def rank_device(kind: str, local_rank: int) -> str:
@@ -99,9 +94,8 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
                           comm_cls(rank, world, timeout_s), timeout_s)
         result = fn(ctx, *args)
     except BaseException as exc:  # noqa: BLE001 (report anything, then exit: the parent stops the others)
-        msg = str(exc) if isinstance(exc, H3QuantError) else f"unexpected {type(exc).__name__}: {exc}"
-        (out / f"rank{rank}.err").write_text(msg, encoding="utf-8")
-        os._exit(_RANK_FAILED)
+        report(str(exc) if isinstance(exc, H3QuantError)
+               else f"unexpected {type(exc).__name__}: {exc}")
     destroy_group(timeout_s)
     with open(out / f"rank{rank}.pkl", "wb") as fh:
         pickle.dump(result if rank == 0 else None, fh)
