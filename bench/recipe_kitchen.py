@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,8 +43,6 @@ def _recipe(path: Path) -> None:
 
 
 def _expect(layer: str):
-    import re
-
     for regex, fmt, marker, convrot, group in RULES:
         if re.search(regex, layer):
             return fmt, marker, convrot, group
