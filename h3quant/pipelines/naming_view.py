@@ -15,8 +15,23 @@ from h3quant.formats.rules import naming
 from h3quant.formats.container.checkpoint import Checkpoint
 
 
+def header_layers(ckpt: Checkpoint) -> set[str]:
+    """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
+    the marker rules report that)."""
+    from h3quant.errors import MarkerError
+    from h3quant.formats.rules.markers import parse_header_metadata
+
+    try:
+        return set(parse_header_metadata(ckpt.metadata) or ())
+    except MarkerError:
+        return set()
+
+
 def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
+    return naming.header_tensors(ckpt.tensors, header_layers(ckpt))
+
+
+headers = _headers
 
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:

@@ -152,7 +152,7 @@ def fp8_scaled(ckpt: Checkpoint) -> set[str]:
     """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
     from h3quant.formats.rules.naming import fp8_scaled_weights
 
-    weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
+    weights = fp8_scaled_weights(naming_view.headers(ckpt))
     return weights | {w[: -len(".weight")] for w in weights}
 
 

@@ -4,7 +4,8 @@ Every place that depends on a layer's format asks here instead of comparing form
 ``codec_for(fields)`` gives the codec of a layer from its effective marker fields (the plain
 codec when there is no marker), ``target(name)`` a ``convert --to`` choice. A new format is one
 module under ``h3quant.formats.codecs`` defining ``CODEC`` and one line in ``_MODULES``.
-Formats ComfyUI knows but h3quant cannot encode or run (fp8, nvfp4, ...) have no codec; their
+A module may define ``CODECS`` (several formats, e.g. both fp8 variants) instead.
+Formats ComfyUI knows but h3quant cannot encode or run have no codec; their
 tensor sets are still checked by ``h3quant.formats.rules.schemes``.
 """
 
@@ -20,6 +21,8 @@ _MODULES = (
     "h3quant.formats.codecs.int8.codec",
     "h3quant.formats.codecs.int8_kn.codec",
     "h3quant.formats.codecs.w4a8.codec",
+    "h3quant.formats.fp8.codec",
+    "h3quant.formats.mxfp8.codec",
     "h3quant.formats.codecs.plain",
 )
 
@@ -41,7 +44,9 @@ def register(codec: Codec) -> Codec:
 
 
 for _mod in _MODULES:
-    register(importlib.import_module(_mod).CODEC)
+    _m = importlib.import_module(_mod)
+    for _codec in getattr(_m, "CODECS", (_m.CODEC,)):
+        register(_codec)
 
 PLAIN = _CODECS["float"]
 

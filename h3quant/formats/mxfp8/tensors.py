@@ -72,7 +72,8 @@ def _encode_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = code.masked_fill_(zero, 0).to(torch.uint8)
     scale = e8m0_to_f32(code)
     scale = torch.where(zero, torch.ones_like(scale), scale)
-    data = xb.float().div_(scale.unsqueeze(-1))  # zero blocks divide 0 by 1: zeros
+    # out of place: ``xb.float()`` of fp32 rows is the caller's tensor itself
+    data = torch.div(xb.float(), scale.unsqueeze(-1))  # zero blocks divide 0 by 1: zeros
     data.clamp_(-E4M3_MAX, E4M3_MAX)
     return data.reshape(r, k).to(torch.float8_e4m3fn), code
 
@@ -111,9 +112,15 @@ def block_scales(scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def decode_mxfp8(codes: torch.Tensor, scales: torch.Tensor,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """kitchen's ``dequantize_mxfp8`` of e4m3 ``codes`` [N, K] and stored ``scales``."""
+                 dtype: torch.dtype = torch.float32, row0: int = 0) -> torch.Tensor:
+    """kitchen's ``dequantize_mxfp8`` of e4m3 ``codes`` and the layer's stored ``scales``.
+
+    ``codes`` may be rows ``[row0, row0 + n)`` of the layer: only their scale tiles are read."""
     n, k = codes.shape
-    s = e8m0_to_f32(block_scales(scales, n, k))
+    t0 = row0 - row0 % TILE_ROWS
+    t1 = roundup(row0 + n, TILE_ROWS)
+    raw = scales.contiguous().view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    tiles = unswizzle(raw[t0:t1], t1 - t0, k // BLOCK)
+    s = e8m0_to_f32(tiles[row0 - t0:row0 - t0 + n])
     data = codes.to(torch.float32).reshape(n, k // BLOCK, BLOCK) * s.unsqueeze(-1)
     return data.reshape(n, k).to(dtype)

@@ -78,17 +78,35 @@ def is_fp8_weight(name: str, dtype: str) -> bool:
     return dtype in FP8_DTYPES and name.endswith(".weight")
 
 
-def fp8_decodable(tensors) -> set[str]:
-    """The fp8 weights h3quant decodes as plain or scaled fp8 (code x scale).
+class HeaderTensors(dict):
+    """``{name: (dtype, shape)}`` of a checkpoint, with ``marked``: the layers its header
+    ``_quantization_metadata`` gives a format (their markers decide, as for a marker tensor)."""
 
-    A weight whose scale companion is not a float tensor (an E8M0 / U8 block scale: MXFP8 and
-    kin) is another format stored in fp8: not decoded here, its marker decides. Any other fp8
-    weight counts; a float scale of the wrong shape is then an N305 error."""
+    marked: frozenset[str] = frozenset()
+
+
+def header_tensors(tensors, header_layers) -> HeaderTensors:
+    out = HeaderTensors({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+    out.marked = frozenset(header_layers or ())
+    return out
+
+
+def fp8_decodable(tensors) -> set[str]:
+    """The unmarked fp8 weights h3quant decodes as plain or scaled fp8 (code x scale).
+
+    A weight with a quantization marker (a ``comfy_quant`` tensor or a header metadata entry)
+    is a quantized layer of its format (``float8_e4m3fn``, ``mxfp8`` ...): its codec decodes it.
+    A weight whose scale companion is not a float tensor (an E8M0 / U8 block scale) is another
+    format stored in fp8: not decoded here either. Any other fp8 weight counts; a float scale of
+    the wrong shape is then an N305 error."""
     out = set()
+    marked = getattr(tensors, "marked", frozenset())
     for name, (dtype, _) in tensors.items():
         if not is_fp8_weight(name, dtype):
             continue
         stem = name[: -len(".weight")]
+        if f"{stem}.comfy_quant" in tensors or stem in marked:
+            continue
         scales = [f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors]
         if any(tensors[sc][0] not in SCALE_DTYPES for sc in scales):
             continue

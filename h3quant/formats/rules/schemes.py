@@ -15,6 +15,7 @@ from h3quant.convrot import is_valid_group_size
 from h3quant.findings import Finding
 from h3quant.formats.rules import checks as rules
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.formats.codecs import registry
 from h3quant.formats.rules.markers import QuantFormat
 
 # Allowed shapes given (N, K, fields); None = any shape.
@@ -61,7 +62,7 @@ def _int8_scale(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
 
 def _fp8_spec(fmt: QuantFormat, dtype: str, kind: str) -> SchemeSpec:
     return SchemeSpec(
-        fmt.value, fmt, False,
+        fmt.value, fmt, True,
         (
             TensorSpec("weight", (dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
             TensorSpec("weight_scale", ("F32",), _int8_scale, "[] (or per row)"),
@@ -123,11 +124,11 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
         True, "fp4 e2m1 codes (two per byte) + e4m3 block scales (16) + fp32 tensor scale",
     ),
     QuantFormat.MXFP8: SchemeSpec(
-        "mxfp8", QuantFormat.MXFP8, False,
+        "mxfp8", QuantFormat.MXFP8, True,
         (
             TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("U8", "F8_E8M0"), lambda n, k, f: [(n, -(-k // 32))],
-                       "[N, K/32] (may be padded)", at_least=True),
+            TensorSpec("weight_scale", ("F8_E8M0", "U8"), None,
+                       "[roundup(N, 128), roundup(K/32, 4)] (blocked)"),
             TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
             _BIAS,
         ),
@@ -253,9 +254,14 @@ def check_layer(layer) -> list[Finding]:
         _constraints(spec, layer, k, add)
     if spec.supported and spec.format is not None:  # rules across fields and tensors
         seen = {(f.code, f.tensor) for f in out}
-        for v in rules.combination_violations(spec.name, layer.fields or {}, layer.tensors):
+        found = rules.combination_violations(spec.name, layer.fields or {}, layer.tensors)
+        codec = registry.get(spec.name)
+        if codec is not None and hasattr(codec, "violations"):  # a format package's own rules
+            found += codec.violations(layer.tensors, layer.fields)
+        for v in found:
             if (v.code, layer.tensor_name(v.suffix)) not in seen:
                 add(v.code, v.message, v.suffix)
+                seen.add((v.code, layer.tensor_name(v.suffix)))
     return out
 
 

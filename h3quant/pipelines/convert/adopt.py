@@ -37,7 +37,7 @@ from h3quant.formats.rules.naming import (
     plan_mapping,
     staged_entries,
 )
-from h3quant.pipelines.naming_view import check_scale, has_config
+from h3quant.pipelines.naming_view import check_scale, has_config, headers
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
@@ -45,7 +45,7 @@ from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, par
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
     """The input's naming (detected, or ``naming``) and its map onto ComfyUI's names."""
-    tensors = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
+    tensors = headers(ckpt)
     det = detect(tensors, [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None,
                  has_config(ckpt))
     if naming != "auto":
