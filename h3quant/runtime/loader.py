@@ -5,7 +5,7 @@ scales bit for bit (no re-quantization, no float round trip), its marker comes f
 ``_quantization_metadata`` or the ``.comfy_quant`` tensor (the header wins), marker and other
 metadata-only keys never become tensors of the layer, and the stored row order ([q; k; v],
 [gate; up]) is kept. Anything the runtime cannot run as stored is refused with a specific error:
-an unsupported format (fp8, nvfp4, ...), runtime quantization requested on a pre-quantized layer,
+an unsupported format (one without a codec), runtime quantization requested on a pre-quantized layer,
 tensors that do not match the marker, a broken or disagreeing marker.
 """
 
@@ -115,6 +115,9 @@ class LoadedLayer:
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        if self.decodes:
+            raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
+                              "runs them through their decode)", tensor=self.name)
         if self._grid is None:
             self._grid = self.codec.int8_grid(self.tensors, self.fields)
         return self._grid
@@ -125,11 +128,18 @@ class LoadedLayer:
         ``weight_s_channel``."""
         return self.codec.runtime_weights(self.tensors, self.int8_grid())
 
+    @property
+    def decodes(self) -> bool:
+        """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
+        return self.is_quantized and bool(getattr(self.codec, "decodes", False))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, or the float
-        weight upcast."""
+        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's
+        decode (fp32, then ``dtype``) of a decoded format, or the float weight upcast."""
         if not self.is_quantized:
             return self.weight.to(dtype)
+        if self.decodes:
+            return self.codec.decode_weight(self.tensors, self.fields, torch.float32).to(dtype)
         q, s = self.int8_grid()
         w = q.to(torch.float32) * s[:, None]
         if self.convrot:
@@ -215,7 +225,9 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
     if extra:
         bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
             extra[0], cls=UnsupportedError)
-    for v in rules.layer_violations(fmt.value, fields, layer.tensors):
+    found = (codec.violations(layer.tensors, fields) if hasattr(codec, "violations")
+             else rules.layer_violations(fmt.value, fields, layer.tensors))
+    for v in found:
         bad(v.code, v.message, v.suffix)  # the rules validate and convert apply too
 
 

@@ -143,12 +143,19 @@ def verify_limits(name: str | None) -> VerifyLimits:
     return (codec or _CODECS["int8_tensorwise"]).verify
 
 
+def decoded_limits(name) -> VerifyLimits | None:
+    """The ``verify`` limits of a format the runtime runs through its decode (fp8, mxfp8, ...);
+    None for the int8-grid formats (int8, W4A8), whose limits ``verify`` options can set."""
+    codec = get(name) if name else None
+    return codec.verify if codec is not None and getattr(codec, "decodes", False) else None
+
+
 def low_bit(names) -> bool:
     """Whether any of these formats stores weights in fewer than 8 bits (looser verify limits)."""
     return any((c := get(n)) is not None and c.weight_bits < 8 for n in names)
 
 
-__all__ = ["PLAIN", "Codec", "RowRange", "Target", "VerifyLimits", "codec_for", "codecs", "describe",
+__all__ = ["PLAIN", "Codec", "RowRange", "Target", "VerifyLimits", "codec_for", "codecs", "decoded_limits", "describe",
            "get", "layouts_of", "logical_k", "logical_shape", "low_bit", "marker_defaults",
            "quantized_codecs", "register", "supported_names", "with_layout",
            "target", "target_codec", "targets", "verify_limits"]

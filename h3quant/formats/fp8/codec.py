@@ -18,6 +18,7 @@ class Fp8Codec(Codec):
     unrowed_outputs = ("weight_scale",)
     weight_bits = 8
     decodes = True  # the runtime can run it through its float decode
+    kernel = ("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9))  # ComfyUI on CUDA
 
     def __init__(self, spec: Fp8Spec) -> None:
         self.spec = spec
@@ -82,6 +83,15 @@ class Fp8Codec(Codec):
         from h3quant.formats.fp8.tensors import decode_fp8
 
         return decode_fp8(out["weight"], out["weight_scale"], torch.float32), None
+
+    def value_violations(self, tensors: dict) -> list:
+        """Data rules over loaded tensors (verify): scales finite and > 0, codes finite."""
+        from h3quant.formats.rules.checks import scale_violations
+
+        out = [v for s in ("weight_scale", "input_scale") if s in tensors
+               for v in scale_violations(tensors[s])]
+        v = rules.nonfinite_codes(tensors["weight"])
+        return out + ([v] if v is not None else [])
 
     def deep_findings(self, read, tensors: dict) -> list:
         """Data rules beyond the scales: D130 for codes that decode to NaN or infinity."""

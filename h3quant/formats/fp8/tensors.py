@@ -79,7 +79,7 @@ def encode_fp8(w: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None =
 def decode_fp8(codes: torch.Tensor, scale: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """kitchen's ``dequantize_per_tensor_fp8``: ``codes.to(dtype) * scale.to(dtype)``."""
-    return codes.to(dtype) * scale.to(dtype)
+    return codes.to(dtype).mul_(scale.to(dtype))  # in place: one copy of the weight
 
 
 def nonfinite_codes(codes: torch.Tensor) -> int:

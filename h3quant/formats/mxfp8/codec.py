@@ -21,6 +21,7 @@ class MxFp8Codec(Codec):
     unrowed_outputs = ("weight_scale",)
     weight_bits = 8
     decodes = True
+    kernel = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
     needs_row0 = True  # decode_rows gets the chunk's first row as rows["_row0"]
     spec = SPEC
 
@@ -86,6 +87,18 @@ class MxFp8Codec(Codec):
         s = e8m0_to_f32(block_scales(scales, n, k)[rows.long()])
         w = q.to(torch.float32).reshape(q.shape[0], k // BLOCK, BLOCK) * s.unsqueeze(-1)
         return w.reshape(q.shape[0], k), None
+
+    def value_violations(self, tensors: dict) -> list:
+        """Data rules over loaded tensors (verify): e8m0 scales not NaN, codes finite."""
+        from h3quant.formats.rules.checks import scale_violations
+
+        out = [v for v in scale_violations(tensors["input_scale"])] \
+            if "input_scale" in tensors else []
+        for v in (rules.e8m0_violation(tensors["weight_scale"]),
+                  rules.nonfinite_codes(tensors["weight"])):
+            if v is not None:
+                out.append(v)
+        return out
 
     def deep_findings(self, read, tensors: dict) -> list:
         import torch

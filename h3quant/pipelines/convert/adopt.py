@@ -60,14 +60,15 @@ def decode_fp8(ckpt: Checkpoint, src):
     per row) multiplied in."""
     import torch
 
-    w = ckpt.read(src.name).to(torch.float32)
+    from h3quant.formats.fp8.tensors import decode_fp8 as decode
+
+    w = ckpt.read(src.name)
     if src.scale is None:
-        return w
+        return w.to(torch.float32)
     s = ckpt.read(src.scale).to(torch.float32)
     check_scale(s, src.scale, "; nothing written")
-    if s.numel() == 1:
-        return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
-    return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
+    s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (w.dim() - 1))
+    return decode(w, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
 
 
 def _read(ckpt: Checkpoint, src):
