@@ -51,9 +51,10 @@ def route(codec, device: Device, probe: Probe) -> FormatRoute:
                                f"ComfyUI runs {kernel[0]} on sm_{cap[0]}{cap[1]}; h3quant "
                                "dequantizes (the same weights, float matmul)")
         sm = f"sm_{kernel[1][0]}{kernel[1][1]}"
+        have = "an unknown GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
         return FormatRoute(codec.name, "dequant", "dequant",
-                           f"{kernel[0]} needs {sm} or newer; ComfyUI dequantizes to the compute "
-                           "dtype too")
+                           f"{kernel[0]} needs {sm} or newer ({have}); ComfyUI dequantizes to "
+                           "the compute dtype too")
     return FormatRoute(codec.name, "dequant", "dequant",
                        f"no {codec.name} kernel on {device.kind}; the weight is dequantized to "
                        "the compute dtype (comfy-kitchen's dequantize) and a float matmul runs")
@@ -127,3 +128,23 @@ class DecodedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"format={self.codec.name}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, device={self.device}, backend=dequant")
+
+
+def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> list[FormatRoute]:
+    """Per quantized format h3quant has a codec for: what runs its layers on ``device``."""
+    from h3quant.formats.codecs import registry
+    from h3quant.runtime.backends import PREFERENCE, list_backends
+
+    probe = probe or live_probe()
+    dev = parse_device(device, probe=probe)
+    ok = {s.name for s in list_backends(dev, probe) if s.available}
+    first = next((n for n in PREFERENCE.get(dev.kind, ()) if n in ok), "dequant")
+    out = []
+    for codec in registry.quantized_codecs():
+        if decodes(codec):
+            out.append(route(codec, dev, probe))
+        else:
+            out.append(FormatRoute(codec.name, first, "its int8 path",
+                                   f"int8 grid: the first available int8 backend ({first}); "
+                                   "a layer its kernel refuses runs dequant"))
+    return out
