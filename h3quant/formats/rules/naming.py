@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from h3quant.formats.fp8.spec import LEGACY_WEIGHT_SCALE, SCALED_FP8_MARKER
 from h3quant.errors import FormatError
 
 NAMINGS = ("comfy", "official", "diffusers")
@@ -76,6 +77,18 @@ OP_TEXT = {
 def is_fp8_weight(name: str, dtype: str) -> bool:
     """An fp8-typed weight (not an fp8 companion such as W4A8's ``weight_s_rel``)."""
     return dtype in FP8_DTYPES and name.endswith(".weight")
+
+
+def is_scaled_fp8_marker(name: str) -> bool:
+    """ComfyUI's legacy ``scaled_fp8`` marker tensor (at the root or under a model prefix)."""
+    return name == SCALED_FP8_MARKER or name.endswith("." + SCALED_FP8_MARKER)
+
+
+def legacy_scaled(tensors) -> set[str]:
+    """Unmarked fp8 weights with a ``scale_weight`` companion: what ComfyUI's loader scales
+    (as float8_e4m3fn layers) only when the file carries the ``scaled_fp8`` marker."""
+    return {n for n in fp8_decodable(tensors)
+            if f"{n[:-len('.weight')]}.{LEGACY_WEIGHT_SCALE}" in tensors}
 
 
 class HeaderTensors(dict):
@@ -279,6 +292,10 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
     decodable = fp8_decodable(tensors)
     for name in tensors:  # fp8 scale companions travel with their weight
         stem, _, suffix = name.rpartition(".")
+        if is_scaled_fp8_marker(name):  # the output holds no legacy fp8 layers: never true there
+            out.unused.append(name)
+            consumed.add(name)
+            continue
         if f"{stem}.weight" not in decodable:
             continue
         if suffix in FP8_SCALES:
