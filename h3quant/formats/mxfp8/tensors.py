@@ -61,21 +61,27 @@ def unswizzle(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return t.reshape(pr, pc)[:rows, :cols]
 
 
-def _encode_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [r, K] (K % 32 == 0) -> (e4m3 codes [r, K], e8m0 codes uint8 [r, K/32])."""
+def _encode_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows [r, K] (K % 32 == 0) -> e4m3 codes written into ``out`` [r, K]; returns the e8m0
+    codes uint8 [r, K/32].
+
+    kitchen divides by the power-of-two scale; multiplying by its reciprocal (also a power of
+    two, or inf for a scale read as 0) gives the same correctly rounded fp32 values, NaN and
+    infinities included."""
     r, k = x.shape
-    xb = x.reshape(r, k // BLOCK, BLOCK)
-    amax = xb.abs().amax(dim=-1)
-    need = (amax.float() / E4M3_MAX).clamp_(min=2.0 ** -127)
+    # one fp32 copy of the rows (exact), reused in place; never the caller's own tensor
+    f = x.to(torch.float32, copy=True).reshape(r, k // BLOCK, BLOCK)
+    amax = torch.maximum(f.amax(dim=-1), f.amin(dim=-1).neg_())  # = amax(|x|), exact
+    need = (amax / E4M3_MAX).clamp_(min=2.0 ** -127)
     code = torch.log2(need).ceil_().to(torch.int32).add_(E8M0_BIAS).clamp_(0, 254)
     zero = amax == 0
     code = code.masked_fill_(zero, 0).to(torch.uint8)
     scale = e8m0_to_f32(code)
-    scale = torch.where(zero, torch.ones_like(scale), scale)
-    # out of place: ``xb.float()`` of fp32 rows is the caller's tensor itself
-    data = torch.div(xb.float(), scale.unsqueeze(-1))  # zero blocks divide 0 by 1: zeros
+    inv = torch.where(zero, torch.ones_like(scale), scale).reciprocal_()
+    data = f.mul_(inv.unsqueeze(-1))  # zero blocks: 0 x 1
     data.clamp_(-E4M3_MAX, E4M3_MAX)
-    return data.reshape(r, k).to(torch.float8_e4m3fn), code
+    out.copy_(data.reshape(r, k))
+    return code
 
 
 def encode_mxfp8(w: torch.Tensor, pool=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +97,7 @@ def encode_mxfp8(w: torch.Tensor, pool=None) -> tuple[torch.Tensor, torch.Tensor
 
     def work(r0: int) -> None:
         r1 = min(n, r0 + TILE_ROWS)
-        q, s = _encode_rows(w[r0:r1])
-        codes[r0:r1] = q
+        s = _encode_rows(w[r0:r1], codes[r0:r1])
         scales[r0:r0 + TILE_ROWS] = swizzle(s)
 
     starts = range(0, n, TILE_ROWS)
