@@ -18,6 +18,7 @@ one-block full-dims checkpoint and reports the peak RSS of ``h3quant convert --t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import shutil
@@ -92,8 +93,8 @@ def run_encoders(shapes: list[str], formats: list[str], repeat: int) -> None:
         for shape in shapes:
             n, k = (int(v) for v in shape.split("x"))
             w = make_weight(n, k)
-            t_mine, (q, s) = _best(lambda: mine(w), repeat)
-            t_kit, (kq, ks) = _best(lambda: kitchen(w), repeat)
+            t_mine, (q, s) = _best(functools.partial(mine, w), repeat)
+            t_kit, (kq, ks) = _best(functools.partial(kitchen, w), repeat)
             same = (torch.equal(q.view(torch.uint8), kq.view(torch.uint8))
                     and torch.equal(s.reshape(-1).view(torch.uint8), ks.reshape(-1).view(torch.uint8)))
             nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()

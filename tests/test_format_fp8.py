@@ -236,3 +236,19 @@ def test_convert_writes_no_scaled_fp8_marker(tmp_path, target):
         assert not any(k == "scaled_fp8" or k.endswith(".scale_weight") for k in f.keys())
     code, doc = validate_json(out)
     assert code == 0 and "Q131" not in codes(doc), doc["findings"]
+
+
+def test_verify_runs_legacy_scaled_fp8_as_comfyui_loads_it(tmp_path):
+    """With the marker, scale_weight layers run as float8_e4m3fn (ComfyUI's convert_old_quants);
+    without it ComfyUI would load raw codes, and verify runs nothing."""
+    src = tiny(tmp_path / "bf16.safetensors")
+    p = tmp_path / "s.safetensors"
+    assert cli("synth", p, "--blocks", "1", "--dtype", "fp8").exit_code == 0
+    code, doc = verify_json(p, "--reference", src)
+    assert code == 0 and doc["passed"], doc["failures"]
+    assert {c["format"] for c in doc["layers"]} == {"float8_e4m3fn"}
+    t = load_file(p)
+    del t["scaled_fp8"]
+    save_file(t, tmp_path / "nomarker.safetensors")
+    r = cli("verify", tmp_path / "nomarker.safetensors", "--blocks", "1")
+    assert r.exit_code != 0  # no layer ComfyUI would scale: nothing runs as fp8

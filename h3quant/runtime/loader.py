@@ -193,10 +193,12 @@ def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     return sorted(found)
 
 
-def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
-    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file."""
+def _raise_marker_findings(scan: LayerScan, names: set[str], path,
+                           scaled: frozenset[str] = frozenset()) -> None:
+    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file
+    (``scaled``: legacy scaled-fp8 weights, which need no marker)."""
     for f in scan.findings:
-        if f.severity is not Severity.ERROR:
+        if f.severity is not Severity.ERROR or (f.code == "M109" and f.tensor in scaled):
             continue
         owner = f.tensor.rpartition(".")[0] if f.tensor and f.tensor.endswith(".comfy_quant") \
             else f.tensor
@@ -250,6 +252,9 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
             raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
                                code=v.code)
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
+    legacy = legacy_scaled_fp8(ckpt, layer)
+    if legacy is not None:
+        return legacy
     for s, info in layer.tensors.items():
         if info.dtype not in FLOAT_DTYPES:
             raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
@@ -259,6 +264,39 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
     if quantize_on_load:
         loaded = _quantize_float(loaded, path)
     return loaded
+
+
+def has_scaled_fp8_marker(ckpt: Checkpoint) -> bool:
+    """The file carries ComfyUI's ``scaled_fp8`` marker and no ``_quantization_metadata`` (the
+    only case in which ComfyUI's loader scales ``scale_weight`` layers; FORMATS.md 17.3)."""
+    from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
+    from h3quant.formats.rules.markers import HEADER_KEY
+
+    root = find_prefix(ckpt.tensors)
+    return f"{root}{SCALED_FP8_MARKER}" in ckpt.tensors and HEADER_KEY not in ckpt.metadata
+
+
+def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
+    """A legacy scaled-fp8 layer (e4m3 ``weight`` + one ``scale_weight``, optional
+    ``scale_input``) of a file with the ``scaled_fp8`` marker, loaded as ComfyUI's loader
+    renames it: a ``float8_e4m3fn`` layer with ``weight_scale`` (``input_scale`` unless 1.0)."""
+    t = {**layer.tensors, **{sfx: ckpt.tensors[f"{layer.name}.{sfx}"]
+                             for sfx in ("scale_weight", "scale_input")
+                             if f"{layer.name}.{sfx}" in ckpt.tensors}}  # scanned as "others"
+    w, s = t.get("weight"), t.get("scale_weight")
+    if w is None or s is None or w.dtype != "F8_E4M3" or s.numel != 1 \
+            or set(t) - {"weight", "scale_weight", "scale_input", "bias"} \
+            or not has_scaled_fp8_marker(ckpt):
+        return None
+    tensors = {"weight": ckpt.read(w.name),
+               "weight_scale": ckpt.read(s.name).to(torch.float32).reshape(())}
+    if "bias" in t:
+        tensors["bias"] = ckpt.read(t["bias"].name)
+    if "scale_input" in t:
+        si = ckpt.read(t["scale_input"].name).to(torch.float32)
+        if si.numel() != 1 or float(si) != 1.0:
+            tensors["input_scale"] = si.reshape(())
+    return LoadedLayer(layer.name, tensors, {"format": "float8_e4m3fn"}, "scaled_fp8")
 
 
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
@@ -316,7 +354,9 @@ def load_prefix(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, *,
     """Every layer under ``prefix.`` (a DiT block ``blocks.{i}`` or a refiner block
     ``token_refiner.blocks.{j}``) as a LoadedBlock."""
     lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
-    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
+    scaled = frozenset(f"{n}.weight" for n in lnames if f"{n}.scale_weight" in ckpt.tensors) \
+        if has_scaled_fp8_marker(ckpt) else frozenset()
+    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path, scaled)
     layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
                                               quantize_on_load=quantize_on_load and
                                               n[len(prefix) + 1:] in BLOCK_LINEARS)

@@ -456,9 +456,13 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset())
 
 
 def _any_quantized(scan, ckpt, idx) -> bool:
+    from h3quant.runtime.loader import has_scaled_fp8_marker
+
     prefix = find_prefix(ckpt.tensors)
     heads = tuple(f"{prefix}blocks.{i}." for i in idx)
-    return any(lay.fields is not None for n, lay in scan.layers.items() if n.startswith(heads))
+    scaled = has_scaled_fp8_marker(ckpt)  # legacy scaled-fp8 layers load as float8_e4m3fn
+    return any(lay.fields is not None or (scaled and f"{n}.scale_weight" in ckpt.tensors)
+               for n, lay in scan.layers.items() if n.startswith(heads))
 
 
 def _release(ckpt: Checkpoint, stem: str) -> None:
