@@ -58,7 +58,7 @@ def _encoders(fmt: str):
     from comfy_kitchen.tensor.fp8 import TensorCoreFP8Layout
     from comfy_kitchen.tensor.mxfp8 import TensorCoreMXFP8Layout
 
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
 
     codec = registry.get(fmt)
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from forge import cli, save
-from h3quant.formats.rules.markers import marker_tensor
-from h3quant.formats.rules.topology import is_h3_block_linear
+from h3quant.formats.markers import marker_tensor
+from h3quant.h3.topology import is_h3_block_linear
 from h3quant.synth import synth_checkpoint
 
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")

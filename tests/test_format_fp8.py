@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from fp8_util import (block_linears, convert, kitchen_file, kitchen_state, tiny, validate_json,
                       verify_json)
 from forge import cli, codes, save
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.fp8.tensors import decode_fp8, encode_fp8
-from h3quant.formats.rules.markers import marker_tensor
+from h3quant.formats.markers import marker_tensor
 
 pytest.importorskip("comfy_kitchen")
 

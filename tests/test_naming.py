@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main as cli_main
-from h3quant.formats.rules.naming import detect, plan_mapping
+from h3quant.h3.naming import detect, plan_mapping
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint
 
@@ -299,7 +299,7 @@ def test_block_scaled_fp8_layer_is_not_decoded_as_scaled_fp8(comfy, tmp_path):
     """An fp8 weight with a U8 (E8M0) block scale and its own marker (comfy-kitchen's MXFP8) is
     another format: convert decodes it through the mxfp8 codec (scale byte 127 = 1.0) instead of
     multiplying the block scale in as a scaled-fp8 scale."""
-    from h3quant.formats.rules.markers import MARKER_SUFFIX, marker_tensor
+    from h3quant.formats.markers import MARKER_SUFFIX, marker_tensor
 
     t = dict(comfy)
     w = t["blocks.0.mlp.fc2.weight"]

@@ -11,17 +11,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from h3quant.errors import FormatError
-from h3quant.formats.rules import naming
+from h3quant.h3 import naming
 from h3quant.findings import Finding
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.markers import HEADER_KEY
+from h3quant.formats.markers import HEADER_KEY
 
 
 def header_layers(ckpt: Checkpoint) -> set[str]:
     """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
     the marker rules report that)."""
     from h3quant.errors import MarkerError
-    from h3quant.formats.rules.markers import parse_header_metadata
+    from h3quant.formats.markers import parse_header_metadata
 
     try:
         return set(parse_header_metadata(ckpt.metadata) or ())

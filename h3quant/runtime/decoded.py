@@ -132,7 +132,7 @@ class DecodedLinear(torch.nn.Module):
 
 def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> list[FormatRoute]:
     """Per quantized format h3quant has a codec for: what runs its layers on ``device``."""
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
     from h3quant.runtime.backends import PREFERENCE, list_backends
 
     probe = probe or live_probe()

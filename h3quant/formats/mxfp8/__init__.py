@@ -2,9 +2,7 @@
 
 Importing this package never imports torch."""
 
-from h3quant.formats.mxfp8.codec import CODEC, CODECS
+from h3quant.formats.mxfp8.codec import CODEC
 from h3quant.formats.mxfp8.spec import SPEC
 
-SPECS = (SPEC,)
-
-__all__ = ["CODEC", "CODECS", "SPEC", "SPECS"]
+__all__ = ["CODEC", "SPEC"]

@@ -2,52 +2,12 @@
 
 from __future__ import annotations
 
-from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
+from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
-from h3quant.formats.mxfp8.spec import BLOCK, SPEC, scale_shape
+from h3quant.formats.mxfp8.spec import BLOCK, SPEC
 
 
 class MxFp8Codec(Codec):
-    name = SPEC.name
-    quantized = True
-    description = SPEC.help
-    targets = (Target(SPEC.target, SPEC.name, False, SPEC.help),)
-    verify = VerifyLimits(rel_err=SPEC.verify_rel_err, block_sqnr_db=SPEC.verify_block_sqnr_db)
-    marker_defaults = {"full_precision_matrix_mult": False}
-    runtime_tensors = ("weight", "weight_scale")
-    runtime_required = ("weight", "weight_scale")
-    deep_scales = ("input_scale",)  # the e8m0 block scales have their own rule (D131)
-    chunked = False  # the blocked scales hold 128 rows per tile: whole layer, 128-row chunks
-    unrowed_outputs = ("weight_scale",)
-    weight_bits = 8
-    decodes = True
-    kernel = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
-    needs_row0 = True  # decode_rows gets the chunk's first row as rows["_row0"]
-    spec = SPEC
-
-    def marker(self, target, group_size):
-        return {"format": self.name}
-
-    def violations(self, tensors: dict, fields: dict | None = None):
-        return rules.mxfp8_violations(tensors)
-
-    def fit_error(self, layer, fields):
-        return rules.first(self.violations(layer.tensors, fields))
-
-    def same_target(self, layer, fields, marker):
-        return fields["format"] == self.name
-
-    def skip_reason(self, k, marker):
-        if k % BLOCK:
-            return f"K={k} is not a multiple of {BLOCK} (mxfp8 blocks)"
-        return None
-
-    def planned(self, n, k, marker):
-        return {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F8_E8M0", scale_shape(n, k))}
-
-    def keep_declared(self, suffix, dtype, shape, n):
-        return ("F8_E8M0" if suffix == "weight_scale" and dtype == "U8" else dtype), shape
-
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale"]
 
@@ -64,7 +24,7 @@ class MxFp8Codec(Codec):
 
         return decode_mxfp8(tensors["weight"], tensors["weight_scale"], dtype)
 
-    def encode(self, w, marker, method, pool=None):
+    def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.mxfp8.tensors import encode_mxfp8
 
         q, s = encode_mxfp8(w, pool=pool)
@@ -90,7 +50,7 @@ class MxFp8Codec(Codec):
 
     def value_violations(self, tensors: dict) -> list:
         """Data rules over loaded tensors (verify): e8m0 scales not NaN, codes finite."""
-        from h3quant.formats.rules.checks import scale_violations
+        from h3quant.formats.check import scale_violations
 
         out = [v for v in scale_violations(tensors["input_scale"])] \
             if "input_scale" in tensors else []
@@ -121,5 +81,4 @@ class MxFp8Codec(Codec):
         return out
 
 
-CODEC = MxFp8Codec()
-CODECS = (CODEC,)
+CODEC = MxFp8Codec(SPEC)

@@ -1,6 +1,6 @@
 """What an ``mxfp8`` layer stores, as data (torch-free).
 
-Facts (docs/FORMATS.md, "mxfp8"): comfy-kitchen ``tensor/mxfp8.py`` (``TensorCoreMXFP8Layout``:
+Facts (docs/FORMATS.md 17.2): comfy-kitchen ``tensor/mxfp8.py`` (``TensorCoreMXFP8Layout``:
 ``weight`` e4m3, ``weight_scale`` e8m0 per block of 32 along K in cuBLAS's blocked layout;
 ``get_padded_shape`` rounds both weight dims up to 32) and ``backends/eager/quantization.py``
 (``quantize_mxfp8``; ``to_blocked`` pads the [N, K/32] scales to [roundup(N, 128),
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h3quant.formats.fp8.spec import TensorDecl
+from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 
 NAME = "mxfp8"
-TARGET = "mxfp8"
 BLOCK = 32
 TILE = (128, 4)  # the scales' blocked tile (rows, scale columns)
 
@@ -30,26 +30,52 @@ def scale_shape(n: int, k: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class MxSpec:
-    name: str
-    target: str
-    tensors: tuple[TensorDecl, ...]
-    bits_per_weight: float
-    verify_rel_err: float
-    verify_block_sqnr_db: float
-    help: str
+class MxSpec(FormatSpec):
+    decodes: bool = True  # the runtime runs it through its float decode
+    needs_row0: bool = True  # decode_rows gets the chunk's first row (blocked scales)
+    kernel: tuple = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
+
+    def marker(self, target, group_size):
+        return {"format": self.name}
+
+    def same_target(self, layer, fields, marker):
+        return fields["format"] == self.name
+
+    def skip_reason(self, k, marker):
+        return f"K={k} is not a multiple of {BLOCK} (mxfp8 blocks)" if k % BLOCK else None
+
+    def planned(self, n, k, marker):
+        return {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("F8_E8M0", scale_shape(n, k))}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        return ("F8_E8M0" if suffix == "weight_scale" and dtype == "U8" else dtype), shape
+
+    def tensor_violations(self, n, cols, fields, tensors):
+        return n, cols, rules.mxfp8_violations(tensors)
+
+    def combination_violations(self, fields, tensors):
+        return rules.mxfp8_shape_violations(tensors)  # Q130 (validate: beside Q103)
 
 
+TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
 SPEC = MxSpec(
-    name=NAME, target=TARGET,
+    name=NAME, description=TEXT,
     tensors=(
-        TensorDecl("weight", ("F8_E4M3",), "[N, K], N and K multiples of 32"),
-        TensorDecl("weight_scale", ("F8_E8M0", "U8"),
+        TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
+                   "[N, K], N and K multiples of 32"),
+        TensorSpec("weight_scale", ("F8_E8M0", "U8"), lambda n, k, f: [scale_shape(n, k)],
                    "[roundup(N, 128), roundup(K/32, 4)] (blocked 128x4 tiles)"),
-        TensorDecl("input_scale", ("F32",), "[]", required=False),
-        TensorDecl("bias", ("BF16", "F16", "F32"), "[N]", required=False),
+        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+        BIAS,
     ),
-    bits_per_weight=8.25,
-    verify_rel_err=0.06, verify_block_sqnr_db=16.0,  # tiny synthetic: 0.027, blocks 19-21 dB
-    help="fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)",
+    targets=(Target(NAME, NAME, False, TEXT),),
+    # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
+    verify=VerifyLimits(0.06, 16.0),
+    marker_defaults={"full_precision_matrix_mult": False},
+    runtime_tensors=("weight", "weight_scale", "input_scale"),
+    runtime_required=("weight", "weight_scale"),
+    deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
+    chunked=False,  # the blocked scales hold 128 rows per tile: whole layer, 128-row chunks
+    unrowed_outputs=("weight_scale",),
+    weight_bits=8,
 )

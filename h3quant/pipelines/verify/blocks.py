@@ -16,9 +16,8 @@ import torch
 
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
-from h3quant.formats.codecs import registry
-from h3quant.formats.rules.markers import QuantFormat
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats import registry
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
@@ -60,7 +59,7 @@ class Thresholds:
     saturation_fraction: float = 0.01
     magnitude_factor: float = 3.0
 
-    def rel_err(self, fmt: QuantFormat | str | None) -> float:
+    def rel_err(self, fmt: str | None) -> float:
         own = registry.decoded_limits(fmt)  # a format run through its decode: its own limit
         if own is not None:
             return own.rel_err
