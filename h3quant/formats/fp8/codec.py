@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
 from h3quant.formats.fp8.spec import E4M3, E5M2
@@ -52,10 +54,8 @@ class Fp8Codec(Codec):
 
     def value_violations(self, tensors: dict) -> list:
         """Data rules over loaded tensors (verify): scales finite and > 0, codes finite."""
-        from h3quant.formats.check import scale_violations
-
-        out = [v for s in ("weight_scale", "input_scale") if s in tensors
-               for v in scale_violations(tensors[s])]
+        out = [replace(v, suffix=s) for s in ("weight_scale", "input_scale") if s in tensors
+               for v in rules.scale_violations(tensors[s])]
         v = rules.nonfinite_codes(tensors["weight"])
         return out + ([v] if v is not None else [])
 

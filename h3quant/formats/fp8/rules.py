@@ -2,9 +2,9 @@
 
 Header rules give ``Violation``s from dtypes and shapes alone (the weight's dtype, rank and the
 bias are the engine's, ``FormatSpec.layer_violations``); the data rules read codes and scales.
-Codes: Q101 a missing tensor, Q102 wrong dtype, Q103 wrong shape, Q130 mxfp8 shapes that are
-not 32-aligned or scales whose blocked (padded) shape disagrees with the weight, D130 codes that
-decode to NaN or infinity, D131 e8m0 block scales that are NaN (0xFF).
+Codes: Q101 a missing tensor, Q102 wrong dtype, Q103 wrong shape, D101/D102 non-finite or
+non-positive scales, D130 codes that decode to NaN or infinity, D131 e8m0 block scales that are
+NaN (0xFF). mxfp8's shape rules (Q130) are in ``h3quant.formats.mxfp8.spec``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from h3quant.formats.spec import Violation, shape_of
 
 
-def _input_scale(tensors: dict) -> list[Violation]:
+def input_scale_violations(tensors: dict) -> list[Violation]:
     i = tensors.get("input_scale")
     if i is not None and (i.dtype != "F32" or shape_of(i) not in ((), (1,))):
         return [Violation("Q103", f"input_scale is {i.dtype} {list(shape_of(i))}, expected "
@@ -23,7 +23,7 @@ def _input_scale(tensors: dict) -> list[Violation]:
 def fp8_violations(name: str, tensors: dict) -> list[Violation]:
     """Rules of a per-tensor fp8 layer beyond its weight's dtype and rank."""
     n = shape_of(tensors["weight"])[0]
-    out = _input_scale(tensors)
+    out = input_scale_violations(tensors)
     s = tensors.get("weight_scale")
     if s is None:
         return out + [Violation("Q101", f"{name} layer has no weight_scale", "weight_scale")]
@@ -33,38 +33,6 @@ def fp8_violations(name: str, tensors: dict) -> list[Violation]:
         out.append(Violation("Q103", f"weight_scale shape {list(shape_of(s))} fits neither [] nor "
                              f"[{n}] nor [{n}, 1]", "weight_scale"))
     return out
-
-
-def mxfp8_shape_violations(tensors: dict) -> list[Violation]:
-    """Q130: the padded shapes of an mxfp8 layer (weight dims, blocked scale shape)."""
-    from h3quant.formats.mxfp8.spec import BLOCK, scale_shape
-
-    w = tensors.get("weight")
-    if w is None or len(shape_of(w)) != 2:
-        return []
-    n, k = shape_of(w)
-    if n % BLOCK or k % BLOCK:
-        return [Violation("Q130", f"weight is [{n}, {k}]: mxfp8 stores weights padded to "
-                          f"multiples of {BLOCK} in both dims")]
-    s = tensors.get("weight_scale")
-    want = scale_shape(n, k)
-    if s is not None and shape_of(s) != want:
-        return [Violation("Q130", f"weight_scale is {list(shape_of(s))}, expected the blocked "
-                          f"layout [roundup(N, 128), roundup(K/32, 4)] = {list(want)} for "
-                          f"N={n}, K={k}", "weight_scale")]
-    return []
-
-
-def mxfp8_violations(tensors: dict) -> list[Violation]:
-    """Rules of an mxfp8 layer beyond its weight's dtype and rank."""
-    out = _input_scale(tensors)
-    s = tensors.get("weight_scale")
-    if s is None:
-        return out + [Violation("Q101", "mxfp8 layer has no weight_scale", "weight_scale")]
-    if s.dtype not in ("F8_E8M0", "U8"):
-        out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F8_E8M0 (or U8 "
-                             "bytes)", "weight_scale"))
-    return out + mxfp8_shape_violations(tensors)
 
 
 # ----------------------------------------------------------------------------- data rules
@@ -77,6 +45,23 @@ def nonfinite_codes(codes) -> Violation | None:
         return None
     return Violation("D130", f"{bad} of {codes.numel()} fp8 codes decode to NaN or infinity; "
                      "an encoder clamps to the largest finite code")
+
+
+def scale_violations(values) -> list[Violation]:
+    """D101 (NaN / infinite) and D102 (zero / negative) for one fp32 scale tensor's values."""
+    import torch
+
+    v = values.float().reshape(-1)
+    out = []
+    bad = int((~torch.isfinite(v)).sum())
+    if bad:
+        out.append(Violation("D101", f"{bad} of {v.numel()} scale values are NaN or infinite; "
+                             "expected finite scales", "weight_scale"))
+    nonpos = int((torch.isfinite(v) & (v <= 0)).sum())
+    if nonpos:
+        out.append(Violation("D102", f"{nonpos} of {v.numel()} scale values are <= 0; expected "
+                             "positive scales", "weight_scale"))
+    return out
 
 
 def e8m0_violation(scales) -> Violation | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
 from h3quant.formats.mxfp8.spec import BLOCK, SPEC
@@ -50,10 +52,8 @@ class MxFp8Codec(Codec):
 
     def value_violations(self, tensors: dict) -> list:
         """Data rules over loaded tensors (verify): e8m0 scales not NaN, codes finite."""
-        from h3quant.formats.check import scale_violations
-
-        out = [v for v in scale_violations(tensors["input_scale"])] \
-            if "input_scale" in tensors else []
+        out = [replace(v, suffix="input_scale") for v in rules.scale_violations(
+            tensors["input_scale"])] if "input_scale" in tensors else []
         for v in (rules.e8m0_violation(tensors["weight_scale"]),
                   rules.nonfinite_codes(tensors["weight"])):
             if v is not None:

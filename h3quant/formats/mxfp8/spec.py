@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
-from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
+from h3quant.formats.spec import (
+    BIAS,
+    FormatSpec,
+    Target,
+    TensorSpec,
+    VerifyLimits,
+    Violation,
+    scalar,
+    shape_of,
+)
 
 NAME = "mxfp8"
 BLOCK = 32
@@ -27,6 +36,37 @@ def roundup(x: int, m: int) -> int:
 def scale_shape(n: int, k: int) -> tuple[int, int]:
     """The stored shape of the block scales of an [N, K] weight (K a multiple of 32)."""
     return roundup(n, TILE[0]), roundup(k // BLOCK, TILE[1])
+
+
+def mxfp8_shape_violations(tensors: dict) -> list[Violation]:
+    """Q130: the padded shapes of an mxfp8 layer (weight dims, blocked scale shape)."""
+    w = tensors.get("weight")
+    if w is None or len(shape_of(w)) != 2:
+        return []
+    n, k = shape_of(w)
+    if n % BLOCK or k % BLOCK:
+        return [Violation("Q130", f"weight is [{n}, {k}]: mxfp8 stores weights padded to "
+                          f"multiples of {BLOCK} in both dims")]
+    s = tensors.get("weight_scale")
+    want = scale_shape(n, k)
+    if s is not None and shape_of(s) != want:
+        return [Violation("Q130", f"weight_scale is {list(shape_of(s))}, expected the blocked "
+                          f"layout [roundup(N, 128), roundup(K/32, 4)] = {list(want)} for "
+                          f"N={n}, K={k}", "weight_scale")]
+    return []
+
+
+def mxfp8_violations(tensors: dict) -> list[Violation]:
+    """Rules of an mxfp8 layer beyond its weight's dtype and rank."""
+    out = rules.input_scale_violations(tensors)
+    s = tensors.get("weight_scale")
+    if s is None:
+        return out + [Violation("Q101", "mxfp8 layer has no weight_scale", "weight_scale")]
+    if s.dtype not in ("F8_E8M0", "U8"):
+        out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F8_E8M0 (or U8 "
+                             "bytes)", "weight_scale"))
+    return out + mxfp8_shape_violations(tensors)
+
 
 
 @dataclass(frozen=True)
@@ -51,10 +91,10 @@ class MxSpec(FormatSpec):
         return ("F8_E8M0" if suffix == "weight_scale" and dtype == "U8" else dtype), shape
 
     def tensor_violations(self, n, cols, fields, tensors):
-        return n, cols, rules.mxfp8_violations(tensors)
+        return n, cols, mxfp8_violations(tensors)
 
     def combination_violations(self, fields, tensors):
-        return rules.mxfp8_shape_violations(tensors)  # Q130 (validate: beside Q103)
+        return mxfp8_shape_violations(tensors)  # Q130 (validate: beside Q103)
 
 
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
