@@ -97,12 +97,18 @@ _r("Q110", "kn-nz-ineligible", I, "int8_tensorwise_kn: K % 16 == 0 and N % 32 ==
 _r("Q111", "kn-npu-n-limit", W, "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
    "limit), else the layer needs tensor parallelism")
 # Data rules (--deep).
+_r("Q130", "mxfp8-shape", E, "mxfp8: weight dims are multiples of 32 and weight_scale is the "
+   "blocked [roundup(N, 128), roundup(K/32, 4)] of that weight")
+_r("Q131", "scaled-fp8-marker", W, "ComfyUI's legacy scaled_fp8 marker is present exactly when the "
+   "file holds scale_weight fp8 layers (without it ComfyUI loads the codes unscaled)")
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")
 _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but never produced)")
 _r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
 _r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
 _r("D106", "weight-nonfinite", E, "float weights are finite")
+_r("D130", "fp8-code-nonfinite", E, "fp8 codes decode to finite values (no NaN / inf codes)")
+_r("D131", "e8m0-scale-nan", E, "mxfp8 e8m0 block scales are not 0xFF (NaN)")
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")

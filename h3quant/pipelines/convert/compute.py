@@ -102,6 +102,8 @@ class SourceRows:
         rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
+        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+            rows["_row0"] = r0
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
@@ -221,6 +223,8 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     unrowed = opts.codec.unrowed_outputs
     samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
     samples.extra = {s: v for s, v in out.items() if s in unrowed}
+    if getattr(opts.codec, "needs_row0", False) and samples.idx is not None:
+        samples.extra["_rows"] = samples.idx  # which rows were sampled (blocked scales)
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
