@@ -118,6 +118,11 @@ class Codec:
         """(suffixes read row by row, suffixes read whole) to decode rows of a stored weight."""
         return ["weight"], []
 
+    def row_views(self, whole: dict, fields: dict | None) -> dict[str, torch.Tensor]:
+        """Row-indexed tensors derived once from the whole-read ones (nvfp4: its block scales
+        unswizzled to ``[N, K/16]``); ``decode_rows`` gets their rows under the same names."""
+        return {}
+
     def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
         return rows["weight"]
@@ -131,6 +136,15 @@ class Codec:
         import torch
 
         return {"weight": w.to(torch.bfloat16)}
+
+    def write_refusal(self) -> str | None:
+        """Why ``convert`` cannot write this format (None: it can)."""
+        return None
+
+    def deep_check(self, tensors: dict, read, fields: dict) -> list:
+        """``validate --deep`` rules beyond ``deep_scales``: ``read(info, dtype=None)`` gives a
+        tensor's values (1-D); returns ``rules.checks.Violation`` objects."""
+        return []
 
     def report_grid(self, out: dict, marker: dict | None):
         """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""

@@ -4,8 +4,8 @@ Every place that depends on a layer's format asks here instead of comparing form
 ``codec_for(fields)`` gives the codec of a layer from its effective marker fields (the plain
 codec when there is no marker), ``target(name)`` a ``convert --to`` choice. A new format is one
 module under ``h3quant.formats.codecs`` defining ``CODEC`` and one line in ``_MODULES``.
-Formats ComfyUI knows but h3quant cannot encode or run (fp8, nvfp4, ...) have no codec; their
-tensor sets are still checked by ``h3quant.formats.rules.schemes``.
+Formats ComfyUI knows but h3quant has no codec for have their tensor sets checked by
+``h3quant.formats.rules.schemes``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ _MODULES = (
     "h3quant.formats.codecs.int8.codec",
     "h3quant.formats.codecs.int8_kn.codec",
     "h3quant.formats.codecs.w4a8.codec",
+    "h3quant.formats.nvfp4.codec",
+    "h3quant.formats.int4_convrot.codec",
+    "h3quant.formats.awq_w4a16.codec",
     "h3quant.formats.codecs.plain",
 )
 

@@ -98,3 +98,9 @@ def decode_int4_convrot(q: torch.Tensor, s: torch.Tensor, group_size: int = 256,
     g = group_size
     out = torch.matmul(w_rot.reshape(r, k // g, g), _h_t(g, torch.float32)).reshape(r, k)
     return out.to(dtype)
+
+
+def count_minus8(q: torch.Tensor) -> int:
+    """Nibbles holding -8 (legal in storage, never written by the [-7, 7] quantizer)."""
+    b = q.view(torch.int8) if q.dtype == torch.uint8 else q
+    return int(((b & 0x0F) == 0x08).sum()) + int((((b >> 4) & 0x0F) == 0x08).sum())

@@ -180,3 +180,67 @@ def decode_nvfp4(q: torch.Tensor, weight_scale: torch.Tensor, scale: torch.Tenso
     vals = lut[unpack_hi_first(q).long()]
     total = scale.reshape(()).to(dtype) * grid.to(dtype)
     return (vals.reshape(r, kp // BLOCK, BLOCK) * total.unsqueeze(-1)).reshape(r, kp)
+
+
+# --------------------------------------------------------------------------- data checks
+
+
+def _block_peaks(q: torch.Tensor) -> torch.Tensor:
+    """Per 16-value block, the largest |code| index (0..7) of packed ``q`` ``[R, Kp/2]``."""
+    mag = unpack_hi_first(q) & 0x07
+    return mag.reshape(q.shape[0], -1, BLOCK).amax(-1)
+
+
+def roughness(grid_bytes: torch.Tensor) -> float:
+    """Mean |log2| step between horizontally adjacent non-zero block scales of a ``[R, C]``
+    grid. A weight's block scales follow its rows (a row's blocks share its magnitude), so the
+    right reading of the stored bytes is the smoother one."""
+    v = grid_bytes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    if v.shape[1] < 2:
+        return 0.0
+    a, b = v[:, 1:], v[:, :-1]
+    both = (a > 0) & (b > 0) & torch.isfinite(a) & torch.isfinite(b)
+    if not bool(both.any()):
+        return 0.0
+    return float((a[both].log2() - b[both].log2()).abs().mean())
+
+
+def deep_violations(q: torch.Tensor, scale_bytes: torch.Tensor) -> list[tuple[str, str, str]]:
+    """(code, message, suffix) data findings of an nvfp4 layer: block-scale values and layout.
+
+    ``q``: the packed weight ``[Np, Kp/2]`` (uint8); ``scale_bytes``: the stored block scales
+    as uint8 of their stored 2-D shape."""
+    out = []
+    raw = scale_bytes
+    nan = (raw & 0x7F) == 0x7F
+    neg = ((raw & 0x80) != 0) & ((raw & 0x7F) != 0) & ~nan
+    if bool(nan.any()):
+        out.append(("D120", f"{int(nan.sum())} of {raw.numel()} e4m3 block scales are NaN; "
+                    "expected finite scales", "weight_scale"))
+    if bool(neg.any()):
+        out.append(("D120", f"{int(neg.sum())} of {raw.numel()} e4m3 block scales are negative; "
+                    "the encoder writes scales >= 0", "weight_scale"))
+    rows, cols = q.shape[0], q.shape[1] * 2 // BLOCK
+    rp, cp = raw.shape
+    if rp < rows or cp < cols or rp % TILE_ROWS or cp % TILE_COLS:
+        return out  # the header rules report the shape
+    blocked = unswizzle(raw, rp, cp)
+    pad = blocked.clone()
+    pad[:rows, :cols] = 0
+    if bool(pad.any()):
+        out.append(("D121", f"{int((pad != 0).sum())} block scales in the blocked layout's padding "
+                    "are not zero (expected zeros outside the [N, K/16] grid)", "weight_scale"))
+    grid = blocked[:rows, :cols]
+    zero_bad = int((((grid & 0x7F) == 0) & (_block_peaks(q) != 0)).sum())
+    if zero_bad:
+        out.append(("D120", f"{zero_bad} blocks have a zero block scale over non-zero codes "
+                    "(their values are lost)", "weight_scale"))
+    if rp == rows and cp == cols and rows > 32:  # the same bytes also read as a plain grid
+        as_blocked, as_plain = roughness(grid), roughness(raw)
+        if as_plain < 0.7 * as_blocked:
+            out.append(("D121", "the block scales follow the rows when read as a plain row-major "
+                        f"[{rows}, {cols}] grid (mean log2 step {as_plain:.2f} vs {as_blocked:.2f} "
+                        "in the blocked layout): they were not swizzled into cuBLAS's blocked "
+                        "128 x 4 layout, so every block decodes with another block's scale",
+                        "weight_scale"))
+    return out

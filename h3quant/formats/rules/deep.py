@@ -143,6 +143,11 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
         if fmt is QuantFormat.ASYM_W4A8_INT8 and cb is not None and cb.dtype in FLOAT_DTYPES:
             _check_codebook(src, cb, out)
             checked.add(cb.name)
+        for v in codec.deep_check(t, lambda info, dtype=None: _read(src, info, dtype),
+                                  layer.fields or {}):
+            info = t.get(v.suffix) or t.get("weight")
+            out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),
+                               file=str(info.file) if info is not None else None))
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():

@@ -16,6 +16,9 @@ from h3quant.findings import Finding
 from h3quant.formats.rules import checks as rules
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.formats.rules.markers import QuantFormat
+from h3quant.formats.awq_w4a16 import spec as awq_spec
+from h3quant.formats.int4_convrot import spec as int4_convrot_spec
+from h3quant.formats.nvfp4 import spec as nvfp4_spec
 
 # Allowed shapes given (N, K, fields); None = any shape.
 ShapeRule = Callable[[int, int, dict], list[tuple[int, ...]]]
@@ -110,18 +113,6 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
     ),
     QuantFormat.FLOAT8_E4M3FN: _fp8_spec(QuantFormat.FLOAT8_E4M3FN, "F8_E4M3", "e4m3"),
     QuantFormat.FLOAT8_E5M2: _fp8_spec(QuantFormat.FLOAT8_E5M2, "F8_E5M2", "e5m2"),
-    QuantFormat.NVFP4: SchemeSpec(
-        "nvfp4", QuantFormat.NVFP4, False,
-        (
-            TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
-            TensorSpec("weight_scale", ("F8_E4M3",), lambda n, k, f: [(n, -(-k // 16))],
-                       "[N, K/16] (may be padded)", at_least=True),
-            TensorSpec("weight_scale_2", ("F32",), _scalar, "[]"),
-            TensorSpec("input_scale", ("F32",), _scalar, "[]", required=False),
-            _BIAS,
-        ),
-        True, "fp4 e2m1 codes (two per byte) + e4m3 block scales (16) + fp32 tensor scale",
-    ),
     QuantFormat.MXFP8: SchemeSpec(
         "mxfp8", QuantFormat.MXFP8, False,
         (
@@ -133,17 +124,20 @@ SCHEMES: dict[QuantFormat, SchemeSpec] = {
         ),
         True, "fp8 e4m3 weight + e8m0 block scales (32)",
     ),
-    QuantFormat.CONVROT_W4A4: SchemeSpec(
-        "convrot_w4a4", QuantFormat.CONVROT_W4A4, False,
-        (TensorSpec("weight", ("I8", "U8"), None, "packed"),), False,
-        "ConvRot 4-bit weights and activations",
-    ),
-    QuantFormat.AWQ_W4A16: SchemeSpec(
-        "awq_w4a16", QuantFormat.AWQ_W4A16, False,
-        (TensorSpec("weight", ("I8", "U8", "I32"), None, "packed"),), False,
-        "AWQ 4-bit weights, 16-bit activations",
-    ),
 }
+
+# Formats whose package declares its tensor set and header rules itself (spec.TENSORS, rules).
+_SPEC_RULES = {QuantFormat.NVFP4: nvfp4_spec, QuantFormat.CONVROT_W4A4: int4_convrot_spec,
+               QuantFormat.AWQ_W4A16: awq_spec}
+
+
+def _from_package(fmt: QuantFormat, spec) -> SchemeSpec:
+    tensors = tuple(TensorSpec(sfx, dtypes, None, words, required=req)
+                    for sfx, dtypes, words, req in spec.TENSORS)
+    return SchemeSpec(spec.NAME, fmt, True, tensors, True, spec.DESCRIPTION)
+
+
+SCHEMES.update({fmt: _from_package(fmt, spec) for fmt, spec in _SPEC_RULES.items()})
 
 PLAIN_FLOAT = SchemeSpec(
     "float", None, True,
@@ -174,10 +168,8 @@ def logical_shape(layer) -> tuple[int | None, int | None]:
         if s_rel is not None and len(s_rel.shape) == 2 and isinstance(g, int) and g > 0:
             return n, s_rel.shape[1] * g
         return n, 2 * cols
-    if fmt is QuantFormat.NVFP4:
-        return n, 2 * cols
-    if fmt in (QuantFormat.CONVROT_W4A4, QuantFormat.AWQ_W4A16):
-        return None, None
+    if fmt in _SPEC_RULES:
+        return _SPEC_RULES[fmt].logical_shape((n, cols), layer.fields)
     if fmt is QuantFormat.INT8_TENSORWISE_KN:
         return cols, n  # stored [K, N]
     return n, cols
@@ -214,6 +206,14 @@ def check_layer(layer) -> list[Finding]:
             "only its tensor set is checked")
     if layer.weight is None:
         add("Q101", f"layer has a {spec.name} marker but no weight tensor")
+        return out
+    if spec.format in _SPEC_RULES:  # the package's own rules, then tensors it does not define
+        for v in _SPEC_RULES[spec.format].rules(fields or {}, layer.tensors):
+            add(v.code, v.message, v.suffix)
+        for suffix in sorted(set(layer.tensors) - spec.suffixes):
+            add("Q106", f"{spec.name} defines no '{suffix}' tensor (expected only "
+                f"{', '.join(sorted(spec.suffixes - {'comfy_quant'}))}); loaders ignore or reject it",
+                suffix)
         return out
     n, k = logical_shape(layer)
     if len(layer.weight.shape) != 2 and spec.tensors[0].shapes is not None:

@@ -34,7 +34,8 @@ _BLOCK_NORMS = ("norm1", "norm2", "attn.q_norm", "attn.k_norm")
 # Tensors that may sit beside an expected ``L.weight`` when ``L`` is quantized.
 COMPANION_SUFFIXES = frozenset(LAYER_SUFFIXES - {"weight", "bias"})
 # Formats whose weight packs two 4-bit codes per byte along K.
-_PACKED_FORMATS = frozenset({"asym_w4a8_int8", "nvfp4"})
+# stored [N, K/2]: two 4-bit codes per byte (nvfp4 also pads N and K to multiples of 16)
+_PACKED_FORMATS = frozenset({"asym_w4a8_int8", "nvfp4", "convrot_w4a4", "awq_w4a16"})
 
 _BLOCK_LINEAR_RE = re.compile(
     r"^(?!(?:.*\.)?token_refiner\.)(?:.*\.)?blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$"
@@ -284,11 +285,12 @@ def block_index_beyond_limit(name: str) -> int | None:
     return None
 
 
-def detect(tensors: dict) -> Detection | None:
+def detect(tensors: dict, formats: dict | None = None) -> Detection | None:
     """Recognise an H3 DiT (float, int8 or W4A8) from its header and infer its configuration.
 
     ``tensors`` maps names to objects with ``.dtype`` and ``.shape``. Returns None when there is
-    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix).
+    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix). ``formats`` maps quantized layer
+    names to their marker format, so packed weights are measured by their logical shape.
     """
     prefix = _find_prefix(tensors)
     if prefix is None:
@@ -297,7 +299,8 @@ def detect(tensors: dict) -> Detection | None:
     p = re.escape(prefix)
 
     def dim(name: str, axis: int) -> int | None:
-        shape = logical_shape(tensors, prefix + name)
+        layer = prefix + name[: -len(".weight")] if name.endswith(".weight") else None
+        shape = logical_shape(tensors, prefix + name, (formats or {}).get(layer))
         return shape[axis] if shape is not None and len(shape) > axis else None
 
     def first(*values, default):

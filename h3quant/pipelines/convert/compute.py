@@ -81,6 +81,8 @@ class SourceRows:
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
         self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
+        self._views = self.codec.row_views(self._whole, self.f)
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -102,6 +104,7 @@ class SourceRows:
         rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
+        rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
@@ -221,6 +224,8 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     unrowed = opts.codec.unrowed_outputs
     samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
     samples.extra = {s: v for s, v in out.items() if s in unrowed}
+    if samples.idx is not None and unrowed:  # which rows were sampled (nvfp4's scales are
+        samples.extra["__rows__"] = samples.idx  # stored by tile, not by row)
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
