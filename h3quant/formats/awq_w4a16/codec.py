@@ -5,7 +5,6 @@ from __future__ import annotations
 from h3quant.errors import UnsupportedError
 from h3quant.formats.awq_w4a16 import spec
 from h3quant.formats.codecs.base import Codec, Target, VerifyLimits
-from h3quant.formats.rules.checks import Violation
 
 NAME = spec.NAME
 
@@ -22,6 +21,7 @@ class AWQW4A16(Codec):
     deep_scales = ("weight_scale",)
     column_sources = ("weight_scale", "weight_zeros")  # stored [K/G, N]: row r is column r
     weight_bits = 4
+    decodes = True  # the runtime runs it through decode_weight (kitchen's W4A16 math)
 
     def logical_k(self, cols, fields):
         return 2 * cols
@@ -63,6 +63,16 @@ class AWQW4A16(Codec):
 
         return decode_awq(rows["weight"].view(torch.int8), rows["weight_scale"],
                           rows["weight_zeros"], int(fields.get("group_size", 64)))
+
+    def decode_weight(self, tensors, fields, dtype):
+        """comfy-kitchen's dequantize in ``dtype``: (q - 8) * scale + zero."""
+        import torch
+
+        from h3quant.formats.awq_w4a16.tensors import decode_awq
+
+        return decode_awq(tensors["weight"].view(torch.int8), tensors["weight_scale"].t(),
+                          tensors["weight_zeros"].t(), int((fields or {}).get("group_size", 64)),
+                          dtype=dtype)
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is None:

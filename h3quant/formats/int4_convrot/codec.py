@@ -28,6 +28,8 @@ class ConvRotW4A4(Codec):
     deep_scales = ("weight_scale",)
     always_convrot = True
     weight_bits = 4
+    decodes = True  # the runtime may run it through decode_weight (dequantizing)
+    kernel = ("int4 MMA (comfy-kitchen TensorCoreConvRotW4A4Layout)", (7, 5))
 
     def logical_k(self, cols, fields):
         return 2 * cols
@@ -75,6 +77,27 @@ class ConvRotW4A4(Codec):
 
         return decode_int4_convrot(rows["weight"].view(torch.int8), rows["weight_scale"].reshape(-1),
                                    int(fields.get("convrot_groupsize", 256)))
+
+    def decode_weight(self, tensors, fields, dtype):
+        """comfy-kitchen's dequantize: fp32 codes x scales rotated back, then ``dtype``."""
+        import torch
+
+        from h3quant.formats.int4_convrot.tensors import decode_int4_convrot
+
+        return decode_int4_convrot(tensors["weight"].view(torch.int8),
+                                   tensors["weight_scale"].reshape(-1),
+                                   int((fields or {}).get("convrot_groupsize", 256)), dtype=dtype)
+
+    def emulated_linear(self, x, tensors, fields, bias=None):
+        """``x W^T + b`` as ComfyUI computes it without the int4 kernel (comfy-kitchen's eager
+        W4A4 path): x rotated and quantized per token to int4, a matmul of the codes in
+        ``x.dtype``, both scales."""
+        import torch
+
+        from h3quant.formats.int4_convrot.tensors import w4a4_linear
+
+        return w4a4_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
+                           int((fields or {}).get("convrot_groupsize", 256)), bias)
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.int4_convrot.tensors import encode_int4_convrot

@@ -104,3 +104,29 @@ def count_minus8(q: torch.Tensor) -> int:
     """Nibbles holding -8 (legal in storage, never written by the [-7, 7] quantizer)."""
     b = q.view(torch.int8) if q.dtype == torch.uint8 else q
     return int(((b & 0x0F) == 0x08).sum()) + int((((b >> 4) & 0x0F) == 0x08).sum())
+
+
+def _quantize_rows_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int4 of ``x`` in its own dtype: (codes int8 in [-7, 7], scales [R])."""
+    amax = torch.maximum(x.amax(1, keepdim=True), x.amin(1, keepdim=True).neg())
+    s = amax.clamp_(min=AMAX_MIN) / INT4_MAX
+    q = (x / s).round_().clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
+    return q, s.reshape(-1).to(torch.float32)
+
+
+def w4a4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int = 256,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` the way comfy-kitchen's eager W4A4 path computes it (ComfyUI without the
+    int4 kernel): ``x`` rotated by ``H_g`` in its dtype, per-token int4 codes and scales, the
+    code matmul in ``x.dtype``, then both scales and the bias, in ``x.dtype``."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    g = group_size
+    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype).t()).reshape(-1, k)
+    qa, sa = _quantize_rows_int4(x_rot)
+    out = qa.to(x.dtype) @ unpack_int4(q).to(x.dtype).t()
+    out = out * sa.reshape(-1, 1).to(x.dtype)
+    out = out * s.reshape(1, -1).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype).reshape(1, -1)
+    return out.reshape(*x.shape[:-1], q.shape[0])

@@ -29,6 +29,8 @@ class NVFP4(Codec):
     chunked = False  # the tensor scale is the whole layer's amax
     unrowed_outputs = ("weight_scale", "weight_scale_2")
     weight_bits = 4
+    decodes = True  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
+    kernel = ("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0))
 
     def logical_k(self, cols, fields):
         return 2 * cols
@@ -81,6 +83,16 @@ class NVFP4(Codec):
             grid = grid[:, :q.shape[1] * 2 // spec.BLOCK].contiguous().view(torch.float8_e4m3fn)
             grid = grid.to(torch.float32)
         return decode_nvfp4(q, whole["weight_scale"], whole["weight_scale_2"], grid=grid)
+
+    def decode_weight(self, tensors, fields, dtype):
+        """The weight as comfy-kitchen's dequantize gives it in ``dtype`` (the scale product is
+        formed in ``dtype`` too)."""
+        import torch
+
+        from h3quant.formats.nvfp4.tensors import decode_nvfp4
+
+        return decode_nvfp4(tensors["weight"].view(torch.uint8), tensors["weight_scale"],
+                            tensors["weight_scale_2"], dtype=dtype)
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.nvfp4.tensors import encode_nvfp4

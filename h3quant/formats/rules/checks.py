@@ -58,9 +58,20 @@ def combination_violations(fmt: str, fields: dict, tensors: dict) -> list[Violat
     return out
 
 
+def _package_spec(fmt: str):
+    """The spec module of a format package with its own header rules (None for the others)."""
+    import importlib
+
+    pkg = {"nvfp4": "nvfp4", "convrot_w4a4": "int4_convrot", "awq_w4a16": "awq_w4a16"}.get(fmt)
+    return importlib.import_module(f"h3quant.formats.{pkg}.spec") if pkg else None
+
+
 def layer_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
     """Every tensor rule of an ``int8_tensorwise`` / ``asym_w4a8_int8`` layer. ``tensors`` maps
     suffix -> an object with ``dtype`` (safetensors name) and ``shape``."""
+    spec = _package_spec(fmt)
+    if spec is not None:  # a format package that declares its own rules
+        return spec.rules(fields, tensors)
     out: list[Violation] = []
     w = tensors.get("weight")
     if w is None:
