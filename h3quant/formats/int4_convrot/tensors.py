@@ -30,10 +30,11 @@ _H: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
 def _h_t(g: int, dtype: torch.dtype) -> torch.Tensor:
+    """``H_g^T`` as a transposed view (the BLAS call, hence the rounding, follows the layout)."""
     key = (g, dtype)
     if key not in _H:
-        _H[key] = hadamard(g).to(dtype).t().contiguous()
-    return _H[key]
+        _H[key] = hadamard(g).to(dtype).contiguous()
+    return _H[key].t()
 
 
 def check_k(k: int, g: int) -> str | None:
@@ -122,7 +123,7 @@ def w4a4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: i
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     g = group_size
-    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype).t()).reshape(-1, k)
+    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype).t()).reshape(-1, k)  # H itself
     qa, sa = _quantize_rows_int4(x_rot)
     out = qa.to(x.dtype) @ unpack_int4(q).to(x.dtype).t()
     out = out * sa.reshape(-1, 1).to(x.dtype)
