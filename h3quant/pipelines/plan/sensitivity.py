@@ -149,8 +149,8 @@ def sqnr_db(signal: float, noise: float) -> float:
 
 def _encoded_layer(layer, cand: Candidate):
     """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format."""
-    from h3quant.formats.codecs import registry
-    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.formats import registry
+    from h3quant.formats.markers import effective_fields
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
@@ -171,7 +171,7 @@ def _candidate_linear(layer, device, compute_dtype):
     format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
     import torch
 
-    from h3quant.formats.codecs.base import Codec
+    from h3quant.formats.codec import Codec
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
 
     codec = layer.codec
@@ -190,9 +190,9 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     its marker tensor; from the codec's planned tensor set, as convert lays them out."""
     if cand is None:
         return float_bytes
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
     from h3quant.formats.container.dtypes import itemsize
-    from h3quant.formats.rules.markers import marker_bytes
+    from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
@@ -210,7 +210,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     looks); ``on_block(done, total)`` after each block."""
     import torch
 
-    from h3quant.formats.rules.topology import BLOCK_LINEARS
+    from h3quant.h3.topology import BLOCK_LINEARS
     from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
     from h3quant.runtime.model.block import build_block, reference_linear
