@@ -8,6 +8,7 @@ from h3quant.formats.spec import Violation
 
 
 class NVFP4Codec(Codec):
+    needs_row0 = True  # block scales are laid out by 128-row tile, not by row
     decodes = True  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
     kernel = ("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0))
 
@@ -29,6 +30,9 @@ class NVFP4Codec(Codec):
 
         q = rows["weight"].view(torch.uint8)
         grid = rows.get("block_grid")
+        if grid is None and "_row0" in rows:  # the first row's index instead of the views
+            grid = self.row_views(whole, fields)["block_grid"]
+            grid = grid[rows["_row0"]:rows["_row0"] + q.shape[0]]
         if grid is not None:
             grid = grid[:, :q.shape[1] * 2 // BLOCK].contiguous().view(torch.float8_e4m3fn)
             grid = grid.to(torch.float32)
@@ -53,7 +57,7 @@ class NVFP4Codec(Codec):
         from h3quant.formats.nvfp4.tensors import decode_nvfp4
 
         return decode_nvfp4(out["weight"], out["weight_scale"], out["weight_scale_2"],
-                            rows=out.get("__rows__")), None
+                            rows=out.get("__rows__", out.get("_rows"))), None
 
     def layer_data_violations(self, tensors, read, fields):
         import torch
