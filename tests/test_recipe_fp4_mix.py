@@ -100,3 +100,21 @@ def test_the_mixed_file_validates_and_inspects(files):
     assert res.exit_code == 0
     for fmt in ("nvfp4", "convrot_w4a4", "int8_tensorwise"):
         assert fmt in res.output
+
+
+def test_plan_measures_the_fp4_candidates(tmp_path):
+    import json
+
+    src = tmp_path / "one.safetensors"
+    synth_checkpoint(src, preset="tiny", blocks=1, seed=4)
+    res = cli("plan", src, "--formats", "int8-convrot,nvfp4,int4-convrot", "--json", "-q")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    units = {(u["unit"], u["format"]): u for u in doc["sensitivity"]["units"]}
+    assert set(units) == {("blocks.0", f) for f in ("int8-convrot", "nvfp4", "int4-convrot")}
+    sizes = {f: units[("blocks.0", f)]["bytes"] for f in ("int8-convrot", "nvfp4", "int4-convrot")}
+    assert sizes["int4-convrot"] < sizes["nvfp4"] < sizes["int8-convrot"]
+    for u in units.values():  # a real measurement: finite, and 4-bit below int8
+        assert all(v > 0 for v in u["sqnr_db"].values())
+    assert min(units[("blocks.0", "nvfp4")]["sqnr_db"].values()) < \
+        min(units[("blocks.0", "int8-convrot")]["sqnr_db"].values())

@@ -42,6 +42,13 @@ class AWQW4A16Codec(Codec):
         return decode_awq(tensors["weight"].view(torch.int8), tensors["weight_scale"].t(),
                           tensors["weight_zeros"].t(), _g(fields), dtype=dtype)
 
+    def int8_grid(self, tensors, fields):
+        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
+        from h3quant.errors import UnsupportedError
+
+        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
+                               "them through their float decode (dequant)", code="Q105")
+
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is None:
             raise UnsupportedError(REFUSAL, code="Q105")

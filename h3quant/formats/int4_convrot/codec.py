@@ -46,6 +46,13 @@ class ConvRotW4A4Codec(Codec):
         return w4a4_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
                            _g(fields), bias)
 
+    def int8_grid(self, tensors, fields):
+        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
+        from h3quant.errors import UnsupportedError
+
+        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
+                               "them through their float decode (dequant)", code="Q105")
+
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.int4_convrot.tensors import encode_int4_convrot
 

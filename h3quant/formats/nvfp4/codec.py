@@ -48,6 +48,13 @@ class NVFP4Codec(Codec):
         return decode_nvfp4(tensors["weight"].view(torch.uint8), tensors["weight_scale"],
                             tensors["weight_scale_2"], dtype=dtype)
 
+    def int8_grid(self, tensors, fields):
+        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
+        from h3quant.errors import UnsupportedError
+
+        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
+                               "them through their float decode (dequant)", code="Q105")
+
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.nvfp4.tensors import encode_nvfp4
 

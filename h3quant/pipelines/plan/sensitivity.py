@@ -171,11 +171,10 @@ def _candidate_linear(layer, device, compute_dtype):
     format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
     import torch
 
-    from h3quant.formats.codec import Codec
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
 
     codec = layer.codec
-    if type(codec).int8_grid is not Codec.int8_grid:
+    if not getattr(codec, "decodes", False):
         return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
     rows, whole = codec.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}
