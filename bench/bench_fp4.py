@@ -165,7 +165,7 @@ def _convert_worker(args) -> None:
 
     t0 = time.perf_counter()
     try:
-        main([args.src, args.out, "--to", args.to, "-q", "--no-report", "--overwrite"],
+        main(["convert", args.src, args.out, "--to", args.to, "-q", "--no-report", "--overwrite"],
              standalone_mode=False)
     except SystemExit:
         pass

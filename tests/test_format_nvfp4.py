@@ -203,3 +203,10 @@ def test_row_chunks_decode_with_their_tiles_scales():
         by_view = CODEC.decode_rows({"weight": q, "block_grid": views["block_grid"][r0:r1]}, whole, {})
         by_row0 = CODEC.decode_rows({"weight": q, "_row0": r0}, whole, {})
         assert torch.equal(by_view, full[r0:r1]) and torch.equal(by_row0, full[r0:r1])
+
+
+def test_convert_refuses_an_unswizzled_source(tmp_path):
+    p = _one_layer(tmp_path, _unswizzle)
+    out = tmp_path / "o.safetensors"
+    res = cli("convert", p, out, "--to", "bf16", "--preset", "all-linears")
+    assert res.exit_code == 1 and "D121" in res.output and not out.exists(), res.output
