@@ -123,6 +123,7 @@ class FormatSpec:
     canonical: str | None = None  # for a layout variant: the format it re-lays out
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
 
     # ------------------------------------------------------------------ derived facts
     @property

@@ -68,6 +68,9 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal:
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")

@@ -165,6 +165,25 @@ def _encoded_layer(layer, cand: Candidate):
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
 
 
+def _candidate_linear(layer, device, compute_dtype):
+    """The module a candidate-format layer runs as: the runtime's quantized linear where the
+    runtime multiplies the format's int8 grid (int8, W4A8), else the float linear of the
+    format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
+    import torch
+
+    from h3quant.runtime.model.block import FloatLinear, quantized_linear
+
+    codec = layer.codec
+    if not getattr(codec, "decodes", False):
+        return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
+    rows, whole = codec.source_tensors(layer.fields, layer.tensors)
+    whole_t = {s: layer.tensors[s] for s in whole}
+    local = {s: layer.tensors[s] for s in rows}
+    local.update(codec.row_views(whole_t, layer.fields))
+    w = codec.decode_rows(local, whole_t, layer.fields)
+    return FloatLinear(w.to(torch.bfloat16), layer.bias)  # cast in chunks per call
+
+
 def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     """Bytes of an [n, k] linear's weight tensors in ``cand`` (None: as stored in float), with
     its marker tensor; from the codec's planned tensor set, as convert lays them out."""
@@ -193,7 +212,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     from h3quant.h3.topology import BLOCK_LINEARS
     from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
-    from h3quant.runtime.model.block import build_block, quantized_linear, reference_linear
+    from h3quant.runtime.model.block import build_block, reference_linear
     from h3quant.runtime.model.model import H3Model
 
     cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
@@ -231,8 +250,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
                         def make(lay, _g=group, _enc=enc):
                             local = lay.name[len(prefix) + 1:]
                             if local in _g:
-                                return quantized_linear(_enc[local], device=cpu,
-                                                        compute_dtype=torch.float32)
+                                return _candidate_linear(_enc[local], cpu, torch.float32)
                             return reference_linear(lay, device=model.tdev)
 
                         qblock = build_block(loaded, make, device=model.tdev)
