@@ -68,7 +68,7 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
 
 def test_convert_applies_it_before_encoding(tmp_path, monkeypatch):
     from h3quant.pipelines.convert import ConvertOptions, convert, run
-    from tests.test_convert import small_h3, write
+    from helpers.h3files import small_h3, write
 
     seen = []
     monkeypatch.setattr(run, "keep_freed_memory", lambda: seen.append(True) or True)

@@ -9,16 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_convert import small_h3, write
+from helpers.h3files import write
 
 from h3quant.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def src(tmp_path) -> Path:
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
 
 
 def cli(*args, env=None):

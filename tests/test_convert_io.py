@@ -10,12 +10,7 @@ import pytest
 
 from h3quant.pipelines.convert import ConvertOptions, convert, io
 from h3quant.pipelines.convert.io import OffsetWriter
-from tests.test_convert import sha, small_h3, write
-
-
-@pytest.fixture
-def src(tmp_path):
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
+from helpers.h3files import sha
 
 
 def _convert(src, dst, **kw):

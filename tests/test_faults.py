@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3, write
 
 from h3quant.errors import ContainerError
 from h3quant.formats.container import atomic
@@ -43,11 +43,6 @@ def cli(*args):
 def no_traceback(res) -> None:
     assert "Traceback" not in res.stderr, res.stderr
     assert res.returncode in (0, 1, 2), (res.returncode, res.stderr)
-
-
-@pytest.fixture
-def src(tmp_path) -> Path:
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
 
 
 def names(d: Path) -> list[str]:
@@ -216,7 +211,7 @@ def test_truncated_input_in_a_subprocess_ends_without_bus_error(tmp_path):
 
 # ---------------------------------------------------------------------- shard index
 def _sharded(tmp_path: Path) -> Path:
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     return make_sharded(tmp_path / "ck", small_h3(blocks=1))
 
@@ -281,7 +276,7 @@ HOSTILE = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest.mark.parametrize("cmd", ["inspect", "validate", "convert"])
 def test_hostile_header_json_is_a_finding_or_clear_error(tmp_path, case, cmd):
-    from forge import raw_file
+    from helpers.forge import raw_file
 
     text = HOSTILE[case].encode("utf-8", "surrogatepass")
     f = raw_file(tmp_path / "h.safetensors", text + b" " * (-len(text) % 8), b"\0" * 4)
@@ -305,7 +300,7 @@ def test_hostile_index_json_is_a_finding(tmp_path, case):
 
 
 def test_hostile_marker_json_is_a_finding(tmp_path):
-    from forge import int8_layer, save
+    from helpers.forge import int8_layer, save
 
     t = int8_layer("blocks.0.mlp.fc1")
     deep = ("[" * 50_000).encode()

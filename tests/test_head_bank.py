@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import independent_h3 as ind
-from test_block import quantize_file, read_all
+from helpers import independent_h3 as ind
+from helpers.h3files import quantize_file, read_tensors
 
 from h3quant.cli import main
 from h3quant.errors import VerifyError
@@ -112,7 +112,7 @@ def test_schedule_and_spans_follow_the_rule():
 
 @pytest.mark.parametrize("steps", [8, 2])
 def test_every_step_equals_the_independent_rule(bank_files, steps):
-    src, _ = read_all(bank_files["bank"])
+    src, _ = read_tensors(bank_files["bank"])
     v, a, t = _inputs()
     sched = t_schedule(steps)
     vw, vb = src["final_layer.video_out.weight"], src["final_layer.video_out.bias"]
@@ -173,7 +173,7 @@ def test_synth_inspect_and_validate_report_the_bank(bank_files, tmp_path):
     assert r.exit_code == 0, r.output
     # video and audio stacking different numbers of heads: a topology error
     from h3quant.formats.container.writer import save_tensors
-    src, meta = read_all(out)
+    src, meta = read_tensors(out)
     src["final_layer.audio_out.weight"] = src["final_layer.audio_out.weight"][:2 * PA]
     bad = tmp_path / "bad.safetensors"
     save_tensors(bad, src, meta)

@@ -249,7 +249,7 @@ def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
 def test_a_tensorwise_scale_is_repeated_per_column_for_kn(tmp_path):
     """A true tensorwise int8 layer (one scale []) relays out to kn with that scale on all N
     columns: same codes, same values, no requantization."""
-    from forge import int8_layer, save
+    from helpers.forge import int8_layer, save
 
     t = int8_layer("lin", n=48, k=64, scale_shape=(), marker={"format": "int8_tensorwise"})
     src = save(tmp_path / "tw.safetensors", t)

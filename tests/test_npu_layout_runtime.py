@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from runtime_util import quantize_weight
+from helpers.runtime import quantize_weight
 
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3, write
 
 from h3quant.formats.container import atomic
 
@@ -94,7 +94,7 @@ def finish(proc, timeout=60):
 
 
 def _sharded_input(tmp_path: Path) -> Path:
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     return next(make_sharded(tmp_path / "ck", small_h3(blocks=1)).glob("*.index.json"))
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from test_block import quantize_file
+from helpers.h3files import quantize_file
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.runtime.linear import QuantizedLinear

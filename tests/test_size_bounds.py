@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import small_h3, write
+from helpers.h3files import small_h3, write
 
 from h3quant import limits
 from h3quant.errors import UsageError

@@ -5,7 +5,6 @@ from itertools import pairwise
 
 import pytest
 import torch
-from tp_util import tp_files
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.layers import scan_checkpoint
@@ -111,8 +110,8 @@ def test_shared_quantizer_equals_the_codec_on_one_rank():
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
 @pytest.mark.parametrize("fmt", ["int8", "w4a8", "kn"])

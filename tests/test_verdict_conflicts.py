@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import sha
-from test_convert_formats import read_all, rewrite
+from helpers.h3files import read_all, resave, sha
 
 from h3quant.errors import FindingError
 from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
@@ -46,7 +45,7 @@ def _disagreeing(files, tmp_path) -> tuple[Path, str]:
     layers = parse_header_metadata(meta)
     victim = sorted(layers)[0]
     layers[victim] = dict(layers[victim], convrot=False)  # the tensor marker says convrot=true
-    bad = rewrite(files["int8"], tmp_path / "bad.safetensors",
+    bad = resave(files["int8"], tmp_path / "bad.safetensors",
                   metadata=dict(meta, **{HEADER_KEY: header_metadata_value(layers)}))
     return bad, victim
 
@@ -66,7 +65,7 @@ def _broken_codebook(files, tmp_path, how: str) -> tuple[Path, str]:
             cb = cb * 4
         tensors[name] = cb
 
-    bad = rewrite(files["w4a8"], tmp_path / f"cb_{how}.safetensors", edit=edit)
+    bad = resave(files["w4a8"], tmp_path / f"cb_{how}.safetensors", edit=edit)
     return bad, victim[0]
 
 

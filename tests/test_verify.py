@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from h3quant.cli import main
 from h3quant.pipelines.verify.blocks import Thresholds, data_checks, verify_checkpoint
 from h3quant.runtime.loader import load_blocks
-from test_block import quantize_file, rewrite, tiny_files
+from helpers.h3files import quantize_file, rewrite, set_header_layer
 
 TOKENS = 16
 
@@ -36,9 +36,9 @@ W4A8_ROLES = {"attn.out_proj": "w4a8", "mlp.fc2": "w4a8"}
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_files):
     d = tmp_path_factory.mktemp("verify")
-    base = tiny_files()
+    base = tiny_files
     bf16, int8 = base["bf16"], base["int8"]
     return {
         "bf16": bf16, "int8": int8,
@@ -264,7 +264,6 @@ def test_cli_verify_usage_and_io_errors(files, tmp_path):
     assert res.exit_code == 2 and "invalid device" in res.output
 
     def fp8(t, meta):
-        from test_block import set_header_layer
         name = "blocks.0.mlp.fc1"
         t[name + ".weight"] = t[name + ".weight"].float().to(torch.float8_e4m3fn)
         t[name + ".comfy_quant"] = marker_tensor({"format": "float8_e4m3fn"})
