@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -115,6 +116,7 @@ class LoadedLayer:
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        assert self.fields is not None  # is_quantized
         if self._grid is None:
             self._grid = self.codec.int8_grid(self.tensors, self.fields)
         return self._grid
@@ -199,7 +201,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
     fmt = QuantFormat(fields["format"])
     name = layer.name
 
-    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
+    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError) -> NoReturn:
         raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
 
     codec = registry.get(fmt)
