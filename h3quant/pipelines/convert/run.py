@@ -81,10 +81,12 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     results: dict[str, dict] = {}
     failures: list[dict] = []
     layers = by_input_offset(plan.layers, lambda lp: lp.weight)
-    pool = ThreadPoolExecutor(opts.workers) if opts.workers > 1 else None
+    workers = opts.workers
+    assert workers is not None  # ConvertOptions sets it
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
-    if opts.workers > 1:  # the workers share the cores: no nested intra-op teams
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.workers))
+    if workers > 1:  # the workers share the cores: no nested intra-op teams
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     ok = False
     try:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,
