@@ -98,9 +98,9 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
             plan[name] = [Entry(n, e.dtype, e.shape) for n, e in
                           ((n, entry_for(n, t)) for n, t in _meta_pairs(name, meta, layout,
                                                                         fp8, head_dim))]
-        meta = dict(ckpt.metadata)
+        metadata = dict(ckpt.metadata)
         if layout == "comfy":
-            layout_ = plan_layout([e for es in plan.values() for e in es], meta)
+            layout_ = plan_layout([e for es in plan.values() for e in es], metadata)
             return _write(ckpt, out, layout_, list(plan), plan, layout, fp8, head_dim)
         out.mkdir(exist_ok=True)
         stem = "model" if layout == "official" else "diffusion_pytorch_model"
@@ -109,7 +109,7 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
         weight_map, total = {}, 0
         for i, part in enumerate(parts, 1):
             fname = f"{stem}-{i:05d}-of-{SHARDS:05d}.safetensors"
-            lay = plan_layout([e for n in part for e in plan[n]], meta)
+            lay = plan_layout([e for n in part for e in plan[n]], metadata)
             total += _write(ckpt, out / fname, lay, part, plan, layout, fp8, head_dim)
             weight_map.update({e.name: fname for n in part for e in plan[n]})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
