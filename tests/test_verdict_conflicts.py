@@ -11,7 +11,7 @@ import torch
 from helpers.h3files import read_all, resave, sha
 
 from h3quant.errors import FindingError
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 def cli(*args):

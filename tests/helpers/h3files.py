@@ -13,7 +13,7 @@ import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.writer import save_tensors
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 
 _LINEAR_RE = re.compile(r"^(?:.*\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
 
@@ -118,10 +118,10 @@ def quantize_file(src, dst, *, fmt: str | dict = "int8", header: bool = True,
 
     ``fmt``: "int8", "w4a8", or {block linear role: format} (others int8). ``mutate(layer,
     parts, w)`` may return altered tensors (to forge defects)."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
-    from h3quant.formats.codecs.w4a8.tensors import encode_w4a8
-    from h3quant.formats.codecs.w4a8.codec import w4a8_marker
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
+    from h3quant.formats.w4a8.tensors import encode_w4a8
+    from h3quant.formats.w4a8.codec import w4a8_marker
 
     tensors, meta = read_tensors(src)
     out, layers = {}, {}
