@@ -43,6 +43,7 @@ def _mapped(tuned: bool) -> int:
 
 @pytest.mark.skipif(not GLIBC or tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 33),
                     reason="glibc's thresholds, read through mallinfo2 (glibc >= 2.33)")
+@pytest.mark.slow
 def test_chunk_sized_blocks_come_from_the_heap():
     """Below the threshold a freed block stays in the heap for the next chunk (measured effect:
     ``bench/bench_w4a8.py``'s system seconds); without the settings it is mapped."""

@@ -208,6 +208,7 @@ SIGINT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, nap", [("1", 60), ("2", 60)])
 def test_sigint_mid_run_leaves_nothing(src, tmp_path, workers, nap):
     """SIGINT while a layer is being encoded (in the main thread, or in a worker thread that

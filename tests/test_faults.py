@@ -82,6 +82,7 @@ def _start_slow(src: Path, tmp_path: Path):
     return proc, dst, rep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_signal_mid_run_cleans_up_like_ctrl_c(src, tmp_path, sig):
     """SIGTERM (timeout, systemd, Docker, SLURM) and SIGHUP remove every temporary as SIGINT
@@ -102,6 +103,7 @@ def test_signal_mid_run_cleans_up_like_ctrl_c(src, tmp_path, sig):
     assert sha(src) == before
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_staging_that_the_next_run_removes(src, tmp_path):
     """SIGKILL cannot be caught: the staging directory stays, its lock dies with the process,
     and the next run writing there removes it and says so."""
@@ -116,6 +118,7 @@ def test_killed_run_leaves_staging_that_the_next_run_removes(src, tmp_path):
     assert names(tmp_path) == ["flag", "in.safetensors", "out.safetensors", "r.json"]
 
 
+@pytest.mark.slow
 def test_two_racing_converts_one_wins_the_other_fails_cleanly(src, tmp_path):
     dst = tmp_path / "out.safetensors"
     procs = [subprocess.Popen([sys.executable, "-m", "h3quant", "convert", str(src), str(dst),
@@ -133,6 +136,7 @@ def test_two_racing_converts_one_wins_the_other_fails_cleanly(src, tmp_path):
 
 
 # ------------------------------------------------------------------- non-regular inputs
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["inspect"], ["validate"], ["convert", "OUT"], ["verify"]])
 def test_fifo_input_is_refused_before_any_read(tmp_path, cmd):
     fifo = tmp_path / "pipe.safetensors"

@@ -6,6 +6,8 @@ import pytest
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.verify.tp import verify_tp
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 
 @pytest.fixture(scope="module")
 def kn_file(tp_files):

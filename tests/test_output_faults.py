@@ -17,6 +17,8 @@ from helpers.h3files import sha, small_h3, write
 
 from h3quant.formats.container import atomic
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 5  # --tp-timeout of every case
 BOUND = 30  # seconds a case may take in all (start-up of torch included)

@@ -114,6 +114,7 @@ def files(tp_files):
     return tp_files
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "w4a8", "kn"])
 @pytest.mark.parametrize("mmap", [True, False])
 def test_each_rank_reads_only_its_bytes_and_they_are_the_right_ones(files, fmt, mmap):

@@ -21,6 +21,8 @@ from h3quant.pipelines.verify.tp import PER_RANK_TOLERANCE, verify_tp
 from h3quant.runtime.tp.launch import spawn_ranks
 from h3quant.runtime.tp.plan import TpError
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

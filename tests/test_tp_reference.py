@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from h3quant.cli import main
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 
 @pytest.fixture(scope="module")
 def files(tp_files):
