@@ -54,8 +54,8 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> str | None:
-        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
+    def format(self) -> QuantFormat | None:
+        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property

@@ -270,13 +270,13 @@ def simulated_npu(cuda_version: str | None = "12.1", *,
     sys.modules["torch_npu"] = module
     torch.version.cuda = cuda_version
     # An Ascend machine has no NVIDIA device, even where this process runs on one.
-    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False
     try:
         with dev:
             yield Simulation(dev, npu_probe(module, cuda_version), {"module": module})
     finally:
         old_mod, old_cuda, old_available = saved
-        torch.cuda.is_available = old_available  # type: ignore[assignment]
+        torch.cuda.is_available = old_available
         if old_mod is missing:
             sys.modules.pop("torch_npu", None)
         else:

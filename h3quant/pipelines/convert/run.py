@@ -52,7 +52,9 @@ def check_source_codebook(lp, reader) -> None:
     --deep``'s rule (D104), whatever becomes of the layer: decoded through it, its codes would
     be laundered into a clean-looking file; copied, the output would carry the same broken table."""
     codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
-    for suffix in codec.spec.deep_whole if codec is not None else ():
+    if codec is None:
+        return
+    for suffix in codec.spec.deep_whole:
         info = lp.inputs.get(suffix)
         if info is None:
             continue
