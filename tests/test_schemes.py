@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import W4A8, codes, expect_error, int8_layer, save, validate, w4a8_layer
+from helpers.forge import W4A8, codes, expect_error, int8_layer, save, validate, w4a8_layer
 from h3quant.formats import registry
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import itemsize

@@ -403,6 +403,7 @@ def check(tensors: dict, detection: Detection | None,
             continue
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         got = logical_shape(tensors, name, quantized.get(layer))
+        assert got is not None  # name is in tensors
         if got != shape:
             stored = list(tensors[name].shape)
             extra = f" (stored {stored})" if list(got) != stored else ""

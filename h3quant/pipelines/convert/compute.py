@@ -245,4 +245,5 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:
+    assert lp.marker is not None  # called for layers that write a marker
     return torch.frombuffer(bytearray(lp.marker), dtype=torch.uint8)
