@@ -119,7 +119,7 @@ class LoadedLayer:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
         assert self.fields is not None  # is_quantized
         if self.decodes:
-            raise VerifyError(f"{self.fields["format"]} layers have no int8 grid (the runtime "
+            raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
                               "runs them through their decode)", tensor=self.name)
         if self._grid is None:
             self._grid = self.codec.int8_grid(self.tensors, self.fields)

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ class SourceRows:
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)``: the stored float rows (no copy) or the dequantized fp32 rows."""
-        rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
+        rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
         if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
