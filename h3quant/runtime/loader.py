@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> str | None:
+    def format(self) -> Any:
         """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
