@@ -82,7 +82,8 @@ def _diffusers(name: str, x: torch.Tensor, head_dim: int):
 
 
 # One writer per source layout of the registry (the inverse of its mapping onto ComfyUI's names).
-_WRITERS = {"comfy": _comfy, "official": _official, "diffusers": _diffusers}
+_WRITERS = {layouts.Comfy.name: _comfy, layouts.Official.name: _official,
+            layouts.Diffusers.name: _diffusers}
 if set(_WRITERS) != set(LAYOUTS):
     raise ImportError("every source layout needs a synth writer")
 

@@ -64,6 +64,10 @@ class Codec:
         """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
         raise NotImplementedError(f"{self.spec.name} layers have no int8 grid")
 
+    def grid_rows(self, rows: dict, whole: dict, fields: dict) -> torch.Tensor:
+        """int8 codes of rows of a format whose spec names a ``grid_scale`` (its decoded grid)."""
+        raise NotImplementedError(f"{self.spec.name} layers have no int8 grid of their own")
+
     def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
         return grid

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from h3quant.errors import MarkerError
 from h3quant.findings import Finding
@@ -39,8 +40,8 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> QuantFormat | None:
-        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
+    def format(self) -> Any:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property

@@ -195,13 +195,24 @@ def decoded_limits(name) -> VerifyLimits | None:
     return codec.spec.verify
 
 
+def class_limits(bits: int) -> VerifyLimits:
+    """``verify`` limits of a weight class (8: int8 formats, 4: 4-bit ones): the tightest of
+    the formats with a codec whose weights have that many bits."""
+    found = [c.spec.verify for c in quantized_codecs()
+             if c.spec.weight_bits == bits and c.spec.verify is not None]
+    if not found:
+        raise KeyError(f"no format with {bits}-bit weights has verify limits")
+    return min(found, key=lambda v: v.rel_err)
+
+
 def low_bit(names) -> bool:
     """Whether any of these formats stores weights in fewer than 8 bits (looser verify limits)."""
     return any((c := get(n)) is not None and c.spec.weight_bits < 8 for n in names)
 
 
-__all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "codec_for",
-           "codecs", "comfy_names", "decoded_limits", "describe", "get", "known_names", "layouts_of", "logical_k",
+__all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",
+           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "known_names",
+           "layouts_of", "logical_k",
            "logical_shape", "low_bit", "marker_defaults", "quantized_codecs", "register", "spec",
            "specs", "supported_names", "target", "target_codec", "targets", "verify_limits",
            "with_layout"]

@@ -163,13 +163,14 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
     hits = {lay.name: sorted(n for n in tensors if lay.name_hint.search(n))
             for lay in layouts.LAYOUTS.values() if lay.name_hint is not None}
-    diff, comfy = hits.get("diffusers", []), hits.get("comfy", [])
     fp8 = bool(fp8_decodable(tensors))
-    if diff and comfy:
+    mixed = [name for name in layouts.DETECT_ORDER if hits.get(name)]
+    if len(mixed) > 1:
+        (a, na), (b, nb) = ((layouts.get(m).label, hits[m]) for m in mixed[:2])
         raise FormatError(
-            f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "
-            f"{len(comfy)} ComfyUI name(s) (e.g. {comfy[0]}) in one file; convert from the "
-            "original download", tensor=diff[0], code="N301")
+            f"[N301] half-renamed checkpoint: {len(na)} {a} name(s) (e.g. {na[0]}) and "
+            f"{len(nb)} {b} name(s) (e.g. {nb[0]}) in one file; convert from the "
+            "original download", tensor=na[0], code="N301")
     for name in layouts.DETECT_ORDER:
         evidence = layouts.get(name).detect(hits, shard_names or [], has_config)
         if evidence is not None:
@@ -219,9 +220,7 @@ def staged_entries(mapping: Mapping, quantized_target: bool = False
     return out
 
 
-def diffusers_to_comfy(name: str) -> str:
-    """A diffusers tensor name as ComfyUI names it (split q/k/v and SwiGLU order aside)."""
-    return layouts.get("diffusers").rename(name)
+diffusers_to_comfy = layouts.diffusers_to_comfy
 
 
 def _fail(code: str, msg: str, tensor: str) -> FormatError:

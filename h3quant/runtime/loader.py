@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -54,8 +54,8 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> QuantFormat | None:
-        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
+    def format(self) -> Any:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property

@@ -41,8 +41,8 @@ DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
 
 
-_INT8_LIMITS = registry.verify_limits("int8_tensorwise")
-_W4A8_LIMITS = registry.verify_limits("asym_w4a8_int8")
+_INT8_LIMITS = registry.class_limits(8)  # the 8-bit formats' limits
+_W4A8_LIMITS = registry.class_limits(4)  # the 4-bit formats' (W4A8)
 
 
 @dataclass(frozen=True)

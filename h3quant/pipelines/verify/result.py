@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from h3quant.formats import registry
 from h3quant.pipelines.metrics import json_safe
 
-_INT8 = registry.verify_limits("int8_tensorwise")
-_W4A8 = registry.verify_limits("asym_w4a8_int8")
+_INT8 = registry.class_limits(8)  # every 8-bit format's limits
+_W4A8 = registry.class_limits(4)  # every 4-bit format's
 
 
 @dataclass(frozen=True)
