@@ -131,9 +131,9 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
                                                                         fp8, head_dim))]
         if fp8:
             plan[SCALED_FP8_MARKER] = [entry_for(SCALED_FP8_MARKER, _marker())]
-        meta = dict(ckpt.metadata)
+        metadata = dict(ckpt.metadata)
         if layouts.get(layout).shard_stem is None:  # a single file
-            layout_ = plan_layout([e for es in plan.values() for e in es], meta)
+            layout_ = plan_layout([e for es in plan.values() for e in es], metadata)
             return _write(ckpt, out, layout_, list(plan), plan, layout, fp8, head_dim)
         out.mkdir(exist_ok=True)
         stem = layouts.get(layout).shard_stem
@@ -142,7 +142,7 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
         weight_map, total = {}, 0
         for i, part in enumerate(parts, 1):
             fname = f"{stem}-{i:05d}-of-{SHARDS:05d}.safetensors"
-            lay = plan_layout([e for n in part for e in plan[n]], meta)
+            lay = plan_layout([e for n in part for e in plan[n]], metadata)
             total += _write(ckpt, out / fname, lay, part, plan, layout, fp8, head_dim)
             weight_map.update({e.name: fname for n in part for e in plan[n]})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

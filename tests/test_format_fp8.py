@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8_util import (block_linears, convert, kitchen_file, kitchen_state, tiny, validate_json,
+from helpers.fp8 import (block_linears, convert, kitchen_file, kitchen_state, tiny, validate_json,
                       verify_json)
-from forge import cli, codes, save
+from helpers.forge import cli, codes, save
 from h3quant.formats import registry
 from h3quant.formats.fp8.tensors import decode_fp8, encode_fp8
 from h3quant.formats.markers import marker_tensor

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_util import (block_linears, convert, kitchen_file, kitchen_state, tiny, validate_json,
+from helpers.fp8 import (block_linears, convert, kitchen_file, kitchen_state, tiny, validate_json,
                       verify_json)
-from forge import cli, codes, save
+from helpers.forge import cli, codes, save
 from h3quant.formats import registry
 from h3quant.formats.mxfp8.tensors import decode_mxfp8, encode_mxfp8, scale_shape, swizzle, unswizzle
 from h3quant.formats.markers import marker_tensor

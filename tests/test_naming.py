@@ -188,6 +188,7 @@ def _fp8(comfy, dtype, per_row: bool, name_scale="scale_weight"):
 
 @pytest.mark.parametrize("dtype,per_row,scale_name", [
     (torch.float8_e4m3fn, True, "scale_weight"), (torch.float8_e5m2, False, "weight_scale")])
+@pytest.mark.slow
 def test_fp8_decodes_exactly(comfy, tmp_path, dtype, per_row, scale_name):
     src, expected = _fp8(comfy, dtype, per_row, scale_name)
     save_file(src, tmp_path / "f8.safetensors")
@@ -281,6 +282,7 @@ def test_inspect_and_validate_know_each_naming(comfy, tmp_path, kind):
     assert json.loads(res.output)["checked"]["topology"] is not None
 
 
+@pytest.mark.slow
 def test_validate_gives_naming_codes(comfy, tmp_path):
     dif = _diffusers(comfy)
     no_k = {n: t for n, t in dif.items() if n != "transformer_blocks.0.attn.to_k.weight"}

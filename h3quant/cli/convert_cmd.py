@@ -117,6 +117,9 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
       h3quant convert h3_bf16.safetensors h3_fp8.safetensors --to fp8     # ComfyUI's float8_e4m3fn
       h3quant convert h3_fp8_scaled.safetensors h3_mxfp8.safetensors --to mxfp8
+      h3quant convert h3_bf16.safetensors h3_nvfp4.safetensors --to nvfp4
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot   # convrot_w4a4
+      h3quant convert h3_nvfp4.safetensors h3_int8.safetensors --to int8-convrot  # from nvfp4
       h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
@@ -126,6 +129,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
       h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
           --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to int8-convrot \\
+          --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
     """
     from h3quant.cli.render import render_plan, summary_line

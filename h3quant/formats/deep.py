@@ -147,6 +147,11 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             if info is not None and info.dtype in FLOAT_DTYPES:
                 _check_whole(src, codec, suffix, info, out)
                 checked.add(info.name)
+        for v in codec.layer_data_violations(t, lambda info, dtype=None: _read(src, info, dtype),
+                                             layer.fields or {}):
+            info = t.get(v.suffix) or t.get("weight")
+            out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),
+                               file=str(info.file) if info is not None else None))
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():

@@ -25,6 +25,9 @@ _PACKAGES = (
     "h3quant.formats.w4a8",
     "h3quant.formats.fp8",
     "h3quant.formats.mxfp8",
+    "h3quant.formats.nvfp4",
+    "h3quant.formats.int4_convrot",
+    "h3quant.formats.awq_w4a16",
     "h3quant.formats.plain",
 )
 

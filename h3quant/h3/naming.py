@@ -88,7 +88,7 @@ def fp8_decodable(tensors) -> set[str]:
     format stored in fp8: not decoded here either. Any other fp8 weight counts; a float scale of
     the wrong shape is then an N305 error."""
     out = set()
-    marked = getattr(tensors, "marked", frozenset())
+    marked: frozenset[str] = getattr(tensors, "marked", frozenset())
     for name, (dtype, _) in tensors.items():
         if not is_fp8_weight(name, dtype):
             continue

@@ -286,11 +286,12 @@ def block_index_beyond_limit(name: str) -> int | None:
     return None
 
 
-def detect(tensors: dict) -> Detection | None:
+def detect(tensors: dict, formats: dict | None = None) -> Detection | None:
     """Recognise an H3 DiT (float, int8 or W4A8) from its header and infer its configuration.
 
     ``tensors`` maps names to objects with ``.dtype`` and ``.shape``. Returns None when there is
-    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix).
+    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix). ``formats`` maps quantized layer
+    names to their marker format, so packed weights are measured by their logical shape.
     """
     prefix = _find_prefix(tensors)
     if prefix is None:
@@ -299,7 +300,8 @@ def detect(tensors: dict) -> Detection | None:
     p = re.escape(prefix)
 
     def dim(name: str, axis: int) -> int | None:
-        shape = logical_shape(tensors, prefix + name)
+        layer = prefix + name[: -len(".weight")] if name.endswith(".weight") else None
+        shape = logical_shape(tensors, prefix + name, (formats or {}).get(layer))
         return shape[axis] if shape is not None and len(shape) > axis else None
 
     def first(*values, default):
@@ -401,6 +403,7 @@ def check(tensors: dict, detection: Detection | None,
             continue
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         got = logical_shape(tensors, name, quantized.get(layer))
+        assert got is not None  # name is in tensors
         if got != shape:
             stored = list(tensors[name].shape)
             extra = f" (stored {stored})" if list(got) != stored else ""

@@ -68,7 +68,7 @@ def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
         if exc.name == "h3quant.h3.topology":
             return None
         raise
-    detection = topology.detect(tensors)
+    detection = topology.detect(tensors, quantized)
     return None if detection is None else topology.summary(detection, quantized)
 
 

@@ -138,14 +138,14 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     named, viewed = naming_view.view(ckpt)  # N301-N305 raised, listed by _guard
     checked["naming"] = named
     tensors = ckpt.tensors if viewed is None else viewed  # as ComfyUI names them
-    detection = topology.detect(tensors)
+    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+                 if viewed is None else {})
+    detection = topology.detect(tensors, quantized)
     if detection is None:  # the block index limit holds for any file (convert refuses it)
         beyond = [replace(f, file=str(ckpt.path)) for n in tensors
                   if (f := topology.beyond_limit_finding(n)) is not None]
         return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
                         "topology checks skipped", file=str(ckpt.path)), *beyond]
-    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
-                 if viewed is None else {})
     checked["topology"] = topology.summary(detection, quantized)
     return list(topology.check(tensors, detection, quantized))
 

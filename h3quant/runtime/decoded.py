@@ -122,7 +122,7 @@ class DecodedLinear(torch.nn.Module):
         if x.dim() < 1 or x.shape[-1] != width:
             raise FormatError(f"activation last dim {x.shape[-1] if x.dim() else None} != {width}")
         x = apply_input_act(x, input_act)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None else torch.as_tensor(self.bias).to(x.dtype)
         return F.linear(x, self.weight_for(x.dtype), bias)
 
     def extra_repr(self) -> str:

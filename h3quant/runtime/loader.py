@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -53,8 +54,8 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> str | None:
-        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
+    def format(self) -> QuantFormat | None:
+        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property
@@ -116,6 +117,7 @@ class LoadedLayer:
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        assert self.fields is not None  # is_quantized
         if self.decodes:
             raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
                               "runs them through their decode)", tensor=self.name)
@@ -212,7 +214,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
     fmt = fields["format"]
     name = layer.name
 
-    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
+    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError) -> NoReturn:
         raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
 
     codec = registry.get(fmt)

@@ -62,7 +62,7 @@ class Fp8Codec(Codec):
     def deep_findings(self, read, tensors: dict) -> list:
         """``validate --deep`` beyond the scales: D130 for codes that decode to NaN or inf."""
         w = tensors.get("weight")
-        if w is None or w.dtype != self.spec.code_dtype:
+        if w is None or w.dtype != getattr(self.spec, "code_dtype", None):
             return []
         for chunk in read(w, self._dtype()):
             v = rules.nonfinite_codes(chunk)

@@ -68,6 +68,9 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal:
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
@@ -132,7 +135,9 @@ class ConvertOptions:
     @property
     def codec(self) -> registry.Codec:
         """The codec the target writes (in the chosen layout)."""
-        return registry.with_layout(registry.target_codec(self.target), self.layout)
+        codec = registry.with_layout(registry.target_codec(self.target), self.layout)
+        assert codec is not None  # __post_init__ refused a layout the target does not have
+        return codec
 
     @property
     def convrot(self) -> bool:

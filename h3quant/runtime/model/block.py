@@ -89,6 +89,8 @@ class FloatLinear(nn.Module):
     row chunks of ``CHUNK_ELEMS`` during the call, so no full-size copy is ever held."""
 
     backend_name = "float"
+    weight: torch.Tensor  # buffers (declared for the type checker)
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -127,6 +129,9 @@ class DequantLinear(nn.Module):
     in row chunks. This is the reference of a run without ``--reference``."""
 
     backend_name = "dequant-ref"
+    q: torch.Tensor  # buffers (declared for the type checker)
+    s: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, layer: LoadedLayer, *, device=None):
         super().__init__()
@@ -168,6 +173,14 @@ class DequantLinear(nn.Module):
 class H3Block(nn.Module):
     """The block above; ``linears`` maps each of BLOCK_LINEARS to a linear module; ``params``
     holds the float tensors (norms, adaLN) in their stored dtypes."""
+
+    # buffers registered from ``params`` (dots become underscores), declared for the type checker
+    norm1_weight: torch.Tensor
+    norm2_weight: torch.Tensor
+    attn_q_norm_weight: torch.Tensor
+    attn_k_norm_weight: torch.Tensor
+    adaln_proj_linear_weight: torch.Tensor
+    adaln_proj_linear_bias: torch.Tensor
 
     def __init__(self, linears: dict[str, nn.Module], params: dict[str, torch.Tensor], *,
                  head_dim: int, index: int = 0):

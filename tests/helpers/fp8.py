@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from forge import cli, save
+from helpers.forge import cli, save
 from h3quant.formats.markers import marker_tensor
 from h3quant.h3.topology import is_h3_block_linear
 from h3quant.synth import synth_checkpoint
