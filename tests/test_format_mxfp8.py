@@ -20,7 +20,7 @@ MX = {"format": "mxfp8"}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,27 @@ def test_convert_from_mxfp8_to_bf16_int8_fp8_and_back(src, tmp_path):
         assert torch.equal(_bits(r[f"{name}.weight"]), _bits(k[f"{name}.weight"])), name
         assert torch.equal(decode_mxfp8(r[f"{name}.weight"], r[f"{name}.weight_scale"]),
                            decode_mxfp8(qt[f"{name}.weight"], qt[f"{name}.weight_scale"])), name
+
+
+def test_mixed_recipe_in_one_pass_matches_kitchen_per_layer(src, tmp_path):
+    """mxfp8 MLP + fp8 out_proj + int8 ConvRot qkv in one convert; each layer is what kitchen's
+    quantizer of its format makes of the same bf16 weight; the file validates and verifies."""
+    out = tmp_path / "mix.safetensors"
+    convert(src, out, "int8-convrot", "--layer", r"mlp\.=mxfp8", "--layer", "out_proj=fp8")
+    a, b = load_file(src), load_file(out)
+    for name in block_linears(a):
+        w = a[f"{name}.weight"]
+        if ".mlp." in name:
+            k = kitchen_state(w, "TensorCoreMXFP8Layout", name)
+        elif name.endswith("out_proj"):
+            k = kitchen_state(w, "TensorCoreFP8Layout", name)
+        else:
+            assert b[f"{name}.weight"].dtype == torch.int8
+            continue
+        for sfx in ("weight", "weight_scale"):
+            assert torch.equal(_bits(b[f"{name}.{sfx}"]), _bits(k[f"{name}.{sfx}"])), (name, sfx)
+    code, doc = validate_json(out, "--deep")
+    assert code == 0 and not codes(doc), doc["findings"]
+    code, doc = verify_json(out, "--reference", src)
+    assert code == 0 and doc["passed"], doc["failures"]
+    assert {c["format"] for c in doc["layers"]} == {"int8_tensorwise", "float8_e4m3fn", "mxfp8"}
