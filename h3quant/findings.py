@@ -97,6 +97,10 @@ _r("Q110", "kn-nz-ineligible", I, "int8_tensorwise_kn: K % 16 == 0 and N % 32 ==
 _r("Q111", "kn-npu-n-limit", W, "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
    "limit), else the layer needs tensor parallelism")
 # Data rules (--deep).
+_r("Q130", "mxfp8-shape", E, "mxfp8: weight dims are multiples of 32 and weight_scale is the "
+   "blocked [roundup(N, 128), roundup(K/32, 4)] of that weight")
+_r("Q131", "scaled-fp8-marker", W, "ComfyUI's legacy scaled_fp8 marker is present exactly when the "
+   "file holds scale_weight fp8 layers (without it ComfyUI loads the codes unscaled)")
 _r("Q120", "fp4-padded-shape", E, "nvfp4: the stored weight [Np, Kp/2] has Np and Kp multiples "
    "of 16 (the padded logical shape)")
 _r("Q121", "int4-quant-group", E, "convrot_w4a4: K is a multiple of the int4 kernel's group size "
@@ -110,6 +114,8 @@ _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but n
 _r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
 _r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
 _r("D106", "weight-nonfinite", E, "float weights are finite")
+_r("D130", "fp8-code-nonfinite", E, "fp8 codes decode to finite values (no NaN / inf codes)")
+_r("D131", "e8m0-scale-nan", E, "mxfp8 e8m0 block scales are not 0xFF (NaN)")
 _r("D120", "block-scale-value", E, "nvfp4: e4m3 block scales are finite and >= 0, and a zero "
    "block scale covers only zero codes")
 _r("D121", "block-scale-layout", E, "nvfp4: block scales are stored in cuBLAS's blocked 128 x 4 "

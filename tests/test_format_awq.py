@@ -5,8 +5,8 @@ calibration statistics."""
 import pytest
 import torch
 
-from forge import cli, codes, validate
-from kitchen_files import awq_file, awq_quantize, block_linear_names, marker_tensor, read_all
+from helpers.forge import cli, codes, validate
+from helpers.kitchen_files import awq_file, awq_quantize, block_linear_names, marker_tensor, read_all
 from h3quant.formats.awq_w4a16.tensors import decode_awq
 from h3quant.synth import synth_checkpoint
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from forge import cli, codes, validate
-from kitchen_files import block_linear_names, kitchen_file, kitchen_quantize, marker_tensor, read_all
+from helpers.forge import cli, codes, validate
+from helpers.kitchen_files import block_linear_names, kitchen_file, kitchen_quantize, marker_tensor, read_all
 from h3quant.formats.int4_convrot.tensors import (decode_int4_convrot, encode_int4_convrot,
                                                   w4a4_linear)
 from h3quant.synth import synth_checkpoint

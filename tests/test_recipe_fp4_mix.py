@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from forge import cli, validate
-from kitchen_files import kitchen_quantize, read_all
+from helpers.forge import cli, validate
+from helpers.kitchen_files import kitchen_quantize, read_all
 from h3quant.synth import synth_checkpoint
 
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor")

@@ -1,4 +1,5 @@
-"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|bf16``: streaming, atomic conversion."""
+"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|fp8|fp8-e5m2|mxfp8|bf16``: streaming,
+atomic conversion."""
 
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     Examples:
       h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
+      h3quant convert h3_bf16.safetensors h3_fp8.safetensors --to fp8     # ComfyUI's float8_e4m3fn
+      h3quant convert h3_fp8_scaled.safetensors h3_mxfp8.safetensors --to mxfp8
       h3quant convert h3_bf16.safetensors h3_nvfp4.safetensors --to nvfp4
       h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot   # convrot_w4a4
       h3quant convert h3_nvfp4.safetensors h3_int8.safetensors --to int8-convrot  # from nvfp4

@@ -10,7 +10,7 @@ The verdicts on the cases the commands could disagree on are listed in docs/veri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from h3quant.convrot.groups import is_valid_group_size
 from h3quant.findings import Finding
@@ -50,7 +50,7 @@ def fit_error(fmt: str, layer, fields: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------- scheme findings
-PLAIN_FLOAT = registry.spec("float")
+PLAIN_FLOAT = cast(FormatSpec, registry.spec("float"))  # the registry always lists the float spec
 SCHEMES: dict[str, FormatSpec] = {s.name: s for s in registry.specs() if s.quantized}
 
 

@@ -134,6 +134,11 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             dtype = torch.float8_e4m3fn if info.dtype in ("F8_E4M3", "U8") else None
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
+        if hasattr(codec, "deep_findings"):  # a format package's own data rules
+            for v in codec.deep_findings(lambda i, dt: _chunks(src, i, dt), t):
+                info = t.get(v.suffix) or t.get("weight")
+                out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
+                checked.add(info.name)
         w = t.get("weight")
         if codec.spec.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)

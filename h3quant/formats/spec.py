@@ -207,7 +207,8 @@ class FormatSpec:
         if w.dtype not in wdtypes or len(shape_of(w)) != 2:
             return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
                               f"2-D {'/'.join(wdtypes)} weight")]
-        n, k, out = self.tensor_violations(*shape_of(w), fields, tensors)
+        rows, cols = shape_of(w)  # 2-D, checked above
+        n, k, out = self.tensor_violations(rows, cols, fields, tensors)
         out.extend(self.combination_violations(fields, tensors))
         if fields.get("convrot") or self.always_convrot:  # (kn: k is the stored row count)
             g = fields.get("convrot_groupsize", 256)
@@ -234,8 +235,10 @@ class FormatSpec:
         """A tensor whose shape another rule of the format judges (``header_findings``)."""
         return False
 
-    def header_findings(self, layer, n: int | None, k: int | None, add) -> None:
-        """Format-specific findings before the per-tensor checks (``add(code, msg, suffix)``)."""
+    def header_findings(self, layer, n: int | None, k: int | None, add) -> list | None:
+        """Format-specific findings before the per-tensor checks, reported through
+        ``add(code, msg, suffix)`` or returned as a list of findings."""
+        return None
 
     def extra_findings(self, layer, add) -> None:
         """Format-specific findings after the tensor set (extra tensors, ...)."""

@@ -24,12 +24,30 @@ SWAP_HALVES = "swap-halves"  # [value; gate] -> [gate; value]
 class SourceLayout(Protocol):
     """What every source layout provides."""
 
-    name: str  # the ``--naming`` value
-    title: str  # inspect's description ("ComfyUI single file")
-    help: str  # one clause of the CLI's help text
-    shard_stem: str | None  # shard file stem synth writes (None: a single file)
-    config_class: str | None  # ``_class_name`` of the config.json synth writes
-    name_hint: re.Pattern | None  # names only this layout (or one sharing its names) uses
+    # Read-only data (the layouts are frozen dataclasses), declared as properties.
+    @property
+    def name(self) -> str:
+        """The ``--naming`` value."""
+
+    @property
+    def title(self) -> str:
+        """inspect's description ("ComfyUI single file")."""
+
+    @property
+    def help(self) -> str:
+        """One clause of the CLI's help text."""
+
+    @property
+    def shard_stem(self) -> str | None:
+        """Shard file stem synth writes (None: a single file)."""
+
+    @property
+    def config_class(self) -> str | None:
+        """``_class_name`` of the config.json synth writes."""
+
+    @property
+    def name_hint(self) -> re.Pattern | None:
+        """Names only this layout (or one sharing its names) uses."""
 
     def detect(self, hits: dict[str, list[str]], shard_names: list[str],
                has_config: bool) -> str | None:

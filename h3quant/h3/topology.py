@@ -23,6 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
 from h3quant.errors import UnsupportedError
 from h3quant.findings import Finding
 from h3quant.formats import registry
@@ -402,6 +403,7 @@ def check(tensors: dict, detection: Detection | None,
             continue
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         got = logical_shape(tensors, name, quantized.get(layer))
+        assert got is not None  # name is in tensors
         if got != shape:
             stored = list(tensors[name].shape)
             extra = f" (stored {stored})" if list(got) != stored else ""
@@ -417,6 +419,8 @@ def check(tensors: dict, detection: Detection | None,
         layer, _, suffix = name.rpartition(".")
         if suffix in COMPANION_SUFFIXES and f"{layer}.weight" in expected:
             continue
+        if suffix == SCALED_FP8_MARKER or name == SCALED_FP8_MARKER:
+            continue  # ComfyUI's scaled-fp8 marker: judged by the marker rules (Q131)
         found.append(Finding("T103", "not part of the detected H3 configuration", tensor=name))
     for layer, fmt in sorted(quantized.items()):
         if not is_h3_block_linear(layer):

@@ -101,6 +101,8 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     scaled = fp8_scaled(ckpt)  # ComfyUI's scaled fp8: a scale companion, no marker
     findings.extend(f for f in layer_scan.findings
                     if not (f.code == "M109" and f.tensor in scaled))
+    findings.extend(_guard("scaled fp8 marker", where, findings,
+                           naming_view.scaled_fp8_findings, ckpt) or [])
     checked["stages"].append("markers")
     checked["layers"] = len(layer_scan.layers)
     checked["quantized_layers"] = len(layer_scan.quantized)
@@ -148,12 +150,7 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     return list(topology.check(tensors, detection, quantized))
 
 
-def fp8_scaled(ckpt: Checkpoint) -> set[str]:
-    """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
-    from h3quant.h3.naming import fp8_scaled_weights
-
-    weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
-    return weights | {w[: -len(".weight")] for w in weights}
+fp8_scaled = naming_view.fp8_scaled
 
 
 def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:

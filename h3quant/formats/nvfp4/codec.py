@@ -64,7 +64,7 @@ class NVFP4Codec(Codec):
         from h3quant.formats.nvfp4.tensors import decode_nvfp4
 
         return decode_nvfp4(out["weight"], out["weight_scale"], out["weight_scale_2"],
-                            rows=out.get("__rows__", out.get("_rows"))), None
+                            rows=out.get("_rows")), None
 
     def layer_data_violations(self, tensors, read, fields):
         import torch

@@ -135,7 +135,9 @@ class ConvertOptions:
     @property
     def codec(self) -> registry.Codec:
         """The codec the target writes (in the chosen layout)."""
-        return registry.with_layout(registry.target_codec(self.target), self.layout)
+        codec = registry.with_layout(registry.target_codec(self.target), self.layout)
+        assert codec is not None  # __post_init__ refused a layout the target does not have
+        return codec
 
     @property
     def convrot(self) -> bool:

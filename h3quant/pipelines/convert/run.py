@@ -63,7 +63,9 @@ def check_source_codebook(lp, reader) -> None:
     --deep``'s rule (D104), whatever becomes of the layer: decoded through it, its codes would
     be laundered into a clean-looking file; copied, the output would carry the same broken table."""
     codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
-    for suffix in codec.spec.deep_whole if codec is not None else ():
+    if codec is None:
+        return
+    for suffix in codec.spec.deep_whole:
         info = lp.inputs.get(suffix)
         if info is None:
             continue
@@ -94,10 +96,12 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     results: dict[str, dict] = {}
     failures: list[dict] = []
     layers = by_input_offset(plan.layers, lambda lp: lp.weight)
-    pool = ThreadPoolExecutor(opts.workers) if opts.workers > 1 else None
+    workers = opts.workers
+    assert workers is not None  # ConvertOptions sets it
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
-    if opts.workers > 1:  # the workers share the cores: no nested intra-op teams
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.workers))
+    if workers > 1:  # the workers share the cores: no nested intra-op teams
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     ok = False
     try:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,

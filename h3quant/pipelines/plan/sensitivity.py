@@ -155,6 +155,7 @@ def _encoded_layer(layer, cand: Candidate):
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     k = int(layer.weight.shape[1])
     why = codec.skip_reason(k, marker)
     if why:
@@ -195,6 +196,7 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     total = len(marker_bytes(marker))
     for dtype, shape in codec.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
@@ -222,8 +224,9 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
         quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
                      and n.startswith(model.prefix + "blocks.")]
         if quantized:
+            fields = model.scan.layers[quantized[0]].fields or {}
             raise PlanError(f"plan measures a float checkpoint; {quantized[0]} is quantized "
-                            f"({model.scan.layers[quantized[0]].fields['format']}): plan from "
+                            f"({fields['format']}): plan from "
                             "the BF16 original")
         run = model.blocks[:blocks] if blocks else model.blocks
         video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import small_h3, write
+from helpers.h3files import small_h3, write
 
 from h3quant import limits
 from h3quant.errors import UsageError
@@ -32,6 +32,7 @@ def h3q(*args, timeout=120) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------- block indices in a header
+@pytest.mark.slow
 @pytest.mark.parametrize("index", ["999999999", "1000", "7" * 5000], ids=["1e9", "1000", "5000-digits"])
 def test_absurd_block_index_is_a_finding_everywhere(tmp_path, index):
     t = small_h3(blocks=1)
@@ -82,6 +83,7 @@ def test_model_inputs_beyond_the_row_limit_are_refused_before_work():
     ["--frames", "64", "--height", "64", "--width", "64"],
     ["--audio-frames", "65536"],
 ])
+@pytest.mark.slow
 def test_verify_model_large_inputs_exit_2_at_once(tmp_path, args):
     src = write(tmp_path / "in.safetensors", small_h3(blocks=1))
     res = h3q("verify", src, "--model", "--device", "cpu", *args, timeout=60)
@@ -98,6 +100,7 @@ def test_help_states_the_limits():
 
 
 # ------------------------------------------------------------- attention in bounded blocks
+@pytest.mark.slow
 def test_attention_scores_stay_within_the_budget(monkeypatch):
     """Per-block verify at --tokens 16384 made one head's 16384 x 16384 scores (1 GiB, three
     copies). Scores are now taken in query-row blocks: never more than the budget at once, and
@@ -125,6 +128,7 @@ def test_attention_scores_stay_within_the_budget(monkeypatch):
 
 
 # ------------------------------------------------------------- W4A8 at many workers
+@pytest.mark.slow
 def test_w4a8_in_flight_chunks_do_not_grow_with_workers(monkeypatch):
     """--workers 256 made W4A8 submit every row chunk at once (5.2 GB instead of 0.8 GB on a
     full-size layer): at most MAX_INFLIGHT_CHUNKS are now queued or running."""
