@@ -14,7 +14,7 @@ whether h3quant's bytes equal kitchen's and the speed ratio (kitchen CPU / h3qua
 Part 2 (``--block DIR``): a full-dims synthetic H3 with one block is written to DIR (``h3quant
 synth --preset full --blocks 1``, about 2.4 GB, reused when present) and converted with ``--to``
 each target in its own subprocess (default threads); the table shows wall time, peak RSS and
-output size next to int8-convrot's.
+output size next to int8-convrot's and W4A8's (the other whole-layer encoder).
 
     python bench/bench_fp4.py                          # the four linears of a block, core 1
     python bench/bench_fp4.py --shapes 5376x5376 --repeat 3
@@ -183,7 +183,7 @@ def block(args) -> None:
                         "--blocks", "1"], check=True, cwd=HERE)
     print(f"\nwhole-block convert of {src} ({src.stat().st_size:,} bytes), default threads:")
     rows = []
-    for to in ["int8-convrot", *args.formats]:
+    for to in ["int8-convrot", "w4a8", *args.formats]:
         out = d / f"out_{to}.safetensors"
         res = subprocess.run([sys.executable, __file__, "--convert", str(src), str(out), to],
                              capture_output=True, text=True, cwd=HERE)

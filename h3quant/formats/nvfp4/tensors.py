@@ -27,7 +27,7 @@ BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 TILE_ROWS, TILE_COLS = 128, 4
-ROW_STEP = 1024  # rows per internal chunk (a multiple of the 128-row scale tile)
+ROW_STEP = 256  # rows per internal chunk (temporaries stay small; faster than 1024 here)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # e2m1 magnitudes by code; round-to-nearest-even thresholds between neighbours:
 # (a > t) for odd-to-even steps that round down on a tie, (a >= t) where the tie goes up
