@@ -22,6 +22,7 @@ from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
 from h3quant.formats.container import jsonsafe
 from h3quant.formats.container.dtypes import DTYPES, itemsize, to_torch
+from h3quant.formats.container.platform import open_fd
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +184,7 @@ def open_input(path: Path, *, what: str = "input"):
     block (``O_NONBLOCK``); the type is checked on the opened descriptor, so a path swapped
     between the check and the read is still refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = open_fd(path, os.O_RDONLY, nonblocking=True)
     except OSError as exc:
         raise ContainerError(f"cannot open: {exc.strerror}", path=path, code="C112") from None
     try:
@@ -195,7 +196,6 @@ def open_input(path: Path, *, what: str = "input"):
                     else "not a regular file")
             raise ContainerError(f"the {what} is {kind}, not a regular file; refused before "
                                  "reading", path=path, code="C112")
-        os.set_blocking(fd, True)
         return open(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)
