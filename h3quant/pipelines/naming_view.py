@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from h3quant.errors import FormatError
 from h3quant.formats.rules import naming
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.source_view import check_scale, has_config  # noqa: F401 (re-exported)
 
 
 def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -21,11 +22,6 @@ def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:
     return [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None
-
-
-def has_config(ckpt: Checkpoint) -> bool:
-    """A ``config.json`` beside the shards (the official release ships one)."""
-    return bool(ckpt.files) and (ckpt.files[0].path.parent / "config.json").is_file()
 
 
 def summary(ckpt: Checkpoint) -> dict:
@@ -68,13 +64,3 @@ def check_scale_values(ckpt: Checkpoint) -> None:
             if f"{stem}.{s}" not in tensors:
                 continue
             check_scale(ckpt.read(f"{stem}.{s}").to(torch.float32), f"{stem}.{s}")
-
-
-def check_scale(scale, name: str, note: str = "") -> None:
-    """N305 unless every value of the fp8 scale tensor ``scale`` is finite and positive."""
-    import torch
-
-    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-    if bad:
-        raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
-                          f"value(s){note}", tensor=name, code="N305")

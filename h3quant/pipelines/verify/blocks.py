@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from h3quant.source_view import open_as_comfy
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.rules.layers import scan_checkpoint
@@ -339,7 +340,8 @@ def verify_checkpoint(
                               str(dev), idx, tokens, seed, th)
         siblings = float_siblings(ckpt, scan)
         marks = provenance.header_set(ckpt)
-        rck = Checkpoint(reference, mmap=mmap) if reference else None
+        # the reference in any layout convert takes (official, diffusers, fp8), as ComfyUI's file
+        rck = open_as_comfy(reference, mmap=mmap) if reference else None
         try:
             rscan = scan_checkpoint(rck) if rck is not None else None
             for i in idx:  # one block at a time: memory stays flat in the block count
