@@ -178,7 +178,8 @@ class SourceView:
     is_sharded = False
     index_path = None
 
-    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool):
+    def __init__(self, source: Checkpoint, mapping: Mapping, quantized_target: bool,
+                 narrow: frozenset[str] = frozenset()):
         self.source = source
         self.mapping = mapping
         self.path = source.path
@@ -191,6 +192,9 @@ class SourceView:
         self._file = _ViewFile(self, source.path.parent / name)
         self.files = [self._file]
         self._entries = staged_entries(mapping, quantized_target)
+        for name in narrow:  # fp8 weights copied, not re-encoded: BF16 (rounded once), not F32
+            if name in self._entries and self._targets_fp8(mapping, name):
+                self._entries[name] = ("BF16", self._entries[name][1])
         self._targets = {t.name: t for t in mapping.targets}
         # Replaced tensors (``replace``): name -> (dtype, shape, compute, base); hidden tensors
         # and the layers whose header marker entry no longer applies.
@@ -201,6 +205,10 @@ class SourceView:
         self._cache: OrderedDict[str, memoryview] = OrderedDict()
         self._lock = threading.Lock()
         self._layout()
+
+    @staticmethod
+    def _targets_fp8(mapping: Mapping, name: str) -> bool:
+        return any(t.name == name and t.fp8 for t in mapping.targets)
 
     def _layout(self) -> None:
         """Place the tensors in the virtual file, in the order their sources lie in the shards."""
