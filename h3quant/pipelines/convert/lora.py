@@ -2,9 +2,9 @@
 
 A LoRA file is read once (``load``); ``LoraSet.merged(layer, weight, dtype)`` adds every adapter
 that targets ``layer`` (in the order the files were given, then key order) to the float weight
-before any rotation or encoding. The sum is formed in float64 a block of rows at a time and
-rounded once to the layer's stored dtype, so the result does not depend on the summation order
-of a float32 matmul and memory stays at one block of rows.
+before any rotation or encoding, in ComfyUI's own arithmetic (fp32 ``up @ down``, scaled,
+added to the fp32 weight, rounded once to the stored dtype), a block of rows at a time so
+memory stays at one block of rows. ``delta_rows`` (float64) serves the survival report.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from h3quant.errors import ConvertError, H3QuantError, LoraError
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.formats.rules import lora as lora_keys
 
-MERGE_ROWS = 1024  # rows of a layer merged at once (float64: 44 MB at K = 5376)
+MERGE_ROWS = 1024  # rows of a layer merged at once (fp32: 22 MB at K = 5376)
 
 
 def parse_spec(spec: str) -> tuple[str, float]:
@@ -75,13 +75,29 @@ class LoraSet:
     def merged(self, layer: str, weight: torch.Tensor, dtype: torch.dtype,
                done=None) -> torch.Tensor:
         """``weight`` [N, K] (float) with every adapter on ``layer`` added, rounded once to
-        ``dtype``; ``done(r0, r1)`` is called once rows ``[r0, r1)`` of ``weight`` are used (a
+        ``dtype``, in ComfyUI's arithmetic (``comfy/weight_adapter/lora.py``, applied by its
+        model patcher to an fp32 copy of the weight): per adapter, in order, ``up @ down`` in
+        fp32, times ``strength * alpha / rank`` (a Python float, so the product is rounded to
+        fp32 once), added to the fp32 weight; the sum is rounded once to ``dtype``. A bake
+        therefore equals what ComfyUI computes when it applies the LoRA at load time, bit for
+        bit. ``done(r0, r1)`` is called once rows ``[r0, r1)`` of ``weight`` are used (a
         memory-mapped source drops its pages there)."""
         n, k = weight.shape
         out = torch.empty((n, k), dtype=dtype)
+        entries = self.on(layer)
         for r0 in range(0, n, MERGE_ROWS):
             r1 = min(n, r0 + MERGE_ROWS)
-            rows = weight[r0:r1].to(torch.float64) + self.delta_rows(layer, r0, r1, k)
+            rows = weight[r0:r1].to(torch.float32, copy=True)
+            for e in entries:
+                t = e.target
+                lo, hi = max(r0, t.row0), min(r1, t.row0 + t.rows)
+                if lo >= hi:
+                    continue
+                idx = torch.arange(lo - t.row0, hi - t.row0)
+                if t.swap:  # adapter rows are [value; gate]; the layer's are [gate | up]
+                    idx = (idx + t.rows // 2) % t.rows
+                diff = torch.mm(e.up.to(torch.float32)[idx], e.down.to(torch.float32))
+                rows[lo - r0:hi - r0] += (e.strength * e.scale) * diff
             out[r0:r1] = rows.to(dtype)
             if done is not None:
                 done(r0, r1)
