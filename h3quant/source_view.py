@@ -13,7 +13,7 @@ held at a time (``CACHE_EXTRA``). Nothing is written beside the output, and conv
 official or diffusers checkpoint gives exactly the bytes converting the equivalent ComfyUI file
 gives.
 
-Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
+Row operations (``h3.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded to fp32 (``float(code) * scale``, the scale per tensor or per
 output row, as ComfyUI's scaled-fp8 loader multiplies it in) and seen as F32 by a quantized
 target, or rounded once to BF16 (nearest even) for ``--to bf16``.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.naming import (
+from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
     FUSE_QKV,
@@ -41,7 +41,7 @@ from h3quant.formats.rules.naming import (
     staged_entries,
 )
 from h3quant.formats.container.reader import TensorInfo
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 

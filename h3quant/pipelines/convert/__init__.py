@@ -139,7 +139,7 @@ def _untouched_fp8(mapping, options: ConvertOptions) -> frozenset[str]:
 
     from types import SimpleNamespace
 
-    from h3quant.formats.rules.naming import staged_entries
+    from h3quant.h3.naming import staged_entries
 
     headers = {n: SimpleNamespace(name=n, dtype=d, shape=s)
                for n, (d, s) in staged_entries(mapping, True).items()}
