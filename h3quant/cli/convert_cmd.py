@@ -196,4 +196,4 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if lay["action"] == "skip":
                 log(f"skipped {lay['name']}: {lay['reason']}")
         if options.report and converted:
-            log(summary_line(report.summary))
+            log(summary_line(report.summary, converted))

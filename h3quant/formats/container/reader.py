@@ -73,6 +73,12 @@ class ParsedHeader:
     findings: list[Finding] = field(default_factory=list)
 
 
+def _looks_like_text(raw: bytes) -> bool:
+    """Eight bytes of printable ASCII (a JSON, YAML or text file): never a real header length,
+    whose top bytes are zero for any header under ``MAX_HEADER_BYTES``."""
+    return len(raw) == 8 and all(32 <= b < 127 or b in (9, 10, 13) for b in raw)
+
+
 def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> ParsedHeader:
     """Check and parse a header. ``read_header(n)`` returns the ``n`` header bytes."""
     name = str(path)
@@ -85,6 +91,12 @@ def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> Par
     if len(raw_len) < 8:
         return fail("C101", f"file is {file_size} bytes, too short to hold the 8-byte header length")
     (n,) = struct.unpack("<Q", raw_len)
+    if (n > MAX_HEADER_BYTES or 8 + n > file_size) and _looks_like_text(raw_len):
+        return fail("C101", f"not a safetensors file: it begins with text "
+                    f"({raw_len.decode('ascii')!r}), where a safetensors file begins with its "
+                    "8-byte header length" + (
+                        "; it looks like JSON (a shard index is read through its directory or "
+                        "its *.safetensors.index.json name)" if raw_len[:1] in b"{[" else ""))
     if n > MAX_HEADER_BYTES:
         return fail("C101", f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte bound")
     if 8 + n > file_size:

@@ -5,8 +5,6 @@ from h3quant.source_view import *  # noqa: F401,F403
 from h3quant.source_view import (  # noqa: F401
     CACHE_EXTRA,
     SourceView,
-    _read,
-    _ViewFile,
     adopt_mapping,
     build_target,
     check_scale,

@@ -32,6 +32,61 @@ def parse_spec(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
+def check_spec(spec: str) -> tuple[str, float]:
+    """``FILE[:STRENGTH]`` checked: (path, strength), or a ``ConvertError`` that says which
+    part is wrong (a strength that is no number, a directory, a missing file)."""
+    path, strength = parse_spec(spec)
+    p = Path(path)
+    if not p.exists():
+        head, sep, tail = spec.rpartition(":")
+        if sep and head and Path(head).exists():
+            raise ConvertError(f"--lora {spec}: strength '{tail}' is not a number (write "
+                               f"FILE[:STRENGTH], e.g. --lora {head}:0.8)")
+        raise ConvertError(f"--lora {spec}: no such file '{path}'")
+    if p.is_dir():
+        raise ConvertError(f"--lora {spec}: '{path}' is a directory; name the LoRA "
+                           ".safetensors file inside it")
+    if not p.is_file():
+        raise ConvertError(f"--lora {spec}: '{path}' is not a regular file")
+    if strength != strength or strength in (float("inf"), float("-inf")):
+        raise ConvertError(f"--lora {spec}: strength must be a finite number")
+    return path, strength
+
+
+def _fitting(targets, shapes: dict, base_shapes: dict):
+    """(targets whose A and B fit their layer, "module: why" for the others)."""
+    keep, misfit = [], []
+    for t in targets:
+        k = tuple(base_shapes[t.layer + ".weight"])[1]
+        down, up = tuple(shapes[t.adapter.down]), tuple(shapes[t.adapter.up])
+        if down[1:2] == (k,) and up[:1] == (t.rows,):
+            keep.append(t)
+        else:
+            misfit.append(f"'{t.adapter.module}' down {list(down)} up {list(up)} does not fit "
+                          f"'{t.layer}' ({t.rows} rows, K={k})")
+    return keep, misfit
+
+
+def _fit_hint(adapters, shapes: dict, base_shapes: dict) -> str:
+    """Which H3 preset the LoRA's shapes fit, against the base's, and the way out."""
+    from collections import Counter
+
+    from h3quant.h3.topology import PRESETS
+
+    def preset_of(dims: Counter) -> str | None:
+        hits = [(dims[c.hidden], name, c.hidden) for name, c in PRESETS.items() if dims[c.hidden]]
+        return f"'{max(hits)[1]}' (hidden {max(hits)[2]})" if hits else None
+
+    lora_dims = Counter(d for a in adapters for d in shapes[a.down][1:2] + shapes[a.up][:1])
+    base_dims = Counter(d for n, s in base_shapes.items() if n.endswith(".weight") and len(s) == 2
+                        for d in s)
+    mine, base = preset_of(lora_dims), preset_of(base_dims)
+    hint = ""
+    if mine and base and mine != base:
+        hint = f". This LoRA fits the H3 {mine} preset; the base is {base}"
+    return hint + ". --lora-skip-unmatched bakes the adapters that fit and lists the others"
+
+
 @dataclass(frozen=True)
 class Entry:
     target: lora_keys.Target
@@ -110,9 +165,7 @@ def load(specs: list[str] | tuple[str, ...], base_shapes: dict[str, tuple[int, .
     ``name -> shape`` of the base, ComfyUI names). Errors name the file and the keys."""
     out = LoraSet()
     for spec in specs:
-        path, strength = parse_spec(spec)
-        if not Path(path).is_file():
-            raise ConvertError(f"--lora {spec}: no such file '{path}'")
+        path, strength = check_spec(spec)
         try:
             with SafetensorsFile(path, mmap=False) as f:  # read once, whole (LoRAs are small)
                 tensors = {k: f.read(info).clone() for k, info in f.tensors.items()}
@@ -120,9 +173,15 @@ def load(specs: list[str] | tuple[str, ...], base_shapes: dict[str, tuple[int, .
             raise LoraError(f"LoRA '{path}': cannot read as safetensors ({exc.reason})") from None
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         adapters = lora_keys.parse(shapes, source=f"LoRA '{path}'")
-        targets, skipped = lora_keys.resolve(adapters, base_shapes, f"LoRA '{path}'",
-                                             skip_unmatched)
-        lora_keys.check_shapes(targets, shapes, base_shapes, f"LoRA '{path}'")
+        try:
+            targets, skipped = lora_keys.resolve(adapters, base_shapes, f"LoRA '{path}'",
+                                                 skip_unmatched)
+            if skip_unmatched:
+                targets, misfit = _fitting(targets, shapes, base_shapes)
+                skipped += misfit
+            lora_keys.check_shapes(targets, shapes, base_shapes, f"LoRA '{path}'")
+        except LoraError as exc:
+            raise LoraError(f"{exc.reason}{_fit_hint(adapters, shapes, base_shapes)}") from None
         out.skipped += [f"{path}: {s}" for s in skipped]
         out.files.append((path, strength))
         for t in targets:

@@ -120,6 +120,14 @@ def measure(view, loras, plan, options, log) -> dict:
             warnings.append(f"{layer}: only {row['kept']:.0%} of the LoRA delta survives "
                             f"{row['format']} ({row['codes_changed']:.1%} of codes changed); "
                             "--lora-promote int8-convrot writes the layers a LoRA touches int8")
-    for w in warnings:
-        log(f"warning: {w}")
+    if len(warnings) == 1:
+        log(f"warning: {warnings[0]}")
+    elif warnings:  # one line for all: the layers of one format behave alike
+        low = sorted((r for r in rows if r["layer"] in {w.split(":")[0] for w in warnings}),
+                     key=lambda r: r["kept"])
+        fmts = sorted({r["format"] for r in low})
+        log(f"warning: {len(low)} layers keep less than {options.lora_warn:.0%} of the LoRA "
+            f"delta after {', '.join(fmts)} encoding (from {low[0]['kept']:.0%} in "
+            f"{low[0]['layer']} to {low[-1]['kept']:.0%}; each layer in the report); "
+            "--lora-promote int8-convrot writes the layers a LoRA touches int8")
     return {**summary(loras), "survival": rows, "warnings": warnings}
