@@ -14,6 +14,7 @@ from h3quant.cli.common import (
     handle_errors,
     log,
     mmap_option,
+    progress_enabled,
 )
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
@@ -169,7 +170,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     done_before = len(committed_outputs())
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
-                       progress=not quiet and sys.stderr.isatty(), log=say,
+                       progress=progress_enabled(quiet), log=say,
                        report_path=report_path)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
         # Everything is cleaned up by now (or every output is complete, when the signal came

@@ -62,6 +62,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
 
     An official, diffusers or fp8 input is converted through ``adopt.SourceView``: the output is
     ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives."""
+    import time
+
+    t0 = time.perf_counter()
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
@@ -97,7 +100,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
             if loras is not None:
-                report.extra["lora"] = survival.measure(source, loras, plan, options, log)
+                report.extra["lora"] = survival.measure(source, loras, plan, options, log,
+                                                        progress=progress)
+            # the reported time covers the whole run (the LoRA survival pass included)
+            report.elapsed_s = round(time.perf_counter() - t0, 3)
+            report.input_mb_per_s = (round(plan.input_bytes / 1e6 / report.elapsed_s, 1)
+                                     if report.elapsed_s > 0 else None)
             ckpt.check_unchanged()  # an input rewritten while read gives no output
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))

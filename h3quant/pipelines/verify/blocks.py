@@ -315,6 +315,7 @@ def verify_checkpoint(
     thresholds: Thresholds | None = None,
     backend: str | None = None,
     probe=None,
+    on_block=None,
 ) -> VerifyResult:
     """Run every check on ``blocks`` (an int: the first N blocks; a list: those indices; None: the
     first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
@@ -349,6 +350,8 @@ def verify_checkpoint(
                 _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings, ckpt,
                               sigma, marks)
                 del qb, rb
+                if on_block is not None:  # progress: (blocks done, blocks in all)
+                    on_block(idx.index(i) + 1, len(idx))
                 _release(ckpt, f"{find_prefix(ckpt.tensors)}blocks.{i}.")
                 if rck is not None:
                     _release(rck, f"{find_prefix(rck.tensors)}blocks.{i}.")
