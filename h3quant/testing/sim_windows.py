@@ -101,8 +101,7 @@ def simulate_windows() -> None:
     for name in [n for n in dir(mmap) if n.startswith("MADV_")] + ["madvise"]:
         if hasattr(mmap, name):
             delattr(mmap, name)
-    if hasattr(mmap.mmap, "madvise"):
-        pass  # a method of the C type: cannot be removed; h3quant checks mmap.MADV_* first
+    # (mmap.mmap.madvise, a method of the C type, stays: h3quant asks for mmap.MADV_* first)
     real_rename = os.rename
 
     def rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
