@@ -61,7 +61,8 @@ _r("S103", "index-tensor-missing", E, "every tensor named by the index is in its
 _r("S104", "tensor-duplicate", E, "no tensor is stored in two shards")
 _r("S105", "index-unlisted", W, "every stored tensor is listed in the index")
 _r("S106", "index-path-escape", E, "every shard the index names is a plain file name inside its "
-   "directory (no path, no '..', no link leading out)")
+   "directory (no path, no '..', no link leading out; in a Hugging Face cache, links into the "
+   "same models--* folder's blobs)")
 _r("S107", "index-wrong-shard", E, "every tensor is in the shard the index names for it")
 _r("S108", "shard-unindexed", W, "every .safetensors file beside the index is named by it")
 # Marker rules: FORMATS.md 2.

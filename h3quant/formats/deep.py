@@ -162,18 +162,22 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
                 checked.add(info.name)
 
 
-def deep_check(ckpt, scan) -> list[Finding]:
-    """Value checks over every layer (one at a time), then every remaining float tensor."""
+def deep_check(ckpt, scan, on_bytes=None) -> list[Finding]:
+    """Value checks over every layer (one at a time), then every remaining float tensor;
+    ``on_bytes(n)`` (progress) is told the bytes of each layer or tensor once checked."""
     out: list[Finding] = []
     checked: set[str] = set()
     src = Stream()
+    tell = on_bytes or (lambda n: None)
     try:
         for layer in scan.layers.values():
             _guarded(out, layer.name, _check_layer, src, layer, checked, out)
+            tell(sum(t.nbytes for t in layer.tensors.values()))
         for name, info in ckpt.tensors.items():
             if name in checked or info.dtype not in FLOAT_DTYPES or info.numel == 0:
                 continue
             _guarded(out, name, _check_float, src, info, out)
+            tell(info.nbytes)
     finally:
         src.close()
     return out

@@ -15,34 +15,20 @@ from h3quant.h3 import naming
 from h3quant.findings import Finding
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.markers import HEADER_KEY
+from h3quant.source_view import (  # noqa: F401 (re-exported)
+    check_scale,
+    has_config,
+    header_layers,
+    headers,
+)
 
 
-def header_layers(ckpt: Checkpoint) -> set[str]:
-    """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
-    the marker rules report that)."""
-    from h3quant.errors import MarkerError
-    from h3quant.formats.markers import parse_header_metadata
-
-    try:
-        return set(parse_header_metadata(ckpt.metadata) or ())
-    except MarkerError:
-        return set()
-
-
-def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return naming.header_tensors(ckpt.tensors, header_layers(ckpt))
-
-
-headers = _headers
+_headers = headers
 
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:
     return [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None
 
-
-def has_config(ckpt: Checkpoint) -> bool:
-    """A ``config.json`` beside the shards (the official release ships one)."""
-    return bool(ckpt.files) and (ckpt.files[0].path.parent / "config.json").is_file()
 
 
 def summary(ckpt: Checkpoint) -> dict:
@@ -86,15 +72,6 @@ def check_scale_values(ckpt: Checkpoint) -> None:
                 continue
             check_scale(ckpt.read(f"{stem}.{s}").to(torch.float32), f"{stem}.{s}")
 
-
-def check_scale(scale, name: str, note: str = "") -> None:
-    """N305 unless every value of the fp8 scale tensor ``scale`` is finite and positive."""
-    import torch
-
-    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-    if bad:
-        raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
-                          f"value(s){note}", tensor=name, code="N305")
 
 
 def fp8_scaled(ckpt: Checkpoint) -> set[str]:

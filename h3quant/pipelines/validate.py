@@ -74,7 +74,7 @@ def _counts(findings: list[Finding]) -> dict[str, int]:
 
 
 def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
-                        mmap: bool = True) -> ValidateResult:
+                        mmap: bool = True, on_bytes=None) -> ValidateResult:
     """Check a checkpoint; ``ok`` is True when no ERROR finding was produced."""
     p = Path(path)
     if not p.exists():
@@ -88,11 +88,12 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
                          "quantized_layers": 0, "topology": None, "stages": ["container"]}
         if any(f.code in FATAL_CODES for f in findings) or not ckpt.files:
             return _result(p, deep, findings, checked)
-        _checks(ckpt, deep, findings, checked)
+        _checks(ckpt, deep, findings, checked, on_bytes)
         return _result(p, deep, findings, checked)
 
 
-def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict) -> None:
+def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict,
+            on_bytes=None) -> None:
     where = str(ckpt.path)
     got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
     if got is None:
@@ -121,7 +122,7 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     if deep:
         from h3quant.formats.deep import deep_check
 
-        res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
+        res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan, on_bytes)
         findings.extend(res or [])
         if scaled:
             _guard("fp8 scales", where, findings, naming_view.check_scale_values, ckpt)

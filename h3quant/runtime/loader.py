@@ -332,7 +332,7 @@ def load_blocks(
     ``source`` is a path (opened with ``mmap``; ``mmap=False`` reads with buffered I/O) or an open
     Checkpoint. Keys under the prefix that belong to no layer are listed in ``ignored``.
     """
-    if isinstance(source, Checkpoint):
+    if not isinstance(source, (str, os.PathLike)):  # an open Checkpoint, or a source view
         return _load(source, blocks, quantize_on_load, scan)
     with Checkpoint(source, mmap=mmap) as ckpt:
         return _load(ckpt, blocks, quantize_on_load, scan)

@@ -190,6 +190,17 @@ def is_h3(tensors: dict) -> bool:
         return False
 
 
+def wide_rules(options: "ConvertOptions", preset: str, weights: dict[str, tuple[int, ...]]
+               ) -> frozenset[int]:
+    """The rules (indices) that name no layer the preset picks: those apply to any linear of
+    the input (``--layer 'token_refiner\\.=bf16'``); every other rule keeps to the preset's
+    layers. ``weights``: layer name -> weight shape."""
+    picked = [n for n, shape in weights.items() if options.filtered(n)
+              and preset_selects(preset, n, "F32", len(shape), True)]
+    return frozenset(i for i, (pat, _) in enumerate(options._rules)
+                     if not any(pat.search(n) for n in picked))
+
+
 def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
                    quantized: bool) -> bool:
     """Whether ``preset`` picks ``layer`` (before ``--include``/``--exclude``)."""

@@ -220,7 +220,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
     inputs = inputs or ModelInputs()
     t0 = time.perf_counter()
-    with H3Model.open(path, "cpu", mmap=mmap, linear="reference") as model:
+    with H3Model.open(path, "cpu", mmap=mmap, linear="reference", any_layout=True) as model:
         quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
                      and n.startswith(model.prefix + "blocks.")]
         if quantized:

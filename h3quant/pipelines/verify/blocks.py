@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from h3quant.source_view import open_as_comfy
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
@@ -345,6 +346,7 @@ def verify_checkpoint(
     thresholds: Thresholds | None = None,
     backend: str | None = None,
     probe=None,
+    on_block=None,
 ) -> VerifyResult:
     """Run every check on ``blocks`` (an int: the first N blocks; a list: those indices; None: the
     first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
@@ -369,7 +371,8 @@ def verify_checkpoint(
                               str(dev), idx, tokens, seed, th)
         siblings = float_siblings(ckpt, scan)
         marks = provenance.header_set(ckpt)
-        rck = Checkpoint(reference, mmap=mmap) if reference else None
+        # the reference in any layout convert takes (official, diffusers, fp8), as ComfyUI's file
+        rck = open_as_comfy(reference, mmap=mmap) if reference else None
         try:
             rscan = scan_checkpoint(rck) if rck is not None else None
             for i in idx:  # one block at a time: memory stays flat in the block count
@@ -378,6 +381,8 @@ def verify_checkpoint(
                 _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings, ckpt,
                               sigma, marks)
                 del qb, rb
+                if on_block is not None:  # progress: (blocks done, blocks in all)
+                    on_block(idx.index(i) + 1, len(idx))
                 _release(ckpt, f"{find_prefix(ckpt.tensors)}blocks.{i}.")
                 if rck is not None:
                     _release(rck, f"{find_prefix(rck.tensors)}blocks.{i}.")

@@ -178,7 +178,8 @@ def verify_model(
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     with H3Model.open(path, dev, mmap=mmap, backend=backend, probe=probe) as model, \
             H3Model.open(reference or path, "cpu", mmap=mmap,
-                         linear="runtime" if reference else "reference") as ref:
+                         linear="runtime" if reference else "reference",
+                         any_layout=bool(reference)) as ref:
         formats = _formats(model)
         if not formats:
             raise VerifyError("the checkpoint's blocks hold no quantized layer; nothing to "
