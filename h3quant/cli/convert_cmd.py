@@ -130,6 +130,15 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    from h3quant.formats.container.iofiles import CommandFiles
+    from h3quant.pipelines.convert import register_files
+
+    # every file this run reads and writes, checked before anything is read: no output may
+    # name an input (IN, a shard, a --lora file, the --recipe)
+    files = CommandFiles("convert")
+    files.read(recipe_path, "recipe")
+    register_files(files, src, dst, loras, report_path)
+    files.check(overwrite=overwrite)
     if lora_promote and not loras:
         raise ConvertError("--lora-promote needs --lora (it names the layers a LoRA touches)")
     ctx = click.get_current_context()
@@ -169,7 +178,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=not quiet and sys.stderr.isatty(), log=say,
-                       report_path=report_path)
+                       report_path=report_path, files=files)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
         # Everything is cleaned up by now (or every output is complete, when the signal came
         # after the final move: exit 0 then). Exit at once rather than wait at interpreter exit

@@ -171,6 +171,16 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
     if (targets or no_measure or plot) and not frontier:
         raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
+    from h3quant.formats.container.iofiles import CommandFiles
+
+    # every file this run reads and writes, checked before anything is read
+    files = CommandFiles("plan")
+    files.checkpoint(src)
+    files.read(from_json, "saved pass (--from)")
+    files.read(inputs_file, "--inputs file")
+    files.write(out_path, "recipe")
+    files.write(plot, "plot")
+    files.check(overwrite=overwrite)
     given_inputs = None
     if inputs_file is not None:
         from click.core import ParameterSource
@@ -187,26 +197,19 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         given_inputs = ModelInputs.from_file(inputs_file)
     # --out and --plot follow the output rules, are checked before the long work and are
     # written together at the end (both or neither)
-    outputs = [(p, w) for p, w in ((out_path, "recipe"), (plot, "plot")) if p]
     pending: list[tuple[str, bytes, str]] = []
-    inputs: list = []
-    if outputs:
-        from pathlib import Path
-
-        from h3quant.formats.container.atomic import Outputs, check_outputs_distinct
+    if files.outputs:
         from h3quant.formats.container.checkpoint import Checkpoint
 
         with Checkpoint(src, mmap=not no_mmap) as ck:
-            inputs = [Path(src)] + [sf.path for sf in ck.files] \
-                + ([ck.index_path] if ck.index_path else [])
-        inputs += [Path(from_json)] if from_json else []
-        inputs += [Path(inputs_file)] if inputs_file else []
+            for shard in [sf.path for sf in ck.files] + ([ck.index_path] if ck.index_path
+                                                          else []):
+                files.read(shard, "input shard")
 
         def check_all():
-            outs = Outputs(inputs=inputs, overwrite=overwrite)
-            for p, what in outputs:
-                outs.check(p, what=what)
-            check_outputs_distinct([Path(p) for p, _ in outputs])
+            outs = files.transaction(overwrite=overwrite)
+            for o in files.outputs:
+                outs.check(o.path, what=o.what)
 
         guard("checking the outputs", check_all)
     plt = None
@@ -278,7 +281,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
             pending.append((plot, draw(points, plt), "plot"))
     if pending:
-        guard("writing the outputs", _write_all, pending, inputs, overwrite)
+        guard("writing the outputs", _write_all, pending, files, overwrite)
         if not quiet:
             for p, _, what in pending:
                 log(done_note if what == "recipe" else f"wrote {p}")
@@ -290,10 +293,10 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         click.echo("\n\n".join(text))
 
 
-def _write_all(pending, inputs, overwrite) -> None:
+def _write_all(pending, files, overwrite) -> None:
     """Write every (path, bytes, what) in one transaction: all appear, or none."""
-    from h3quant.formats.container.atomic import Outputs, write_file
+    from h3quant.formats.container.atomic import write_file
 
-    with Outputs(inputs=inputs, overwrite=overwrite) as outs:
+    with files.transaction(overwrite=overwrite) as outs:
         for path, data, what in pending:
             write_file(outs.add(path, what=what), data)

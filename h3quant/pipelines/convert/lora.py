@@ -17,19 +17,9 @@ import torch
 from h3quant.errors import ConvertError, H3QuantError, LoraError
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.formats.rules import lora as lora_keys
+from h3quant.pipelines.convert.options import parse_lora_spec as parse_spec  # noqa: F401
 
 MERGE_ROWS = 1024  # rows of a layer merged at once (float64: 44 MB at K = 5376)
-
-
-def parse_spec(spec: str) -> tuple[str, float]:
-    """``FILE[:STRENGTH]`` -> (path, strength); strength defaults to 1.0 and may be negative."""
-    path, sep, tail = spec.rpartition(":")
-    if sep and path:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return spec, 1.0
 
 
 @dataclass(frozen=True)

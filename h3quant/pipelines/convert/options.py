@@ -20,6 +20,17 @@ REPORT_TOKENS = 64  # tokens of the seeded random activation
 REPORT_SEED = 0
 
 
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """``FILE[:STRENGTH]`` -> (path, strength); strength defaults to 1.0 and may be negative."""
+    path, sep, tail = spec.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
 # int8 ConvRot rotation: "exact" reproduces comfy-kitchen's fp32 summation order (bit-identical
 # codes); "fast" is ``convrot.rotate`` (on the CPU two small matmuls per block with 16-point
 # factors, elsewhere 4-point butterfly passes): equal to fp32 rounding, a few codes per million
@@ -157,9 +168,8 @@ class ConvertOptions:
         if self.layout != "canonical":
             body["layout"] = self.layout
         if self.loras:  # baked LoRAs change the bytes: file names and strengths
-            from h3quant.pipelines.convert.lora import parse_spec
 
-            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
+            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_lora_spec, self.loras)]
         if self.layers:
             body["layers"] = [r.text for r in self.layers]
         return json.dumps(body, sort_keys=True)
