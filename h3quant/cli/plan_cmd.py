@@ -218,11 +218,15 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
         plt = require_matplotlib()
     if from_json:
+        from h3quant.formats.container.smallfile import read_bounded
+        from h3quant.limits import MAX_JSON_BYTES
+
+        raw = read_bounded(from_json, MAX_JSON_BYTES, "saved pass (--from)")
         try:
-            with open(from_json, encoding="utf-8") as fh:
-                loaded = json.load(fh)
-            sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            loaded = json.loads(raw.decode("utf-8"))
+            sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded)
+                                         if isinstance(loaded, dict) else loaded)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
                                f"'h3quant plan --json' ({exc})") from None
     else:

@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from h3quant.errors import ConvertError
+from h3quant.errors import ConvertError, UsageError
 from h3quant.formats.codecs import registry
 
 KEEP = "keep"
@@ -180,13 +180,19 @@ def rules_from_data(data, source: str) -> tuple[Rule, ...]:
 
 def load_recipe(path: str | os.PathLike) -> tuple[Rule, ...]:
     """Read and check a recipe file (ConvertError naming the file and the rule)."""
+    from h3quant.formats.container.smallfile import read_bounded
+    from h3quant.limits import MAX_JSON_BYTES
+
+    try:  # a FIFO, /dev/zero or a huge file: refused before reading
+        raw = read_bounded(path, MAX_JSON_BYTES, "recipe")
+    except UsageError as exc:
+        raise ConvertError(f"cannot read recipe {path}: {exc.reason}") from None
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ConvertError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConvertError(f"recipe {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConvertError(f"recipe {path} is nested too deeply to read") from None
     return rules_from_data(data, f"recipe {path}")
 
 
