@@ -52,3 +52,33 @@ def tiny_lora(path: Path, style: str = "comfyui", blocks: int = 1, rank: int = 2
     write_lora(path, config_for("tiny", blocks=blocks), style, rank=rank, scale=0.01, seed=1,
                overwrite=True)
     return path
+
+
+def sparse_safetensors(path: Path, entries: dict, data: dict | None = None) -> Path:
+    """A safetensors file whose header lists ``entries`` (name -> (dtype, shape)); the tensors
+    in ``data`` (name -> bytes) are written, every other one is a hole of zeros, so a header can
+    name gigabytes that take no disk."""
+    import json
+    import math
+
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1,
+             "U8": 1, "I32": 4, "I64": 8}
+    header, off = {}, 0
+    for name, (dtype, shape) in entries.items():
+        n = math.prod(shape) * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        fh.truncate(8 + len(raw) + off)
+        for name, blob in (data or {}).items():
+            fh.seek(8 + len(raw) + header[name]["data_offsets"][0])
+            fh.write(blob)
+    return path
+
+
+def peak_rss_mb(res) -> float:
+    """Peak resident memory of the children this process has waited for, in MB (Linux kB)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
