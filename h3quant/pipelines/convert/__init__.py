@@ -164,7 +164,8 @@ def _promoted(options: ConvertOptions, loras) -> ConvertOptions:
     from h3quant.pipelines.convert.recipe import Rule
 
     pattern = "^(?:" + "|".join(re.escape(n) for n in sorted(loras.layers)) + ")$"
-    return replace(options, layers=(Rule(pattern, options.lora_promote),) + options.layers)
+    return replace(options, layers=(Rule(pattern, options.lora_promote, internal=True),)
+                   + options.layers)
 
 
 def _naming(det, mapping) -> dict:

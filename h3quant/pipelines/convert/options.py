@@ -11,6 +11,7 @@ from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
 from h3quant.formats.codecs import registry
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.patterns import compile_pattern
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
@@ -99,12 +100,8 @@ class ConvertOptions:
         compiled = []
         for flag, pats in (("--include", self.include), ("--exclude", self.exclude)):
             out = []
-            for pat in pats:
-                try:
-                    out.append(re.compile(pat))
-                except re.error as exc:
-                    raise ConvertError(f"{flag} {pat!r} is not a valid regular expression: {exc}") \
-                        from None
+            for pat in pats:  # bounded matching time (h3quant.patterns), or a usage error
+                out.append(compile_pattern(pat, f"{flag} {pat!r}", ConvertError))
             compiled.append(tuple(out))
         object.__setattr__(self, "_patterns", tuple(compiled))
         self._compile_rules()
@@ -128,7 +125,9 @@ class ConvertOptions:
                                       else self.layout))
                 except ConvertError as exc:
                     raise ConvertError(f"rule {i} {rule.text!r}: {exc.reason}") from None
-            out.append((re.compile(rule.pattern), sub))
+            out.append((re.compile(rule.pattern) if rule.internal else
+                        compile_pattern(rule.pattern, f"rule {i} {rule.text!r}", ConvertError),
+                        sub))
         object.__setattr__(self, "_rules", tuple(out))
 
     def for_layer(self, layer: str) -> tuple[int | None, "ConvertOptions | None"]:

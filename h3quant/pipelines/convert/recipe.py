@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from h3quant.errors import ConvertError, UsageError
 from h3quant.formats.codecs import registry
@@ -46,6 +46,8 @@ class Rule:
     target: str | None
     group_size: int | None = None  # None: the command's --group-size
     layout: str | None = None  # None: the command's --layout
+    # built by h3quant itself (--lora-promote's list of layer names): matched by ``re``
+    internal: bool = field(default=False, compare=False)
 
     @property
     def format(self) -> str:
@@ -71,13 +73,9 @@ class Rule:
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    if not isinstance(pattern, str) or not pattern:
-        raise ConvertError(f"{where}: the layer pattern must be a non-empty regular expression")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ConvertError(f"{where}: {pattern!r} is not a valid regular expression: {exc}") \
-            from None
+    from h3quant.patterns import compile_pattern
+
+    compile_pattern(pattern, where, ConvertError)  # bounded matching time, or refused
 
 
 def _option_value(key: str, value, where: str):
