@@ -9,8 +9,9 @@ import sys
 
 import click
 
-from h3quant.cli.common import SEED, emit_json, format_table, guard, handle_errors, log, \
-    mmap_option, progress_enabled
+from h3quant.cli.common import SEED, emit_json, finite_float, format_table, guard, \
+    handle_errors, log, mmap_option, progress_enabled
+from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
@@ -48,6 +49,10 @@ def _targets(ctx, param, value):
             from None
     if not out or not all(math.isfinite(v) for v in out):
         raise click.BadParameter("give finite dB values, e.g. 25,30,35")
+    wild = [v for v in out if abs(v) > MAX_SQNR_DB]
+    if wild:
+        raise click.BadParameter(f"{wild[0]:g} dB is outside -{MAX_SQNR_DB:g} .. "
+                                 f"{MAX_SQNR_DB:g}")
     return out
 
 
@@ -111,9 +116,10 @@ Examples:
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
               help="Reuse a sensitivity pass saved with --json instead of measuring again.")
-@click.option("--target-sqnr", type=float, default=None, metavar="DB",
+@click.option("--target-sqnr", type=finite_float(-MAX_SQNR_DB, MAX_SQNR_DB), default=None,
+              metavar="DB",
               help="Plan the smallest file whose predicted whole-model SQNR (worse of video and "
-                   "audio) is at least DB.")
+                   f"audio) is at least DB (-{MAX_SQNR_DB:g} .. {MAX_SQNR_DB:g}).")
 @click.option("--margin", type=click.FloatRange(0, 20), default=1.0, show_default=True,
               metavar="DB",
               help="--target-sqnr (and --frontier's targets): plan for DB more than the "
@@ -161,7 +167,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
     from h3quant.errors import H3QuantError
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
     from h3quant.pipelines.plan.planner import Model, choose, recipe_rules
-    from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
+    from h3quant.pipelines.plan.sensitivity import PlanError, Sensitivity, measure
 
     if target_sqnr is not None and max_size is not None:
         raise click.UsageError("give --target-sqnr or --max-size, not both")
@@ -219,16 +225,23 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         plt = require_matplotlib()
     if from_json:
         from h3quant.formats.container.smallfile import read_bounded
-        from h3quant.limits import MAX_JSON_BYTES
+        from h3quant.pipelines.fingerprint import check, checkpoint_fingerprint
 
         raw = read_bounded(from_json, MAX_JSON_BYTES, "saved pass (--from)")
         try:
             loaded = json.loads(raw.decode("utf-8"))
             sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded)
                                          if isinstance(loaded, dict) else loaded)
+        except PlanError as exc:
+            raise H3QuantError(f"--from {from_json}: {exc.reason}") from None
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
                                f"'h3quant plan --json' ({exc})") from None
+        # a pass belongs to the checkpoint it was measured on: refused for any other file
+        check(sens.measured_on,
+              {"checkpoint": guard("reading IN", checkpoint_fingerprint, src,
+                                   mmap=not no_mmap)},
+              what=f"--from {from_json}")
     else:
         from tqdm import tqdm
 
