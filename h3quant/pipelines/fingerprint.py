@@ -98,7 +98,8 @@ def check(recorded, actual: dict, *, what: str) -> None:
     for part, now in actual.items():
         then = recorded.get(part)
         if not isinstance(then, dict):
-            raise UsageError(f"{what}: it does not record its {part}; measure again")
+            raise UsageError(f"{what}: it does not record the {part} it was measured on "
+                             "(saved by an older h3quant?); measure again")
         diff = [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
         if diff:
             k = diff[0]
