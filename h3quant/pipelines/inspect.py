@@ -195,9 +195,13 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         params += sum(ckpt.tensors[n].numel for n in layer_scan.others)
         quant = [r for r in reports if r.quantized]
         quantized = {r.name: r.format for r in quant}
+        # the findings validate reports without --deep (one verdict: the same rules, the same
+        # count), so "N errors, run validate" always means validate's N
+        from h3quant.pipelines.validate import header_findings
+
         counts = {s.value: 0 for s in Severity}
-        for f in ckpt.findings + layer_scan.findings:
-            counts[f.severity.value] += 1
+        for f in header_findings(ckpt):
+            counts[f.level.value] += 1
 
         return InspectResult(
             path=str(ckpt.path),

@@ -92,6 +92,16 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
         return _result(p, deep, findings, checked)
 
 
+def header_findings(ckpt: Checkpoint) -> list[Finding]:
+    """The findings ``validate`` (without ``--deep``) reports for the open ``ckpt``; ``inspect``
+    counts these, so both commands give one verdict."""
+    findings = list(ckpt.findings)
+    checked: dict = {"stages": []}
+    if not any(f.code in FATAL_CODES for f in findings) and ckpt.files:
+        _checks(ckpt, False, findings, checked)
+    return findings
+
+
 def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict) -> None:
     where = str(ckpt.path)
     got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))

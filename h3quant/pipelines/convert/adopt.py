@@ -60,11 +60,21 @@ def decode_fp8(ckpt: Checkpoint, src):
     per row) multiplied in."""
     import torch
 
-    w = ckpt.read(src.name).to(torch.float32)
-    if src.scale is None:
+    from h3quant.errors import FindingError
+    from h3quant.formats.rules.checks import fp8_weight_violation
+
+    codes = ckpt.read(src.name)
+    s = None if src.scale is None else ckpt.read(src.scale).to(torch.float32)
+    if s is not None:
+        check_scale(s, src.scale, "; nothing written")
+    # the one rule validate --deep applies: decoded as ComfyUI decodes it, every value finite
+    v = fp8_weight_violation(codes, s)
+    if v is not None:
+        raise FindingError(f"source weight decoded from fp8: {v.message}; nothing "
+                           "written", tensor=src.name, code=v.code)
+    w = codes.to(torch.float32)
+    if s is None:
         return w
-    s = ckpt.read(src.scale).to(torch.float32)
-    check_scale(s, src.scale, "; nothing written")
     if s.numel() == 1:
         return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
     return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
