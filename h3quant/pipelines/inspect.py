@@ -200,7 +200,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         from h3quant.pipelines.validate import header_findings
 
         counts = {s.value: 0 for s in Severity}
-        for f in header_findings(ckpt):
+        for f in header_findings(ckpt, (layer_scan, reader)):
             counts[f.level.value] += 1
 
         return InspectResult(

@@ -92,19 +92,24 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
         return _result(p, deep, findings, checked)
 
 
-def header_findings(ckpt: Checkpoint) -> list[Finding]:
+def header_findings(ckpt: Checkpoint, got=None) -> list[Finding]:
     """The findings ``validate`` (without ``--deep``) reports for the open ``ckpt``; ``inspect``
-    counts these, so both commands give one verdict."""
+    counts these, so both commands give one verdict. ``got``: a ``scan`` already made (inspect
+    reads markers from the header when it describes them; validate also reads the marker
+    tensors, so only a marker tensor that disagrees with the header (M110) is validate's
+    alone)."""
     findings = list(ckpt.findings)
     checked: dict = {"stages": []}
     if not any(f.code in FATAL_CODES for f in findings) and ckpt.files:
-        _checks(ckpt, False, findings, checked)
+        _checks(ckpt, False, findings, checked, got)
     return findings
 
 
-def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict) -> None:
+def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict,
+            got=None) -> None:
     where = str(ckpt.path)
-    got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
+    if got is None:
+        got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
     if got is None:
         return
     layer_scan = got[0]
