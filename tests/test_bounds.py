@@ -101,7 +101,7 @@ def test_an_absurd_lora_rank_is_refused_from_its_header(base, tmp_path):
 
 
 def test_the_rank_limit_itself_is_accepted(tmp_path):
-    from h3quant.formats.rules import lora as keys
+    from h3quant.h3 import lora as keys
 
     m = "diffusion_model.blocks.0.attn.qkv_proj"
     r = limits.MAX_LORA_RANK

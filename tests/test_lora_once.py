@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main
 from h3quant.errors import LoraError
-from h3quant.formats.rules import lora as keys
+from h3quant.h3 import lora as keys
 
 
 @pytest.fixture(scope="module")

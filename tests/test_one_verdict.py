@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.synth import synth_checkpoint
 from h3quant.synth_layouts import write_layout
 

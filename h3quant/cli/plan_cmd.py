@@ -167,7 +167,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
     from h3quant.errors import H3QuantError
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
     from h3quant.pipelines.plan.planner import Model, choose, recipe_rules
-    from h3quant.pipelines.plan.sensitivity import PlanError, Sensitivity, measure
+    from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
 
     if target_sqnr is not None and max_size is not None:
         raise click.UsageError("give --target-sqnr or --max-size, not both")
@@ -232,7 +232,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
             loaded = json.loads(raw.decode("utf-8"))
             sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded)
                                          if isinstance(loaded, dict) else loaded)
-        except PlanError as exc:
+        except H3QuantError as exc:
             raise H3QuantError(f"--from {from_json}: {exc.reason}") from None
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "

@@ -51,7 +51,7 @@ def checkpoint_fingerprint(path: str | os.PathLike, *, mmap: bool = True) -> dic
     """``{"kind", "header_sha256", "data_sample_sha256", "blocks", "tensors"}`` of a checkpoint
     (a file, an index or a directory of shards)."""
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.topology import detect
+    from h3quant.h3.topology import detect
 
     with Checkpoint(path, mmap=mmap) as ck:
         infos = ck.tensors

@@ -10,62 +10,23 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
-from h3quant.errors import ContainerError, MarkerError
+from h3quant.errors import ContainerError
 from h3quant.findings import Severity
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_layers
-from h3quant.formats.rules.markers import (
+from h3quant.formats.markers import (
     MARKER_SUFFIX,
-    layer_of_marker,
-    marker_bytes,
-    parse_header_metadata,
 )
-from h3quant.formats.rules.schemes import layer_report
+from h3quant.formats.report import layer_report
 from h3quant.pipelines import naming_view
-
-MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
-
-
-class MarkerReader:
-    """``read_bytes(name)`` for ``scan_layers`` that counts what it reads.
-
-    With ``prefer_header`` a layer described by the header metadata gets the header's fields
-    (ComfyUI's view, no I/O); otherwise the marker tensor is read (at most MAX_MARKER_BYTES).
-    """
-
-    def __init__(self, ckpt: Checkpoint, *, prefer_header: bool):
-        self.ckpt = ckpt
-        self.bytes_read = 0
-        self.header = None
-        if prefer_header:
-            try:
-                self.header = parse_header_metadata(ckpt.metadata)
-            except MarkerError:
-                self.header = None
-
-    def __call__(self, name: str) -> bytes:
-        layer = layer_of_marker(name)
-        if self.header is not None and layer in self.header:
-            return marker_bytes(self.header[layer])
-        info = self.ckpt.info(name)
-        length = min(info.nbytes, MAX_MARKER_BYTES)
-        data = bytes(self.ckpt.file_of(name).read_bytes(info, 0, length)) if length else b""
-        self.bytes_read += len(data)
-        return data
-
-
-def scan(ckpt: Checkpoint, *, prefer_header: bool):
-    """(LayerScan, MarkerReader) for an open checkpoint."""
-    reader = MarkerReader(ckpt, prefer_header=prefer_header)
-    return scan_layers(ckpt.tensors, ckpt.metadata, reader, file=str(ckpt.path)), reader
+from h3quant.pipelines.layer_scan import MAX_MARKER_BYTES, MarkerReader, scan  # noqa: F401
 
 
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
     """The detected H3 topology summary, or None when the checkpoint is not an H3 DiT."""
     try:
-        from h3quant.formats.rules import topology
+        from h3quant.h3 import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.rules.topology":
+        if exc.name == "h3quant.h3.topology":
             return None
         raise
     detection = topology.detect(tensors)
@@ -111,7 +72,7 @@ def layer_mix(layer_scan) -> list[dict] | None:
     block) have the same formats (``{"blocks": "0-1", "layers": {"attn.qkv_proj":
     "int8_tensorwise convrot g=256", ...}}``), then one row per other quantized layer
     (``{"layer": name, "format": ...}``)."""
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
 
     desc: dict[str, str] = {}
     for name, lay in layer_scan.layers.items():

@@ -16,7 +16,7 @@ import torch
 
 from h3quant.errors import ConvertError, H3QuantError, LoraError
 from h3quant.formats.container.reader import SafetensorsFile
-from h3quant.formats.rules import lora as lora_keys
+from h3quant.h3 import lora as lora_keys
 from h3quant.pipelines.convert.options import parse_lora_spec as parse_spec  # noqa: F401
 
 _ADAPTER_DTYPES = ("F32", "F16", "BF16", "F64")  # an fp8 adapter is refused from its header

@@ -11,15 +11,17 @@ from __future__ import annotations
 import math
 import re
 
+from h3quant.errors import H3QuantError, UsageError
 from h3quant.limits import MAX_BLOCKS
-from h3quant.pipelines.plan.sensitivity import OUTPUTS, PlanError, UnitResult, parse_candidates
+
+OUTPUTS = ("video", "audio")
 
 _UNIT = re.compile(r"^blocks\.(\d{1,4})(?:\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2))?$")
 _MAX_BYTES = 1 << 50
 
 
-def _bad(field: str, why: str) -> PlanError:
-    return PlanError(f"not a sensitivity pass saved by 'h3quant plan --json': {field} {why}")
+def _bad(field: str, why: str) -> UsageError:
+    return UsageError(f"not a sensitivity pass saved by 'h3quant plan --json': {field} {why}")
 
 
 def _int(v, field: str, lo: int, hi: int) -> int:
@@ -51,8 +53,10 @@ def _per_output(m, field: str, **kw) -> dict[str, float]:
     return {o: _float(m[o], f"{field}.{o}", **kw) for o in OUTPUTS}
 
 
-def checked_pass(d) -> dict:
-    """The keyword arguments of ``Sensitivity`` from a parsed pass ``d`` (PlanError if bad)."""
+def checked_pass(d, parse_candidates) -> dict:
+    """The keyword arguments of ``Sensitivity`` from a parsed pass ``d`` (``UsageError`` naming
+    the field if bad); ``units`` as keyword dicts of ``UnitResult``. ``parse_candidates`` checks
+    the format names (``plan --formats``'s parser)."""
     if not isinstance(d, dict):
         raise _bad("the file", "must hold a JSON object")
     for key in ("path", "inputs", "formats", "per_layer", "blocks", "prefix", "signal", "units"):
@@ -62,7 +66,7 @@ def checked_pass(d) -> dict:
         raise _bad("'formats'", "must be a list of format names")
     try:
         formats = [c.format for c in parse_candidates(",".join(d["formats"]))]
-    except PlanError as exc:
+    except H3QuantError as exc:
         raise _bad("'formats'", f"is not a list of known formats ({exc.reason})") from None
     if not isinstance(d["per_layer"], bool):
         raise _bad("'per_layer'", "must be true or false")
@@ -101,11 +105,12 @@ def checked_pass(d) -> dict:
         if (name, u["format"]) in seen:
             raise _bad(where, f"repeats {name} in {u['format']}")
         seen.add((name, u["format"]))
-        units.append(UnitResult(
-            name, block, u["format"], _int(u["bytes"], f"{where} 'bytes'", 0, _MAX_BYTES),
-            _int(u["float_bytes"], f"{where} 'float_bytes'", 0, _MAX_BYTES),
-            _per_output(u["noise"], f"{where} 'noise'", lo=0.0),
-            _per_output(u["sqnr_db"], f"{where} 'sqnr_db'", allow_inf=True)))
+        units.append(dict(
+            unit=name, block=block, format=u["format"],
+            bytes=_int(u["bytes"], f"{where} 'bytes'", 0, _MAX_BYTES),
+            float_bytes=_int(u["float_bytes"], f"{where} 'float_bytes'", 0, _MAX_BYTES),
+            noise=_per_output(u["noise"], f"{where} 'noise'", lo=0.0),
+            sqnr_db=_per_output(u["sqnr_db"], f"{where} 'sqnr_db'", allow_inf=True)))
     seconds = d.get("seconds", 0.0)
     per_block = d.get("seconds_per_block", [])
     if not isinstance(per_block, list):

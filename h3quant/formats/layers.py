@@ -15,7 +15,7 @@ from h3quant.errors import MarkerError
 from h3quant.findings import Finding
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.rules.markers import (
+from h3quant.formats.markers import (
     MARKER_SUFFIX,
     QuantFormat,
     check_marker_object,
@@ -39,7 +39,8 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> QuantFormat | None:
+    def format(self) -> str | None:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property
@@ -180,7 +181,7 @@ def _scaled_fp8(layer, tensors) -> bool:
     """ComfyUI's scaled fp8: an fp8 weight with a float scale companion and no marker (a layout
     of its own, decoded as code x scale; not a layer that lost its marker)."""
     from h3quant.formats.container.dtypes import FLOAT_DTYPES
-    from h3quant.formats.rules.naming import FP8_SCALES
+    from h3quant.formats.check import FP8_SCALE_NAMES as FP8_SCALES
 
     w = layer.tensors.get("weight")
     names = [f"{layer.name}.{s}" for s in FP8_SCALES]
