@@ -95,7 +95,8 @@ def _check_int8_codes(src, info, out: list[Finding]) -> None:
 
 
 def _check_whole(src, codec, suffix: str, info, out: list[Finding]) -> None:
-    v = codec.data_violation(suffix, _read(src, info))  # the rule convert and verify apply too
+    v = codec.data_violation(suffix, _read(src, info).reshape(tuple(info.shape)))  # as convert
+    # and verify see it: the same rule
     if v is not None:
         out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
 
@@ -139,7 +140,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             _check_int8_codes(src, w, out)
         for suffix in codec.spec.deep_whole:
             info = t.get(suffix)
-            if info is not None and info.dtype in FLOAT_DTYPES:
+            if info is not None and (info.dtype in FLOAT_DTYPES or info.dtype == "I8"):
                 _check_whole(src, codec, suffix, info, out)
                 checked.add(info.name)
     elif fmt is not None:

@@ -165,6 +165,10 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
         raise OutputError(f"the {what}'s directory does not exist", path=path)
     if path.name in ("", ".", ".."):
         raise OutputError(f"the {what} must name a file", path=path)
+    if is_staging_name(path.name):
+        raise OutputError(f"the {what}'s name is reserved for h3quant's temporary staging "
+                          f"directories ({STAGING_PREFIX}*{STAGING_SUFFIX}), which a later run "
+                          "may remove; choose another name", path=path)
     check_not_input(path, inputs, directory=directory, what=what)
     try:
         lst = os.lstat(path)
@@ -412,6 +416,25 @@ def recover(stage: Path, parent: Path, log: Callable[[str], None] | None = None)
     return safe
 
 
+def is_staging_name(name: str) -> bool:
+    """True for names h3quant gives its staging directories (never allowed as an output)."""
+    return name.startswith(STAGING_PREFIX) and (name.endswith(STAGING_SUFFIX)
+                                                or name.endswith(_UNLOCKED_SUFFIX))
+
+
+_STAGE_ENTRIES = {LOCK_NAME, NEW_DIR, OLD_DIR, JOURNAL_NAME, COMMITTED_NAME}
+
+
+def _looks_like_stage(stage: Path) -> bool:
+    """A staging directory holds its lock file and only the entries h3quant puts there."""
+    try:
+        names = set(os.listdir(stage))
+    except OSError:
+        return False
+    extra = {n for n in names - _STAGE_ENTRIES if not n.startswith(_LEGACY_BACKUP)}
+    return LOCK_NAME in names and not extra
+
+
 def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
     """Resolve and remove staging directories left by killed runs (their lock is free).
 
@@ -426,8 +449,8 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
         if not (name.startswith(STAGING_PREFIX) and name.endswith(STAGING_SUFFIX)):
             continue
         stage = Path(directory) / name
-        if stage.is_symlink() or not stage.is_dir():
-            continue
+        if stage.is_symlink() or not stage.is_dir() or not _looks_like_stage(stage):
+            continue  # named like one, but not h3quant's: never touched
         fd = _try_lock(stage / LOCK_NAME)
         if fd is None:
             continue  # a live run holds it

@@ -27,6 +27,29 @@ class Int8KnCodec(Int8Codec):
         q = tensors["weight"].t()  # [N, K] view of the stored [K, N]: no copy
         return q, tensors["weight_scale"].to(torch.float32).reshape(-1)
 
+    def data_violation(self, suffix, values):
+        """D107: each nonzero output channel (a column of the stored [K, N]) peaks at |q| = 127.
+        The encoder scales every channel by its absmax / 127, so a weight written untransposed
+        (which a square layer's shape cannot reveal) leaves many columns below 127: validate
+        --deep, convert and verify refuse it alike, not only verify against a reference."""
+        if suffix != "weight" or values.dim() != 2 or values.numel() == 0:
+            return None
+        from h3quant.formats.spec import Violation
+
+        import torch
+
+        peak = values.to(torch.int16).abs().amax(0)  # per output channel
+        low = (peak > 0) & (peak < 127)
+        n = int(low.sum())
+        if not n:
+            return None
+        first = int(low.nonzero()[0, 0])
+        return Violation("D107", f"{n} of {values.shape[1]} output channels peak below |q| = 127 "
+                         f"(first: channel {first}, peak {int(peak[first])}); an int8_tensorwise_kn "
+                         "weight scales each channel to its absmax, so this weight is stored in "
+                         "the other orientation or was not written by this format's encoder",
+                         "weight")
+
     def nz_eligible(self, n, k):
         from h3quant.formats.int8_kn.tensors import nz_eligible
 
