@@ -103,9 +103,9 @@ _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but n
 _r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
 _r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
 _r("D106", "weight-nonfinite", E, "float weights are finite")
-_r("D107", "kn-channel-peak", E, "int8_tensorwise_kn: every nonzero output channel (a column of "
-   "the [K, N] weight) peaks at |q| = 127, its scale being the channel's absmax / 127; a weight "
-   "stored in the other orientation breaks it (a square layer's shape cannot tell)")
+_r("D107", "kn-orientation", E, "int8_tensorwise_kn: the [K, N] weight is not canonical [N, K] "
+   "codes under the kn name (every row peaking at |q| = 127 while output channels do not; a "
+   "square layer's shape cannot tell)")
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")

@@ -76,15 +76,17 @@ def test_an_output_named_like_staging_is_refused(kn, name):
     assert not out.exists()
 
 
-def test_a_directory_named_like_staging_survives_a_later_run(kn, tmp_path):
+def test_an_output_directory_named_like_staging_survives_a_later_run(kn, tmp_path):
+    """An OUT directory named like a staging directory (written before such names were
+    refused) holds h3quant's output manifest: a later run beside it never removes it."""
     keep = tmp_path / ".h3quant-staging-77-mine.tmp"
     keep.mkdir()
-    (keep / "notes.txt").write_text("mine")
-    (keep / atomic.LOCK_NAME).write_text("")  # even with a file named like the lock
-    before = sha(keep / "notes.txt")
+    (keep / "model.safetensors").write_bytes(kn["good"].read_bytes())
+    atomic.write_manifest(keep)
+    before = sha(keep / "model.safetensors")
     res = run("convert", kn["base"], tmp_path / "o.safetensors", "--no-report", "-q")
     assert res.exit_code == 0, res.output
-    assert (keep / "notes.txt").exists() and sha(keep / "notes.txt") == before
+    assert sha(keep / "model.safetensors") == before
     # a real stale staging directory beside it is still cleaned
     stale = tmp_path / ".h3quant-staging-78-dead.tmp"
     for sub in (atomic.NEW_DIR, atomic.OLD_DIR):

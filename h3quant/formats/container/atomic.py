@@ -422,17 +422,11 @@ def is_staging_name(name: str) -> bool:
                                                 or name.endswith(_UNLOCKED_SUFFIX))
 
 
-_STAGE_ENTRIES = {LOCK_NAME, NEW_DIR, OLD_DIR, JOURNAL_NAME, COMMITTED_NAME}
-
-
 def _looks_like_stage(stage: Path) -> bool:
-    """A staging directory holds its lock file and only the entries h3quant puts there."""
-    try:
-        names = set(os.listdir(stage))
-    except OSError:
-        return False
-    extra = {n for n in names - _STAGE_ENTRIES if not n.startswith(_LEGACY_BACKUP)}
-    return LOCK_NAME in names and not extra
+    """Not an output directory (one holding h3quant's output manifest, as an OUT named like a
+    staging directory by an older release would): such a directory is the user's, never
+    removed."""
+    return not os.path.lexists(stage / MANIFEST_NAME)
 
 
 def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
