@@ -8,7 +8,9 @@ no value can make a command allocate without bound. ``--help`` of each command s
 * ``MAX_TOKENS`` (16384): per-block verify's ``--tokens``, and ``--text-tokens``.
 * ``MAX_MODEL_ROWS`` (16384): the packed sequence of ``verify --model``: text tokens + 2 x audio
   frames + video tokens (frames x ceil(height / 2) x ceil(width / 2)). Attention runs in bounded
-  score blocks, so memory grows with rows x width, never rows squared.
+  score blocks, so memory grows with rows x width, never rows squared. At the limit a run is
+  the costliest a user can ask for: about 60 s and 2.3 GB on the tiny synthetic model on a
+  quiet machine (more at full width).
 * ``MAX_AUDIO_FRAMES`` (8192): ``--audio-frames`` (2 rows each).
 * ``MAX_WORKERS`` (64): convert's ``--workers``. W4A8 encodes at most 16 row chunks at once
   whatever the count, so its working memory does not grow with more workers.

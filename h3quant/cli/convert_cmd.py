@@ -41,7 +41,9 @@ def _group_size(ctx, param, value):
               help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
                    "inputs); all-linears = every 2-D float weight (default otherwise).")
 @click.option("--include", multiple=True, metavar="REGEX",
-              help="Only convert layers whose name matches (re.search; repeatable).")
+              help="Only convert layers whose name matches (re.search; repeatable). Patterns: "
+                   "at most 65,536 characters, no backreferences, lookarounds or inline flags "
+                   "(matched in bounded time).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
 @click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
@@ -50,7 +52,8 @@ def _group_size(ctx, param, value):
                    "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
               help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
-                   "hand); see docs/FORMATS.md, Recipes.")
+                   "hand); see docs/FORMATS.md, Recipes. A regular file of at most 16 MiB; it is "
+                   "an input (no output may name it).")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -79,7 +82,8 @@ def _group_size(ctx, param, value):
                    "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
                    "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
                    "quantized IN without --to, the touched layers are decoded, merged and "
-                   "encoded again in IN's own format.")
+                   "encoded again in IN's own format. Checked from its header before any data "
+                   "is read: rank at most 1024, F32/F16/BF16 adapters, each adapter once.")
 @click.option("--lora-promote", type=click.Choice(_TARGETS), default=None,
               help="Write every layer a LoRA touches in this format instead (e.g. "
                    "int8-convrot in a W4A8 file: 4-bit rounding can eat a small delta; the "

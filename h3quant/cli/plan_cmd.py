@@ -115,7 +115,8 @@ Examples:
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
-              help="Reuse a sensitivity pass saved with --json instead of measuring again.")
+              help="Reuse a sensitivity pass saved with --json instead of measuring again "
+                   "(a regular file of at most 16 MiB, refused unless it was measured on IN).")
 @click.option("--target-sqnr", type=finite_float(-MAX_SQNR_DB, MAX_SQNR_DB), default=None,
               metavar="DB",
               help="Plan the smallest file whose predicted whole-model SQNR (worse of video and "
