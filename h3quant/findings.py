@@ -122,6 +122,9 @@ _r("D120", "block-scale-value", E, "nvfp4: e4m3 block scales are finite and >= 0
 _r("D121", "block-scale-layout", E, "nvfp4: block scales are stored in cuBLAS's blocked 128 x 4 "
    "layout (zeros in its padding); a row-major grid decodes blocks with other blocks' scales")
 _r("D122", "int4-range", W, "signed int4 codes stay in [-7, 7] (-8 is legal but never produced)")
+_r("D107", "kn-orientation", E, "int8_tensorwise_kn: the [K, N] weight is not canonical [N, K] "
+   "codes under the kn name (every row peaking at |q| = 127 while output channels do not; a "
+   "square layer's shape cannot tell)")
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")

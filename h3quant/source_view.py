@@ -92,15 +92,23 @@ def decode_fp8(ckpt: Checkpoint, src):
     per row) multiplied in."""
     import torch
 
+    from h3quant.errors import FindingError
+    from h3quant.formats.check import fp8_weight_violation
     from h3quant.formats.fp8.tensors import decode_fp8 as decode
 
-    w = ckpt.read(src.name)
-    if src.scale is None:
-        return w.to(torch.float32)
-    s = ckpt.read(src.scale).to(torch.float32)
-    check_scale(s, src.scale, "; nothing written")
-    s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (w.dim() - 1))
-    return decode(w, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
+    codes = ckpt.read(src.name)
+    s = None if src.scale is None else ckpt.read(src.scale).to(torch.float32)
+    if s is not None:
+        check_scale(s, src.scale, "; nothing written")
+    # the one rule validate --deep applies: decoded as ComfyUI decodes it, every value finite
+    v = fp8_weight_violation(codes, s)
+    if v is not None:
+        raise FindingError(f"source weight decoded from fp8: {v.message}; nothing "
+                           "written", tensor=src.name, code=v.code)
+    if s is None:
+        return codes.to(torch.float32)
+    s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (codes.dim() - 1))
+    return decode(codes, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
 
 
 def _read(ckpt: Checkpoint, src):

@@ -62,7 +62,9 @@ def _group_size(ctx, param, value):
               help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
                    "inputs); all-linears = every 2-D float weight (default otherwise).")
 @click.option("--include", multiple=True, metavar="REGEX",
-              help="Only convert layers whose name matches (re.search; repeatable).")
+              help="Only convert layers whose name matches (re.search; repeatable). Patterns: "
+                   "at most 65,536 characters, no backreferences, lookarounds or inline flags "
+                   "(matched in bounded time).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
 @click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
@@ -71,7 +73,8 @@ def _group_size(ctx, param, value):
                    "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
               help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
-                   "hand); see docs/FORMATS.md, Recipes.")
+                   "hand); see docs/FORMATS.md, Recipes. A regular file of at most 16 MiB; it is "
+                   "an input (no output may name it).")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -100,7 +103,8 @@ def _group_size(ctx, param, value):
                    "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
                    "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
                    "quantized IN without --to, the touched layers are decoded, merged and "
-                   "encoded again in IN's own format.")
+                   "encoded again in IN's own format. Checked from its header before any data "
+                   "is read: rank at most 1024, F32/F16/BF16 adapters, each adapter once.")
 @click.option("--lora-promote", type=click.Choice(_TARGETS), default=None,
               help="Write every layer a LoRA touches in this format instead (e.g. "
                    "int8-convrot in a W4A8 file: 4-bit rounding can eat a small delta; the "
@@ -172,6 +176,15 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    from h3quant.formats.container.iofiles import CommandFiles
+    from h3quant.pipelines.convert import register_files
+
+    # every file this run reads and writes, checked before anything is read: no output may
+    # name an input (IN, a shard, a --lora file, the --recipe)
+    files = CommandFiles("convert")
+    files.read(recipe_path, "recipe")
+    register_files(files, src, dst, loras, report_path)
+    files.check(overwrite=overwrite)
     if lora_promote and not loras:
         raise ConvertError("--lora-promote needs --lora (it names the layers a LoRA touches)")
     ctx = click.get_current_context()
@@ -211,7 +224,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=progress_enabled(quiet), log=say,
-                       report_path=report_path)
+                       report_path=report_path, files=files)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
         # Everything is cleaned up by now (or every output is complete, when the signal came
         # after the final move: exit 0 then). Exit at once rather than wait at interpreter exit

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from h3quant.errors import LoraError
 from h3quant.h3.naming import diffusers_to_comfy
+from h3quant.limits import MAX_LORA_RANK
 
 # (down suffix, up suffix) pairs, in the order they are tried.
 _PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"),
@@ -178,6 +179,9 @@ def parse(shapes: dict[str, tuple[int, ...]], source: str = "LoRA") -> list[Adap
             if len(dshape) != 2 or len(ushape) != 2 or dshape[0] != ushape[1]:
                 raise LoraError(f"{source}: '{key}' {list(dshape)} and '{up}' "
                                        f"{list(ushape)} are not a rank-r pair [r, K], [N, r]")
+            if not 1 <= dshape[0] <= MAX_LORA_RANK:
+                raise LoraError(f"{source}: '{key}' has rank {dshape[0]}; a rank must be in "
+                                f"1..{MAX_LORA_RANK} (h3quant.limits.MAX_LORA_RANK)")
             alpha = module + _ALPHA if module + _ALPHA in shapes else None
             if alpha is not None and tuple(shapes[alpha]) not in ((), (1,)):
                 raise LoraError(f"{source}: '{alpha}' must be a scalar, "
@@ -248,7 +252,34 @@ def resolve(adapters: list[Adapter], base_shapes: dict[str, tuple[int, ...]],
     if problems and not skip_unmatched:
         raise LoraError(f"{source}: {len(problems)} adapter(s) do not fit the base: "
                                + "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else ""))
+    refuse_overlaps(targets, source)
     return targets, problems
+
+
+def refuse_overlaps(targets: list[Target], source: str = "LoRA") -> None:
+    """One adapter, applied once: two adapters of one file that change the same rows of one
+    layer (the same adapter under two key spellings, e.g. ComfyUI and bare or kohya keys, or a
+    fused to_qkv beside a split to_q) are refused, naming both keys. ComfyUI's loader keeps one
+    of them silently (its key map assigns each model weight once, the later spelling replacing
+    the earlier), so neither merging both nor picking one would be what the file's author meant
+    for sure."""
+    by_layer: dict[str, list[Target]] = {}
+    for t in targets:
+        by_layer.setdefault(t.layer, []).append(t)
+    clashes = []
+    for layer, ts in by_layer.items():
+        ts = sorted(ts, key=lambda t: (t.row0, t.adapter.module))
+        for a, b in zip(ts, ts[1:]):
+            if b.row0 < a.row0 + a.rows:
+                clashes.append(f"'{a.adapter.module}' ({a.adapter.style}) and "
+                               f"'{b.adapter.module}' ({b.adapter.style}) both change rows "
+                               f"{b.row0}:{min(a.row0 + a.rows, b.row0 + b.rows)} of '{layer}'")
+    if clashes:
+        raise LoraError(f"{source}: {len(clashes)} layer(s) are targeted twice (the same "
+                        "adapter under two key spellings?): " + "; ".join(clashes[:4])
+                        + (" ..." if len(clashes) > 4 else "")
+                        + ". Each adapter is applied once: keep one spelling in the file "
+                        "(ComfyUI would silently use only one of them).")
 
 
 def check_shapes(targets: list[Target], lora_shapes: dict[str, tuple[int, ...]],

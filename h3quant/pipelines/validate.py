@@ -17,7 +17,7 @@ from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.check import check_layer
 from h3quant.pipelines import naming_view
-from h3quant.pipelines.inspect import scan
+from h3quant.pipelines.layer_scan import scan
 
 # Container codes after which nothing in that file can be read.
 FATAL_CODES = frozenset({"C101", "C102", "C103", "C112", "S101"})
@@ -88,14 +88,28 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
                          "quantized_layers": 0, "topology": None, "stages": ["container"]}
         if any(f.code in FATAL_CODES for f in findings) or not ckpt.files:
             return _result(p, deep, findings, checked)
-        _checks(ckpt, deep, findings, checked, on_bytes)
+        _checks(ckpt, deep, findings, checked, on_bytes=on_bytes)
         return _result(p, deep, findings, checked)
 
 
+def header_findings(ckpt: Checkpoint, got=None) -> list[Finding]:
+    """The findings ``validate`` (without ``--deep``) reports for the open ``ckpt``; ``inspect``
+    counts these, so both commands give one verdict. ``got``: a ``scan`` already made (inspect
+    reads markers from the header when it describes them; validate also reads the marker
+    tensors, so only a marker tensor that disagrees with the header (M110) is validate's
+    alone)."""
+    findings = list(ckpt.findings)
+    checked: dict = {"stages": []}
+    if not any(f.code in FATAL_CODES for f in findings) and ckpt.files:
+        _checks(ckpt, False, findings, checked, got)
+    return findings
+
+
 def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict,
-            on_bytes=None) -> None:
+            got=None, on_bytes=None) -> None:
     where = str(ckpt.path)
-    got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
+    if got is None:
+        got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
     if got is None:
         return
     layer_scan = got[0]

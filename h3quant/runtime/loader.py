@@ -257,11 +257,15 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
     legacy = legacy_scaled_fp8(ckpt, layer)
     if legacy is not None:
         return legacy
-    for s, info in layer.tensors.items():
-        if info.dtype not in FLOAT_DTYPES:
-            raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
-                              path=path, tensor=info.name, code="M109")
-    tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()}
+    weight = layer.tensors.get("weight")
+    if weight is not None and weight.dtype in _FP8_WEIGHTS:
+        tensors = _scaled_fp8(ckpt, layer)
+    else:
+        for s, info in layer.tensors.items():
+            if info.dtype not in FLOAT_DTYPES:
+                raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization "
+                                  "marker", path=path, tensor=info.name, code="M109")
+        tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()}
     loaded = LoadedLayer(layer.name, tensors)
     if quantize_on_load:
         loaded = _quantize_float(loaded, path)
@@ -299,6 +303,48 @@ def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
         if si.numel() != 1 or float(si) != 1.0:
             tensors["input_scale"] = si.reshape(())
     return LoadedLayer(layer.name, tensors, {"format": "float8_e4m3fn"}, "scaled_fp8")
+
+
+_FP8_WEIGHTS = ("F8_E4M3", "F8_E5M2")
+
+
+def _scaled_fp8(ckpt: Checkpoint, layer: Layer) -> dict:
+    """A ComfyUI scaled-fp8 layer (fp8 weight, float scale companion, no marker) decoded as
+    ComfyUI decodes it: code x scale in fp32. The decoded weight must be finite: the rule
+    (D106) ``validate --deep`` and convert apply to the same data."""
+    from h3quant.h3.naming import FP8_SCALES, FP8_UNUSED
+
+    path = ckpt.path
+    scale = None
+    out = {}
+    for s in FP8_SCALES:  # the scale is a companion beside the layer, not one of its tensors
+        info = ckpt.tensors.get(f"{layer.name}.{s}")
+        if info is not None and info.dtype in FLOAT_DTYPES:
+            scale = ckpt.read(info.name).float()
+            break
+    for s, info in layer.tensors.items():
+        if s == "weight":
+            continue
+        if s in FP8_SCALES and info.dtype in FLOAT_DTYPES and scale is None:
+            scale = ckpt.read(info.name).float()
+        elif s in FP8_UNUSED:
+            continue  # ComfyUI does not use it for the weight
+        elif info.dtype in FLOAT_DTYPES:
+            out[s] = ckpt.read(info.name)
+        else:
+            raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
+                              path=path, tensor=info.name, code="M109")
+    codes = ckpt.read(layer.tensors["weight"].name)
+    v = rules.fp8_weight_violation(codes, scale)
+    if v is not None:
+        raise FindingError(f"weight decoded from fp8: {v.message}", path=path,
+                           tensor=layer.tensors["weight"].name, code=v.code)
+    w = codes.float()
+    if scale is not None:
+        w = w * (scale.reshape(()) if scale.numel() == 1
+                 else scale.reshape((-1,) + (1,) * (w.dim() - 1)))
+    out["weight"] = w
+    return out
 
 
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:

@@ -163,7 +163,9 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
     except H3QuantError as exc:
-        entry["error"] = exc.reason
-        failures.append({"name": lp.name, "error": exc.reason})
+        why = (f"[{exc.code}] {exc.reason}" if exc.code and f"[{exc.code}]" not in exc.reason
+               else exc.reason)  # the rule's code, as validate names it
+        entry["error"] = why
+        failures.append({"name": lp.name, "error": why})
     progress(total)
     results[lp.name] = entry

@@ -103,6 +103,8 @@ class Sensitivity:
     units: list[UnitResult] = field(default_factory=list)
     seconds: float = 0.0
     seconds_per_block: list[float] = field(default_factory=list)
+    # what it was measured on (pipelines.fingerprint): a saved pass is refused for other files
+    measured_on: dict = field(default_factory=dict)
 
     def unit_names(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -123,20 +125,13 @@ class Sensitivity:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Sensitivity":
-        def floats(m):
-            return {o: float(m[o]) for o in OUTPUTS}
+    def from_dict(cls, d) -> "Sensitivity":
+        """A saved pass, every field checked before use (``PlanError`` naming the field)."""
+        from h3quant.pipelines.plan.saved import checked_pass
 
-        units = [UnitResult(str(u["unit"]), int(u["block"]), str(u["format"]), int(u["bytes"]),
-                            int(u["float_bytes"]), floats(u["noise"]), floats(u["sqnr_db"]))
-                 for u in d["units"]]
-        if not units or not isinstance(d["signal"], dict):
-            raise ValueError("no measurements")
-        keys = ("path", "inputs", "formats", "per_layer", "blocks", "prefix", "signal")
-        fields_ = {k: d[k] for k in keys}
-        fields_["signal"] = floats(d["signal"])
-        return cls(**fields_, units=units, seconds=d.get("seconds", 0.0),
-                   seconds_per_block=list(d.get("seconds_per_block", [])))
+        kw = checked_pass(d, parse_candidates)
+        kw["units"] = [UnitResult(**u) for u in kw["units"]]
+        return cls(**kw)
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -232,8 +227,12 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
         video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
                                             model.text_dim)
         ref = model.start(video, audio, text, inputs.sigma)
+        from h3quant.pipelines.fingerprint import checkpoint_fingerprint, inputs_fingerprint
+
         result = Sensitivity(str(path), asdict(inputs), [c.format for c in cands], per_layer,
                              len(run), model.prefix, {})
+        result.measured_on = {"checkpoint": checkpoint_fingerprint(path, mmap=mmap),
+                              "inputs": inputs_fingerprint(asdict(inputs))}
         streams: list[tuple[int, torch.Tensor]] = []  # (unit index, hidden state)
         meta: list[tuple[str, int, Candidate, int, int]] = []  # unit, block, cand, bytes, float
         cpu = model.device
