@@ -75,7 +75,6 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
     naming the file when a run cannot be set up."""
     from h3quant import __version__
     from h3quant.runtime.availability import require_device
-    from h3quant.runtime.model.model import H3Model
 
     opts = options or CompareOptions()
     progress = progress or _no_progress
