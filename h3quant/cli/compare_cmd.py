@@ -90,7 +90,6 @@ Examples:
 def command(files, reference, device, steps, sigmas, frames, height, width, audio_frames,
             text_tokens, sigma, seed, inputs_file, as_json, markdown_path, plot_path, overwrite,
             no_mmap):
-    from h3quant.cli.verify_cmd import _file_inputs, _given
     from h3quant.pipelines.compare.run import CompareOptions, compare_files
     from h3quant.pipelines.verify.model import ModelInputs
 
@@ -116,6 +115,31 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
 
         click.echo(render(res))
     sys.exit(EXIT_OK)
+
+
+def _given(ctx, names) -> list[str]:
+    from click.core import ParameterSource
+
+    return ["--" + n.replace("_", "-") for n in names
+            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+
+
+def _file_inputs(ctx, path, sigma):
+    """The inputs held in --inputs FILE (None without it); conflicting options are usage
+    errors."""
+    if path is None:
+        return None
+    wrong = _given(ctx, ("frames", "height", "width", "audio_frames", "text_tokens", "seed"))
+    if wrong:
+        raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs (the file "
+                               "gives the latents and their sizes)")
+    from h3quant.pipelines.verify.model import ModelInputs
+
+    inputs = ModelInputs.from_file(path, sigma)
+    if _given(ctx, ("sigma",)) and inputs.sigma != sigma:
+        raise click.UsageError(f"--sigma {sigma:g} conflicts with the sigma {inputs.sigma:g} "
+                               f"held in --inputs {path}")
+    return inputs
 
 
 def _schedule(steps, sigmas):
