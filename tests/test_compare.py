@@ -161,3 +161,15 @@ def test_outputs_follow_the_output_rules(files, tmp_path):
     r = CliRunner().invoke(main, ["compare", f, "--reference", ref, "--markdown",
                                   str(existing), *SMALL, "--steps", "0"])
     assert r.exit_code == 2 and existing.read_text() == "keep"
+
+
+def test_a_copy_of_the_reference_matches_it_exactly(files, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy.safetensors"
+    shutil.copyfile(files["bf16"], copy)
+    recs = _card([str(copy), "--reference", str(files["bf16"]), "--steps", "2"])
+    c = recs[str(copy)]
+    assert c["quality_db"] == "inf" and c["final_latent"]["video"]["psnr_db"] == "inf"
+    assert all(d["sqnr_db"] == "inf" and d["local_sqnr_db"] == "inf" for d in c["drift"])
+    assert all(s["video_sqnr_db"] == "inf" for s in c["steps"]) and len(c["steps"]) == 2
