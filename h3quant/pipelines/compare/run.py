@@ -128,8 +128,7 @@ def _open(path, device, opts, linear="runtime"):
     from h3quant.runtime.model.model import H3Model
 
     return H3Model.open(path, device, mmap=opts.mmap, linear=linear,
-                        backend=opts.backend if linear == "runtime" and device != "cpu"
-                        else None, probe=opts.probe)
+                        backend=opts.backend if linear == "runtime" else None, probe=opts.probe)
 
 
 def _reference(facts: FileFacts, opts, sched, dev, dtype, work, progress, log):
