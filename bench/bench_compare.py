@@ -54,7 +54,7 @@ def write_gguf(src: Path, dst: Path) -> None:
     from gguf.quants import quantize
 
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.topology import is_h3_block_linear
+    from h3quant.h3.topology import is_h3_block_linear
 
     tmp = dst.with_suffix(".partial")
     with Checkpoint(src) as ck:

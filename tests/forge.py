@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from h3quant.formats.container.dtypes import itemsize
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 from h3quant.formats.container.writer import save_tensors
 
 INT8_CONVROT = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
@@ -171,7 +171,7 @@ def expect_error(path, code: str, *extra) -> dict:
 def quantized_synth(path: Path, *, header: bool = True, seed: int = 0) -> Path:
     """The tiny synthetic H3 with its block linears replaced by (random) int8 ConvRot layers."""
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.topology import is_h3_block_linear
+    from h3quant.h3.topology import is_h3_block_linear
     from h3quant.synth import synth_checkpoint
 
     plain = Path(path).with_suffix(".plain.safetensors")

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 from h3quant.formats.container.writer import save_tensors
 from h3quant.runtime.model.block import attention, reference_block, rms_norm, runtime_block
-from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.layers import scan_checkpoint
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, load_blocks, load_layer
 
 _LINEAR_RE = re.compile(r"^(?:.*\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
@@ -42,10 +42,10 @@ def quantize_file(src, dst, *, fmt: str | dict = "int8", header: bool = True,
 
     ``fmt``: "int8", "w4a8", or {block linear role: format} (others int8). ``mutate(layer,
     parts, w)`` may return altered tensors (to forge defects)."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
-    from h3quant.formats.codecs.w4a8.tensors import encode_w4a8
-    from h3quant.formats.codecs.w4a8.codec import w4a8_marker
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
+    from h3quant.formats.w4a8.tensors import encode_w4a8
+    from h3quant.formats.w4a8.codec import w4a8_marker
 
     tensors, meta = read_all(src)
     out, layers = {}, {}
@@ -225,7 +225,7 @@ def test_quantize_on_load_of_a_prequantized_layer_is_refused(files):
 
 
 def test_quantize_on_load_of_a_float_layer_uses_the_int8_encoding(tmp_path):
-    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.int8.tensors import encode_int8
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(32, 512, generator=g) / 20).to(torch.bfloat16)

@@ -31,7 +31,7 @@ BAD = [
     (["convert", "{src}", "{out}", "--group-size", "2"], "--group-size"),
     (["convert", "{src}", "{out}", "--group-size", "4096"], "--group-size"),
     (["verify", "{src}", "--device", "gpu"], "--device"),
-    (["verify", "{src}", "--device", "cuda:0"], "--device"),  # not on this machine
+    (["verify", "{src}", "--device", "cuda:99"], "--device"),  # no such device, GPU machine or not
     (["verify", "{src}", "--magnitude-factor", "nan"], "--magnitude-factor"),
     (["verify", "{src}", "--magnitude-factor", "inf"], "--magnitude-factor"),
     (["verify", "{src}", "--seed", str(2**64)], "--seed"),

@@ -60,7 +60,7 @@ def _swiglu_halves_swapped(layer, parts, w):
 
 def _quantized_twice(layer, parts, w):
     """The stored layer re-quantized from its own rotated values (the rotation applied twice)."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.int8.tensors import encode_int8
 
     if _in_bad_block(layer, "attn.out_proj"):
         rotated = parts["weight"].float() * parts["weight_scale"].float()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.markers import MARKER_SUFFIX, parse_header_metadata
+from h3quant.formats.markers import MARKER_SUFFIX, parse_header_metadata
 from h3quant.formats.container.writer import save_tensors
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 
@@ -84,8 +84,8 @@ def h3_file(tmp_path) -> Path:
 
 # ----------------------------------------------------------------------------- tests
 def test_int8_convrot_codes_equal_encoder_bit_for_bit(h3_file, tmp_path):
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
 
     out = tmp_path / "out.safetensors"
     report = convert(h3_file, out, ConvertOptions(target="int8-convrot"))
@@ -132,7 +132,7 @@ def test_output_is_deterministic_and_independent_of_workers_and_mmap(h3_file, tm
 
 def test_codes_equal_encoder_across_row_chunks(tmp_path, monkeypatch):
     """Several row chunks per layer (small chunk size) still give one-call encoder codes."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.int8.tensors import encode_int8
     from h3quant.pipelines.convert import compute as convert_compute
 
     monkeypatch.setattr(convert_compute, "CHUNK_ELEMS", 256 * 7)  # 7 rows of K=256 per chunk
@@ -147,8 +147,8 @@ def test_codes_equal_encoder_across_row_chunks(tmp_path, monkeypatch):
 
 
 def test_plain_int8_target_and_group_size(h3_file, tmp_path):
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
 
     out = tmp_path / "o.safetensors"
     convert(h3_file, out, ConvertOptions(target="int8"))
@@ -221,7 +221,7 @@ def test_non_h3_input_defaults_to_all_linears(tmp_path):
 
 def test_report_metrics_match_an_independent_computation(h3_file, tmp_path):
     from h3quant.convrot import rotate
-    from h3quant.formats.codecs.int8.tensors import decode_int8
+    from h3quant.formats.int8.tensors import decode_int8
     from h3quant.pipelines.convert.compute import sample_rows
     from h3quant.pipelines.convert.report import activation
 

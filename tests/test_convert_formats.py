@@ -12,7 +12,7 @@ from test_convert import block_linears, read_all, sha, small_h3, write
 from h3quant.errors import FormatError, OutputError
 from h3quant.formats.container.atomic import MANIFEST_NAME
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.markers import (
+from h3quant.formats.markers import (
     HEADER_KEY,
     MARKER_SUFFIX,
     header_metadata_value,
@@ -60,7 +60,7 @@ def rewrite(src: Path, dst: Path, *, metadata=None, edit=None) -> Path:
 
 # ----------------------------------------------------------------------------- sharded
 def test_sharded_input_gives_sharded_output(tmp_path):
-    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.int8.tensors import encode_int8
 
     t = small_h3()
     d = make_sharded(tmp_path / "in", t)
@@ -214,8 +214,8 @@ W4A8_SET = {"weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "co
 
 
 def test_w4a8_output_tensor_set_and_error(tmp_path):
-    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8
-    from h3quant.formats.codecs.w4a8.codec import w4a8_marker
+    from h3quant.formats.w4a8.tensors import decode_w4a8
+    from h3quant.formats.w4a8.codec import w4a8_marker
 
     src = write(tmp_path / "in.safetensors", small_h3(blocks=1))
     out = tmp_path / "w4.safetensors"
@@ -249,7 +249,7 @@ def test_w4a8_layer_row_chunks_run_on_the_workers(tmp_path, monkeypatch):
     choice): several threads encode, and the bytes equal a one-thread run."""
     import threading
 
-    from h3quant.formats.codecs.w4a8 import tensors as W
+    from h3quant.formats.w4a8 import tensors as W
 
     monkeypatch.setattr(W, "_ROW_ELEM_BUDGET", 4096)  # many chunks per tiny layer
     threads: dict[int, set[str]] = {}  # per layer (its DecodedLevels table): encoding threads
@@ -276,8 +276,8 @@ def test_w4a8_layer_row_chunks_run_on_the_workers(tmp_path, monkeypatch):
 def test_int8_to_w4a8_and_back_through_the_int8_grid(int8_file, tmp_path):
     """int8 -> W4A8 re-encodes; W4A8 -> int8 ConvRot (same group) takes the decoded int8 grid
     the runtime multiplies (codes w8, scale s_channel: FORMATS.md 9), no requantization."""
-    from h3quant.formats.codecs.int8.tensors import decode_int8
-    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8, decode_w4a8_int8
+    from h3quant.formats.int8.tensors import decode_int8
+    from h3quant.formats.w4a8.tensors import decode_w4a8, decode_w4a8_int8
 
     w4 = tmp_path / "w4.safetensors"
     convert(int8_file, w4, ConvertOptions(target="w4a8"))
@@ -306,7 +306,7 @@ def test_comfy_kitchen_accepts_our_int8_tensors(int8_file):
     from comfy_kitchen.tensor import QuantizedTensor
     from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
 
-    from h3quant.formats.codecs.int8.tensors import decode_int8
+    from h3quant.formats.int8.tensors import decode_int8
 
     got, _, _ = read_all(int8_file)
     orig = small_h3()
@@ -325,8 +325,8 @@ def test_comfy_kitchen_accepts_our_int8_tensors(int8_file):
 
 
 def test_tensorwise_int8_input_is_reencoded_per_row(tmp_path):
-    from h3quant.formats.codecs.int8.tensors import decode_int8, encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
+    from h3quant.formats.int8.tensors import decode_int8, encode_int8
+    from h3quant.formats.int8.codec import int8_marker
 
     t = small_h3(blocks=1)
     w = t.pop("blocks.0.mlp.fc1.weight")

@@ -126,7 +126,7 @@ def test_cli_json_report_file_and_summary(src, tmp_path):
 
 # ----------------------------------------------------------------------------- atomicity
 def _fail_on_call(monkeypatch, n: int, exc: Exception):
-    import h3quant.formats.codecs.int8.tensors as int8
+    import h3quant.formats.int8.tensors as int8
 
     real = int8.encode_int8
     calls = [0]
@@ -191,7 +191,7 @@ def test_crash_mid_sharded_run_leaves_nothing(tmp_path, monkeypatch):
 SIGINT_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import h3quant.formats.codecs.int8.tensors as int8
+    import h3quant.formats.int8.tensors as int8
     real = int8.encode_int8
     calls = [0]
     src, dst, flag, workers, nap = sys.argv[1:6]

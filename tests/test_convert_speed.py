@@ -134,7 +134,7 @@ def test_the_planning_and_copying_modules_do_not_import_torch():
     code = ("import sys\n"
             "import h3quant.cli.convert_cmd, h3quant.cli.render, h3quant.pipelines.convert\n"
             "import h3quant.pipelines.convert.stream, h3quant.pipelines.convert.io\n"
-            "from h3quant.formats.codecs import registry\n"
+            "from h3quant.formats import registry\n"
             "for t in registry.targets().values():\n"
             "    for layout in registry.layouts_of(registry.target_codec(t.name)):\n"
             "        registry.with_layout(registry.target_codec(t.name), layout).marker(t, 256)\n"

@@ -58,7 +58,7 @@ def names(d: Path) -> list[str]:
 SLOW_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import h3quant.formats.codecs.int8.tensors as int8
+    import h3quant.formats.int8.tensors as int8
     real = int8.encode_int8
     src, dst, flag, report = sys.argv[1:5]
     def slow(*a, **k):

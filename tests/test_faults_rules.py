@@ -112,7 +112,7 @@ def test_the_finite_weights_rule_finds_every_nan_and_inf_and_nothing_else(dtype)
     """``weight_violation`` answers from one sum when the chunk is finite: every NaN / inf is
     still found with its exact count and first index, and finite chunks whose sum overflows
     (the values near the dtype's maximum) pass."""
-    from h3quant.formats.rules.checks import weight_violation
+    from h3quant.formats.check import weight_violation
 
     gen = torch.Generator().manual_seed(0)
     big = torch.finfo(dtype).max
@@ -134,7 +134,7 @@ def test_the_finite_weights_rule_finds_every_nan_and_inf_and_nothing_else(dtype)
 
 
 def test_a_finite_weight_chunk_is_checked_without_an_elementwise_pass(monkeypatch):
-    from h3quant.formats.rules.checks import weight_violation
+    from h3quant.formats.check import weight_violation
 
     sizes = []
     real = torch.isfinite

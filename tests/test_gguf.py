@@ -114,7 +114,7 @@ def test_inspect_validate_and_convert_read_an_h3_gguf(h3, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h3-Q8_0.gguf", "int8.safetensors"]
     got, _ = read_all(out)
     # the converted layer encodes the GGUF's own dequantized values (not the original BF16)
-    from h3quant.formats.codecs.int8.tensors import decode_int8
+    from h3quant.formats.int8.tensors import decode_int8
 
     name = "blocks.0.mlp.fc1"
     with GgufFile(f) as g:

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h3quant.errors import MarkerError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.reader import MAX_HEADER_BYTES, parse_header
 from h3quant.formats.container.dtypes import DTYPES, itemsize
-from h3quant.formats.rules.markers import (
+from h3quant.formats.markers import (
     effective_fields,
     known_format_names,
     marker_bytes,

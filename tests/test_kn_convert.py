@@ -14,8 +14,8 @@ import torch
 
 from h3quant.errors import ConvertError, FormatError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.codecs.int8_kn.tensors import RowTransposer, kn_marker, nz_eligible, tp_degree_for
-from h3quant.formats.rules.markers import parse_header_metadata
+from h3quant.formats.int8_kn.tensors import RowTransposer, kn_marker, nz_eligible, tp_degree_for
+from h3quant.formats.markers import parse_header_metadata
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint
 
@@ -171,7 +171,7 @@ def test_kn_source_decodes_like_the_canonical_one(files, tmp_path):
 
 
 def test_w4a8_to_kn_takes_the_decoded_int8_grid(files, tmp_path):
-    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8_int8
+    from h3quant.formats.w4a8.tensors import decode_w4a8_int8
 
     w4 = tmp_path / "w4.safetensors"
     convert(files["src"], w4, ConvertOptions(target="w4a8", include=("blocks\\.0\\.attn",)))

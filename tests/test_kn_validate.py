@@ -9,8 +9,8 @@ import pytest
 import torch
 from forge import cli, codes, expect_error, save, validate
 
-from h3quant.formats.codecs.int8_kn.tensors import kn_marker
-from h3quant.formats.rules.markers import COMFY_FORMATS, parse_header_metadata
+from h3quant.formats.int8_kn.tensors import kn_marker
+from h3quant.formats.markers import COMFY_FORMATS, parse_header_metadata
 
 KN = kn_marker()
 
@@ -21,7 +21,7 @@ def kn_layer(name, n=64, k=256, *, scale_shape=None, marker=None, seed=0, scale=
     s = torch.rand((n,) if scale_shape is None else scale_shape, generator=g) + 0.01
     if scale is not None:
         s = scale
-    from h3quant.formats.rules.markers import marker_tensor
+    from h3quant.formats.markers import marker_tensor
 
     return {f"{name}.weight": torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8),
             f"{name}.weight_scale": s,
@@ -59,7 +59,7 @@ def test_canonical_weight_under_a_kn_marker_is_named(tmp_path):
     """An [N, K] weight with its [N] scale but a kn marker: the scale has K values of the
     stored [K', N'] reading, and the finding says the weight looks canonical."""
     g = torch.Generator().manual_seed(4)
-    from h3quant.formats.rules.markers import marker_tensor
+    from h3quant.formats.markers import marker_tensor
 
     t = {"a.weight": torch.randint(-127, 128, (64, 256), generator=g, dtype=torch.int8),
          "a.weight_scale": torch.rand(64, generator=g) + 0.01,
@@ -128,7 +128,7 @@ def test_a_plain_int8_reading_of_a_square_kn_layer_would_be_silently_wrong():
     ck = pytest.importorskip("comfy_kitchen.tensor")
     from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
 
-    from h3quant.formats.codecs.int8.tensors import decode_int8, encode_int8
+    from h3quant.formats.int8.tensors import decode_int8, encode_int8
 
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(8))
     q, s = encode_int8(w, convrot=True, group_size=256)

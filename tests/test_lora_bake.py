@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main as cli_main
 from h3quant.errors import LoraError
-from h3quant.formats.rules.topology import config_for
+from h3quant.h3.topology import config_for
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.synth import synth_checkpoint
 from h3quant.synth_lora import write_lora
@@ -316,7 +316,7 @@ def test_lora_promote_writes_the_touched_layers_int8(base, tmp_path):
     """W4A8 file, LoRA on block 0 only, --lora-promote int8-convrot: block 0's linears int8
     (the delta kept, no warning), block 1 W4A8; the markers say so."""
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.markers import parse_header_metadata
+    from h3quant.formats.markers import parse_header_metadata
 
     w4 = tmp_path / "w4.safetensors"
     convert(base, w4, ConvertOptions(target="w4a8", report=False))

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main as cli_main
-from h3quant.formats.rules.naming import detect, plan_mapping
+from h3quant.h3.naming import detect, plan_mapping
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint
 
@@ -298,7 +298,7 @@ def test_validate_gives_naming_codes(comfy, tmp_path):
 def test_block_scaled_fp8_layer_is_not_decoded_as_scaled_fp8(comfy, tmp_path):
     """An fp8 weight with a U8 (E8M0) block scale and its own marker (comfy-kitchen's MXFP8) is
     another format: convert refuses it by its marker instead of multiplying the block scale in."""
-    from h3quant.formats.rules.markers import MARKER_SUFFIX, marker_tensor
+    from h3quant.formats.markers import MARKER_SUFFIX, marker_tensor
 
     t = dict(comfy)
     w = t["blocks.0.mlp.fc2.weight"]

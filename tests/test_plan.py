@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from h3quant.cli import main
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.markers import parse_marker_bytes
+from h3quant.formats.markers import parse_marker_bytes
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.convert.recipe import load_recipe, parse_rule
 from h3quant.pipelines.plan.frontier import frontier, measure_recipe, planned_bytes

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from h3quant.cli import main
 from h3quant.errors import ConvertError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
-from h3quant.formats.rules.markers import parse_header_metadata, parse_marker_bytes
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats.markers import parse_header_metadata, parse_marker_bytes
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.pipelines.convert.recipe import load_recipe, parse_rule, rules_from_data
 from h3quant.pipelines.inspect import inspect_checkpoint

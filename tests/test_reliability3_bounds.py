@@ -58,7 +58,7 @@ def test_absurd_block_index_in_a_file_that_is_not_h3_is_one_verdict(tmp_path):
 
 
 def test_block_index_just_below_the_limit_is_legal(tmp_path):
-    from h3quant.formats.rules.topology import block_index_beyond_limit
+    from h3quant.h3.topology import block_index_beyond_limit
 
     assert block_index_beyond_limit(f"blocks.{limits.MAX_BLOCKS - 1}.norm1.weight") is None
     assert block_index_beyond_limit(f"blocks.{limits.MAX_BLOCKS}.norm1.weight") == 1000
@@ -130,7 +130,7 @@ def test_w4a8_in_flight_chunks_do_not_grow_with_workers(monkeypatch):
     full-size layer): at most MAX_INFLIGHT_CHUNKS are now queued or running."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from h3quant.formats.codecs.w4a8 import tensors as w4
+    from h3quant.formats.w4a8 import tensors as w4
 
     class Counting(ThreadPoolExecutor):
         def __init__(self, *a, **k):

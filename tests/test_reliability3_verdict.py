@@ -12,7 +12,7 @@ from test_convert import sha
 from test_convert_formats import read_all, rewrite
 
 from h3quant.errors import FindingError
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 def cli(*args):

@@ -256,7 +256,7 @@ def test_cli_verify_exits_1_on_scales_x4(files, with_ref):
 
 
 def test_cli_verify_usage_and_io_errors(files, tmp_path):
-    from h3quant.formats.rules.markers import marker_tensor
+    from h3quant.formats.markers import marker_tensor
 
     res = cli("verify", tmp_path / "missing.safetensors")
     assert res.exit_code == 2 and "h3quant: error" in res.output

@@ -9,9 +9,9 @@ import torch
 
 from h3quant.convrot import rotate
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.w4a8 import tensors as W
-from h3quant.formats.codecs.w4a8 import codebook as CB
-from h3quant.formats.codecs.w4a8.tensors import (
+from h3quant.formats.w4a8 import tensors as W
+from h3quant.formats.w4a8 import codebook as CB
+from h3quant.formats.w4a8.tensors import (
     FROZEN_CODEBOOK,
     decode_w4a8,
     decode_w4a8_int8,
@@ -20,7 +20,7 @@ from h3quant.formats.codecs.w4a8.tensors import (
     relative_l2,
     unpack_nibbles,
 )
-from h3quant.formats.codecs.w4a8.codec import w4a8_marker
+from h3quant.formats.w4a8.codec import w4a8_marker
 
 N, K = 256, 1024
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from h3quant.convrot import rotate
-from h3quant.formats.codecs.w4a8 import tensors as W
-from h3quant.formats.codecs.w4a8 import codebook as CB
-from h3quant.formats.codecs.w4a8.tensors import (
+from h3quant.formats.w4a8 import tensors as W
+from h3quant.formats.w4a8 import codebook as CB
+from h3quant.formats.w4a8.tensors import (
     FROZEN_CODEBOOK,
     decode_w4a8_int8,
     encode_w4a8,
     pack_nibbles,
 )
-from h3quant.formats.codecs.w4a8.encoder import (
+from h3quant.formats.w4a8.encoder import (
     E4M3_MAX,
     E4M3_MIN_SUBNORMAL,
     DecodedLevels,
@@ -131,7 +131,7 @@ def test_encoder_matches_reference_error_on_a_layer(monkeypatch):
 @pytest.mark.parametrize("table", sorted(TABLES))
 def test_ambiguous_cells_are_redone_exactly(table):
     """A coarse grid puts many values in cells holding a midpoint: those groups are redone."""
-    from h3quant.formats.codecs.w4a8.encoder import FineLevels
+    from h3quant.formats.w4a8.encoder import FineLevels
 
     tab = TABLES[table]
     x = rotate(_weights(5, kind="heavy"), 256)
@@ -148,7 +148,7 @@ def test_ambiguous_cells_are_redone_exactly(table):
 def test_integer_key_sort_equals_a_float_sort():
     """``sort_floats`` (radix sort of int32 keys) gives the same values in the same order as
     ``Tensor.sort``: signs, subnormals, zeros of both signs and infinities included."""
-    from h3quant.formats.codecs.w4a8.codebook import sort_floats
+    from h3quant.formats.w4a8.codebook import sort_floats
 
     g = torch.Generator().manual_seed(9)
     cases = [torch.randn(50000, generator=g) * torch.exp(torch.randn(50000, generator=g) * 8),
@@ -164,7 +164,7 @@ def test_integer_key_sort_equals_a_float_sort():
 
 def test_fitted_codebook_is_unchanged_by_the_integer_sort():
     """The k-means table from the radix-sorted sample equals the one from a float sort."""
-    from h3quant.formats.codecs.w4a8 import codebook as C
+    from h3quant.formats.w4a8 import codebook as C
 
     x = rotate(_weights(13, n=64, k=1024, kind="heavy"), 256)
     u = C.normalise_groups(x, 16)
@@ -204,7 +204,7 @@ def test_pool_encodes_the_same_bytes_and_reports_the_first_bad_rows(monkeypatch)
 def test_fine_levels_need_no_clamp_within_their_reach():
     """The padded fine table read without a clamp (values within +-REACH) gives the clamped
     lookup's levels, NaN (ambiguous) cells included; beyond the reach the clamp still runs."""
-    from h3quant.formats.codecs.w4a8.encoder import FineLevels
+    from h3quant.formats.w4a8.encoder import FineLevels
 
     g = torch.Generator().manual_seed(21)
     for table in TABLES.values():
@@ -230,7 +230,7 @@ def test_fine_levels_need_no_clamp_within_their_reach():
 def test_second_round_past_the_reach_takes_the_clamped_lookup(monkeypatch):
     """With the reach lowered below what heavy-tailed groups show in the second ALS round,
     those rounds take the clamped lookup, and the encoder still picks the reference scales."""
-    from h3quant.formats.codecs.w4a8.encoder import FineLevels
+    from h3quant.formats.w4a8.encoder import FineLevels
 
     seen = []
     real = FineLevels.levels
@@ -248,7 +248,7 @@ def test_second_round_past_the_reach_takes_the_clamped_lookup(monkeypatch):
 def test_one_pass_squared_differences_match_the_two_pass_ones(monkeypatch):
     """mse_loss's unreduced kernel is used only after a self-check; with it refused, the plain
     subtraction and square give the same bytes."""
-    from h3quant.formats.codecs.w4a8 import encoder as WE
+    from h3quant.formats.w4a8 import encoder as WE
 
     w = _weights(17, n=40, k=1024, kind="outliers")
     assert WE._mse_ok()

@@ -16,7 +16,8 @@ from h3quant.cli.common import (
     mmap_option,
 )
 from h3quant.errors import ConvertError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
+from h3quant.h3 import layouts
 
 _TARGETS = tuple(registry.targets())
 
@@ -64,7 +65,7 @@ def _group_size(ctx, param, value):
                    "npu = int8_tensorwise_kn, pre-transposed [K, N] with an [N] scale, which "
                    "Ascend's npu_quant_matmul takes as is (ComfyUI does not load it). From an "
                    "int8 file the change of layout only moves the codes (no requantization).")
-@click.option("--naming", type=click.Choice(["auto", "comfy", "official", "diffusers"]),
+@click.option("--naming", type=click.Choice(["auto", *layouts.names()]),
               default="auto", show_default=True,
               help="Naming of IN: auto detects it (diffusers names; official = model-NNNNN-of-"
                    "MMMMM shards, whose names equal ComfyUI's but whose fused q/k/v rows are "

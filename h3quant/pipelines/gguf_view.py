@@ -30,8 +30,8 @@ def _dequantizable(qtype: str) -> bool:
 
 
 def inspect_gguf(path: str | os.PathLike) -> dict:
-    from h3quant.formats.rules import topology
-    from h3quant.formats.rules.topology import is_h3_block_linear
+    from h3quant.h3 import topology
+    from h3quant.h3.topology import is_h3_block_linear
 
     with GgufFile(path) as g:
         types: dict[str, dict] = {}
@@ -89,7 +89,7 @@ def validate_gguf(path: str | os.PathLike, *, deep: bool = False) -> tuple[int, 
     import numpy as np
 
     from h3quant.errors import H3QuantError
-    from h3quant.formats.rules import topology
+    from h3quant.h3 import topology
 
     findings: list[Finding] = []
     p = str(path)

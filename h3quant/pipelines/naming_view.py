@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from h3quant.errors import FormatError
-from h3quant.formats.rules import naming
+from h3quant.h3 import naming
 from h3quant.formats.container.checkpoint import Checkpoint
 
 

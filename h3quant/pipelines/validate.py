@@ -15,7 +15,7 @@ from pathlib import Path
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.schemes import check_layer
+from h3quant.formats.check import check_layer
 from h3quant.pipelines import naming_view
 from h3quant.pipelines.inspect import scan
 
@@ -126,7 +126,7 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     checked["stages"].append("topology")
 
     if deep:
-        from h3quant.formats.rules.deep import deep_check
+        from h3quant.formats.deep import deep_check
 
         res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
         findings.extend(res or [])
@@ -137,9 +137,9 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
 
 def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     try:
-        from h3quant.formats.rules import topology
+        from h3quant.h3 import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.rules.topology":
+        if exc.name == "h3quant.h3.topology":
             return []
         raise
     named, viewed = naming_view.view(ckpt)  # N301-N305 raised, listed by _guard
@@ -159,7 +159,7 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
 
 def fp8_scaled(ckpt: Checkpoint) -> set[str]:
     """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
-    from h3quant.formats.rules.naming import fp8_scaled_weights
+    from h3quant.h3.naming import fp8_scaled_weights
 
     weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
     return weights | {w[: -len(".weight")] for w in weights}

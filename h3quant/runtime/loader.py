@@ -26,17 +26,15 @@ from h3quant.errors import (
     VerifyError,
 )
 from h3quant.findings import Severity
-from h3quant.formats.rules import checks as rules
-from h3quant.formats.codecs import registry
+from h3quant.formats import check as rules
+from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
-from h3quant.formats.rules.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats.rules.markers import QuantFormat
-from h3quant.formats.rules.topology import BLOCK_LINEARS
+from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
+from h3quant.formats.markers import QuantFormat
+from h3quant.h3.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
-_KN = QuantFormat.INT8_TENSORWISE_KN
-_INT8 = (QuantFormat.INT8_TENSORWISE, _KN)  # one math, two layouts
 
 
 
@@ -55,7 +53,8 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> QuantFormat | None:
+    def format(self) -> str | None:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property
@@ -77,8 +76,10 @@ class LoadedLayer:
 
     @property
     def is_int8(self) -> bool:
-        """int8_tensorwise in either layout (canonical [N, K] or the NPU's [K, N])."""
-        return self.format in _INT8
+        """An int8 layer in either layout (canonical [N, K] or the NPU's [K, N]): its stored
+        codes are the grid the int8 runtime multiplies."""
+        codec = registry.get(self.format) if self.format else None
+        return codec is not None and codec.spec.int8_codes
 
     @property
     def out_features(self) -> int:
@@ -169,7 +170,7 @@ def find_prefix(names) -> str:
 
 def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     """Indices ``i`` of every ``{prefix}blocks.{i}.*`` tensor, sorted (token_refiner excluded)."""
-    from h3quant.formats.rules.topology import MAX_BLOCKS, block_index_beyond_limit
+    from h3quant.h3.topology import MAX_BLOCKS, block_index_beyond_limit
 
     prefix = find_prefix(ckpt.tensors) if prefix is None else prefix
     found = set()
@@ -196,7 +197,7 @@ def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
 
 def check_quantized(layer: Layer, fields: dict, path) -> None:
     """Raise when the layer's tensors do not match what its marker says."""
-    fmt = QuantFormat(fields["format"])
+    fmt = fields["format"]
     name = layer.name
 
     def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
@@ -204,7 +205,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
 
     codec = registry.get(fmt)
     if codec is None:
-        bad("Q105", f"format {fmt.value!r} is not supported by the h3quant runtime (supported: "
+        bad("Q105", f"format {fmt!r} is not supported by the h3quant runtime (supported: "
             f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
@@ -213,9 +214,9 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)
     if extra:
-        bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
+        bad("Q106", f"tensors {extra} are not part of {fmt}; refusing to guess their meaning",
             extra[0], cls=UnsupportedError)
-    for v in rules.layer_violations(fmt.value, fields, layer.tensors):
+    for v in rules.layer_violations(fmt, fields, layer.tensors):
         bad(v.code, v.message, v.suffix)  # the rules validate and convert apply too
 
 
@@ -232,11 +233,12 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
         check_quantized(layer, layer.fields, path)
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
-        cb = tensors.get("weight_codebook")
-        v = rules.codebook_violation(cb) if cb is not None else None
-        if v is not None:  # the rule validate --deep and convert apply too
-            raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
-                               code=v.code)
+        codec = registry.codec_for(layer.fields, tensor=layer.name)
+        for suffix in codec.spec.deep_whole:  # the rules validate --deep and convert apply too
+            v = codec.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
+            if v is not None:
+                raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
+                                   code=v.code)
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
     for s, info in layer.tensors.items():
         if info.dtype not in FLOAT_DTYPES:
@@ -251,9 +253,9 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
 
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
     """int8 ConvRot (g=256, per row) of a float 2-D weight, the encoding of FORMATS.md 3."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
-    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
+    from h3quant.formats.markers import effective_fields
     w = layer.weight
     if w.dim() != 2:
         return layer  # norms and other 1-D parameters stay float

@@ -264,14 +264,17 @@ def simulated_npu(cuda_version: str | None = "12.1", *,
     dev = SimulatedDevice("npu", cpu_fallback_ops=(INT_MM_OP,))
     module = SimulatedTorchNpu(dev, rotate_quant=rotate_quant)
     missing = object()
-    saved = (sys.modules.get("torch_npu", missing), torch.version.cuda)
+    saved = (sys.modules.get("torch_npu", missing), torch.version.cuda, torch.cuda.is_available)
     sys.modules["torch_npu"] = module
     torch.version.cuda = cuda_version
+    # An Ascend machine has no NVIDIA device, even where this process runs on one.
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
     try:
         with dev:
             yield Simulation(dev, npu_probe(module, cuda_version), {"module": module})
     finally:
-        old_mod, old_cuda = saved
+        old_mod, old_cuda, old_available = saved
+        torch.cuda.is_available = old_available  # type: ignore[assignment]
         if old_mod is missing:
             sys.modules.pop("torch_npu", None)
         else:

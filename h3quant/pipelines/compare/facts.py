@@ -47,7 +47,7 @@ def _size(path: str) -> int:
 
 def file_facts(path: str | os.PathLike) -> FileFacts:
     """Facts from the header alone (no tensor data is read)."""
-    from h3quant.formats.rules.topology import is_h3_block_linear
+    from h3quant.h3.topology import is_h3_block_linear
 
     path = str(path)
     formats: dict[str, int] = {}
@@ -62,9 +62,9 @@ def file_facts(path: str | os.PathLike) -> FileFacts:
                     elems += t.numel
         return FileFacts(path, "gguf", os.path.getsize(path), bits / elems if elems else None,
                          formats)
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.layers import scan_checkpoint
+    from h3quant.formats.layers import scan_checkpoint
 
     with Checkpoint(path) as ck:
         scan = scan_checkpoint(ck)

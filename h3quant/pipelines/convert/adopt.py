@@ -24,7 +24,7 @@ from pathlib import Path
 
 from h3quant.errors import MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.naming import (
+from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
     FUSE_QKV,
@@ -39,7 +39,7 @@ from h3quant.formats.rules.naming import (
 )
 from h3quant.pipelines.naming_view import check_scale, has_config
 from h3quant.formats.container.reader import TensorInfo
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 

@@ -19,9 +19,9 @@ import torch
 
 from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.dtypes import itemsize
-from h3quant.formats.codecs.int8_kn.tensors import RowTransposer
+from h3quant.formats.int8_kn.tensors import RowTransposer
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 

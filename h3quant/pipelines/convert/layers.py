@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h3quant.errors import FormatError, MarkerError, MarkerFindingError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import FLOAT_DTYPES, QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.rules.layers import Layer, marker_disagreement
-from h3quant.formats.rules.markers import (
+from h3quant.formats.layers import Layer, marker_disagreement
+from h3quant.formats.markers import (
     check_marker_object,
     effective_fields,
     marker_bytes,

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
+from h3quant.h3 import layouts
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
@@ -70,9 +71,9 @@ class ConvertOptions:
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
-        if self.naming not in ("auto", "comfy", "official", "diffusers"):
-            raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
-                               f"got {self.naming!r}")
+        if self.naming not in ("auto", *layouts.names()):
+            raise ConvertError(f"--naming must be auto, {', '.join(layouts.names()[:-1])} or "
+                               f"{layouts.names()[-1]}, got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
@@ -176,7 +177,7 @@ class ConvertOptions:
 
 def is_h3(tensors: dict) -> bool:
     from h3quant.errors import H3QuantError
-    from h3quant.formats.rules.topology import detect
+    from h3quant.h3.topology import detect
 
     try:
         return detect(tensors) is not None
@@ -188,7 +189,7 @@ def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
                    quantized: bool) -> bool:
     """Whether ``preset`` picks ``layer`` (before ``--include``/``--exclude``)."""
     if preset == "h3":
-        from h3quant.formats.rules.topology import is_h3_block_linear
+        from h3quant.h3.topology import is_h3_block_linear
 
         return is_h3_block_linear(layer)
     # all-linears: every 2-D float weight, and every already-quantized linear

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from h3quant import __version__
 from h3quant.errors import ConvertError, MarkerError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.atomic import check_output
 from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
-from h3quant.formats.rules import origin
-from h3quant.formats.rules.topology import refuse_beyond_limit
-from h3quant.formats.rules.layers import Layer, group_tensors
-from h3quant.formats.rules.markers import (
+from h3quant.h3 import provenance as origin
+from h3quant.h3.topology import refuse_beyond_limit
+from h3quant.formats.layers import Layer, group_tensors
+from h3quant.formats.markers import (
     HEADER_KEY,
     MARKER_SUFFIX,
     header_metadata_value,

@@ -17,8 +17,8 @@ import torch
 
 from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FindingError, FormatError, H3QuantError
-from h3quant.formats.rules import checks as rules
-from h3quant.formats.codecs import registry
+from h3quant.formats import check as rules
+from h3quant.formats import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
 from h3quant.pipelines.convert.io import by_input_offset
 from h3quant.pipelines.convert.plan import ConvertPlan
@@ -48,16 +48,18 @@ def check_source_scales(lp, reader) -> None:
 
 
 def check_source_codebook(lp, reader) -> None:
-    """Refuse a W4A8 source layer whose codebook breaks ``validate --deep``'s rule (D104),
-    whatever becomes of the layer: decoded through it, its codes would be laundered into a
-    clean-looking file; copied, the output would carry the same broken table."""
-    info = lp.inputs.get("weight_codebook")
-    if info is None:
-        return
-    v = rules.codebook_violation(reader.whole(info))
-    if v is not None:
-        raise FindingError(f"[{v.code}] source weight_codebook: {v.message}; nothing written",
-                           tensor=info.name, code=v.code)
+    """Refuse a source layer whose whole-read tables (a W4A8 codebook) break ``validate
+    --deep``'s rule (D104), whatever becomes of the layer: decoded through it, its codes would
+    be laundered into a clean-looking file; copied, the output would carry the same broken table."""
+    codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
+    for suffix in codec.spec.deep_whole if codec is not None else ():
+        info = lp.inputs.get(suffix)
+        if info is None:
+            continue
+        v = codec.data_violation(suffix, reader.whole(info))
+        if v is not None:
+            raise FindingError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
+                               tensor=info.name, code=v.code)
 
 
 class CheckedRows(SourceRows):

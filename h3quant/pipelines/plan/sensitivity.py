@@ -149,8 +149,8 @@ def sqnr_db(signal: float, noise: float) -> float:
 
 def _encoded_layer(layer, cand: Candidate):
     """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format."""
-    from h3quant.formats.codecs import registry
-    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.formats import registry
+    from h3quant.formats.markers import effective_fields
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
@@ -170,9 +170,9 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     its marker tensor; from the codec's planned tensor set, as convert lays them out."""
     if cand is None:
         return float_bytes
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
     from h3quant.formats.container.dtypes import itemsize
-    from h3quant.formats.rules.markers import marker_bytes
+    from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
@@ -190,7 +190,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     looks); ``on_block(done, total)`` after each block."""
     import torch
 
-    from h3quant.formats.rules.topology import BLOCK_LINEARS
+    from h3quant.h3.topology import BLOCK_LINEARS
     from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
     from h3quant.runtime.model.block import build_block, quantized_linear, reference_linear

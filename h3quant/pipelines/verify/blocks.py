@@ -16,9 +16,8 @@ import torch
 
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
-from h3quant.formats.codecs import registry
-from h3quant.formats.rules.markers import QuantFormat
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats import registry
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
@@ -60,7 +59,7 @@ class Thresholds:
     saturation_fraction: float = 0.01
     magnitude_factor: float = 3.0
 
-    def rel_err(self, fmt: QuantFormat | str | None) -> float:
+    def rel_err(self, fmt: str | None) -> float:
         return self.rel_err_w4a8 if fmt is not None and registry.low_bit([fmt]) else self.rel_err_int8
 
     def block_limit(self, formats) -> float:

@@ -20,7 +20,7 @@ import torch
 from h3quant.errors import VerifyError
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.pipelines.metrics import error_metrics
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 

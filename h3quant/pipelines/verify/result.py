@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.pipelines.metrics import json_safe
 
 _INT8 = registry.verify_limits("int8_tensorwise")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import Layer, LayerScan
+from h3quant.formats.layers import Layer, LayerScan
 from h3quant.runtime.model.block import H3Block, build_block, quantized_linear
 from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, load_layer
 from h3quant.runtime.tp.group import Collectives

@@ -23,8 +23,8 @@ import torch
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import itemsize, to_torch
-from h3quant.formats.rules.layers import Layer
-from h3quant.formats.codecs import registry
+from h3quant.formats.layers import Layer
+from h3quant.formats import registry
 from h3quant.runtime.loader import LoadedLayer, check_quantized
 from h3quant.runtime.tp.plan import ColumnShard, LayerShape, RowShard, TpError
 

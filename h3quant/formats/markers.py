@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from h3quant.errors import MarkerError
 from h3quant.formats.container import jsonsafe
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 
 if TYPE_CHECKING:
     import torch
@@ -23,33 +23,23 @@ HEADER_KEY = "_quantization_metadata"
 HEADER_VERSION = "1.0"
 
 
-class QuantFormat(str, Enum):
-    """Every format ComfyUI knows, by its wire name, plus h3quant's NPU layout (FORMATS.md 9),
-    which ComfyUI does not know (so it refuses such files instead of mis-reading them)."""
-
-    INT8_TENSORWISE = "int8_tensorwise"
-    INT8_TENSORWISE_KN = "int8_tensorwise_kn"
-    ASYM_W4A8_INT8 = "asym_w4a8_int8"
-    CONVROT_W4A4 = "convrot_w4a4"
-    FLOAT8_E4M3FN = "float8_e4m3fn"
-    FLOAT8_E5M2 = "float8_e5m2"
-    NVFP4 = "nvfp4"
-    MXFP8 = "mxfp8"
-    AWQ_W4A16 = "awq_w4a16"
-
+# Every format name a marker may carry, as an enum of wire names (ComfyUI's formats and
+# h3quant's NPU layout, FORMATS.md 9), built from the registry: one member per format package
+# or spec-only entry, named after the wire name (``QuantFormat.INT8_TENSORWISE``).
+QuantFormat = Enum("QuantFormat",  # type: ignore[misc]
+                   {s.name.upper(): s.name for s in registry.specs() if s.quantized}, type=str)
 
 # The formats h3quant reads, converts and runs: those with a codec in the registry.
-SUPPORTED_FORMATS = frozenset(QuantFormat(n) for n in registry.supported_names()
-                              if n in QuantFormat._value2member_map_)
-
+SUPPORTED_FORMATS = frozenset(QuantFormat(n) for n in registry.supported_names())
 
 # The format names ComfyUI itself knows (FORMATS.md 2); int8_tensorwise_kn is not one of them.
-COMFY_FORMATS = frozenset(f for f in QuantFormat if f is not QuantFormat.INT8_TENSORWISE_KN)
+COMFY_FORMATS = frozenset(QuantFormat(n) for n in registry.comfy_names())
 
 
 def known_format_names() -> frozenset[str]:
-    """Every format name a marker may carry: ComfyUI's and any registered codec's."""
-    return frozenset(f.value for f in QuantFormat) | registry.supported_names()
+    """Every format name a marker may carry: ComfyUI's and any registered format's."""
+    return registry.known_names()
+
 
 _FIELD_TYPES = {
     "convrot": bool,

@@ -14,10 +14,9 @@ import torch
 
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding
-from h3quant.formats.rules import checks as rules
-from h3quant.formats.codecs import registry
+from h3quant.formats import check as rules
+from h3quant.formats import registry
 from h3quant.formats.container.dtypes import FLOAT_DTYPES, itemsize, to_torch
-from h3quant.formats.rules.markers import QuantFormat
 
 CHUNK_BYTES = 16 << 20
 
@@ -95,8 +94,8 @@ def _check_int8_codes(src, info, out: list[Finding]) -> None:
                            "by the reference quantizer)", tensor=info.name, file=str(info.file)))
 
 
-def _check_codebook(src, info, out: list[Finding]) -> None:
-    v = rules.codebook_violation(_read(src, info))  # the rule convert and verify apply too
+def _check_whole(src, codec, suffix: str, info, out: list[Finding]) -> None:
+    v = codec.data_violation(suffix, _read(src, info))  # the rule convert and verify apply too
     if v is not None:
         out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
 
@@ -136,13 +135,13 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
         w = t.get("weight")
-        if fmt in (QuantFormat.INT8_TENSORWISE, QuantFormat.INT8_TENSORWISE_KN) \
-                and w is not None and w.dtype == "I8":
+        if codec.spec.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
-        cb = t.get("weight_codebook")
-        if fmt is QuantFormat.ASYM_W4A8_INT8 and cb is not None and cb.dtype in FLOAT_DTYPES:
-            _check_codebook(src, cb, out)
-            checked.add(cb.name)
+        for suffix in codec.spec.deep_whole:
+            info = t.get(suffix)
+            if info is not None and info.dtype in FLOAT_DTYPES:
+                _check_whole(src, codec, suffix, info, out)
+                checked.add(info.name)
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():

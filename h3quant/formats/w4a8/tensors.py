@@ -17,14 +17,14 @@ import torch
 
 from h3quant.convrot import is_valid_group_size, rotate, rotate_group_major
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.w4a8.codebook import (
+from h3quant.formats.w4a8.codebook import (
     FROZEN_CODEBOOK,
     LevelIndex,
     choose_codebook,
     sample_rows,
     take,
 )
-from h3quant.formats.codecs.w4a8.encoder import (
+from h3quant.formats.w4a8.encoder import (
     DecodedLevels,
     encode_groups,
     encode_rows,

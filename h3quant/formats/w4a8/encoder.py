@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.errors import FormatError
-from h3quant.formats.codecs.w4a8.codebook import ALS_PASSES, LevelIndex, take
+from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex, take
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9

@@ -182,3 +182,29 @@ def choose_codebook(sample_rotated: torch.Tensor, group_size: int, mode: str) ->
     if fitted_err <= frozen_err * (1.0 - FIT_MIN_GAIN):
         return fitted, True
     return frozen, False
+
+
+CODEBOOK_LEVELS = 16
+
+
+def codebook_violation(levels: torch.Tensor):
+    """A W4A8 codebook must hold 16 finite levels in [-1, 1], sorted ascending (D104). The
+    encoder's nearest-level search and the decoders assume it; convert and verify refuse a
+    layer that breaks it, validate --deep reports it (through the codec's ``data_violation``)."""
+    from h3quant.formats.spec import Violation
+
+    levels = levels.float().reshape(-1)
+    problems = []
+    if levels.numel() != CODEBOOK_LEVELS:
+        problems.append(f"{levels.numel()} levels (expected {CODEBOOK_LEVELS})")
+    finite = bool(torch.isfinite(levels).all())
+    if not finite:
+        problems.append("non-finite levels")
+    elif levels.numel() and (levels.abs() > 1).any():
+        problems.append(f"levels outside [-1, 1] (max |level| {levels.abs().max().item():.6g})")
+    if levels.numel() > 1 and finite and (levels[1:] < levels[:-1]).any():
+        problems.append("levels not sorted ascending")
+    if not problems:
+        return None
+    return Violation("D104", "codebook has " + ", ".join(problems) + "; expected 16 sorted "
+                     "finite levels in [-1, 1]", "weight_codebook")

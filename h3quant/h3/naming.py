@@ -15,57 +15,32 @@ Three namings are known (FORMATS.md 12):
 
 Everything here works on names and shapes only and never imports torch. ``plan_mapping`` gives,
 for every ComfyUI tensor, its source tensors and the row operation to apply; tensors ComfyUI has
-no place for are returned separately so the caller reports them. The rename table is the single
-place to correct should a convention turn out different.
+no place for are returned separately so the caller reports them. Each layout's detection, renames
+and row operations are its own (``h3quant.h3.layouts``, the single place to correct should a
+convention turn out different); this module runs them.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from h3quant.errors import FormatError
-
-NAMINGS = ("comfy", "official", "diffusers")
-
-# diffusers -> ComfyUI renames, applied in order to each name (first matching rule of each kind).
-DIFFUSERS_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^proj_in\.", "video_patch_proj."),
-    (r"^audio_proj_in\.", "audio_patch_proj."),
-    (r"^context_embedder\.", "condition_proj."),
-    (r"^time_embedder\.linear_1\.", "time_embedder.proj_in."),
-    (r"^time_embedder\.linear_2\.", "time_embedder.proj_out."),
-    (r"^norm_out\.linear\.", "final_layer.adaln_proj.linear."),
-    (r"^norm_out\.norm\.", "final_layer.norm."),
-    (r"^proj_out\.", "final_layer.video_out."),
-    (r"^audio_proj_out\.", "final_layer.audio_out."),
-    (r"^token_refiner\.refiner_blocks\.", "token_refiner.blocks."),
-    (r"^transformer_blocks\.", "blocks."),
-    (r"\.attn\.to_out\.0\.", ".attn.out_proj."),
-    (r"\.attn\.norm_q\.", ".attn.q_norm."),
-    (r"\.attn\.norm_k\.", ".attn.k_norm."),
-    (r"\.ff\.net\.0\.proj\.", ".mlp.fc1."),
-    (r"\.ff\.net\.2\.", ".mlp.fc2."),
+from h3quant.h3 import layouts
+from h3quant.h3.layouts import (  # noqa: F401  (the row operations, re-exported)
+    COPY,
+    DEINTERLEAVE_QKV,
+    FUSE_QKV,
+    OFFICIAL_SHARD,
+    SWAP_HALVES,
 )
-_SPLIT_QKV = re.compile(r"^(?P<stem>.*)\.attn\.to_(?P<part>[qkv])\.(?P<kind>weight|bias)$")
-_DIFFUSERS_HINT = re.compile(
-    r"^(?:transformer_blocks\.|proj_in\.|audio_proj_in\.|context_embedder\.|norm_out\.|"
-    r"proj_out\.|audio_proj_out\.|time_embedder\.linear_[12]\.|token_refiner\.refiner_blocks\.)"
-    r"|\.attn\.to_[qkvo]|\.ff\.net\.")
-_COMFY_HINT = re.compile(
-    r"^(?:blocks\.\d+\.|video_patch_proj\.|audio_patch_proj\.|condition_proj\.|final_layer\.|"
-    r"time_embedder\.proj_(?:in|out)\.|token_refiner\.blocks\.)|\.attn\.qkv_proj\.|\.mlp\.fc[12]\.")
-OFFICIAL_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+
+NAMINGS = layouts.NAMINGS
+
 # fp8 weights: the scale companions a loader multiplies in, and the ones it does not use.
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 FP8_SCALES = ("scale_weight", "weight_scale")
 FP8_UNUSED = ("scale_input", "input_scale")
 
-# Row operations (``Target.op``)
-COPY = "copy"  # the source as it is
-FUSE_QKV = "fuse-qkv"  # [to_q; to_k; to_v]
-DEINTERLEAVE_QKV = "deinterleave-qkv"  # per-head [q_h; k_h; v_h] -> [q_all; k_all; v_all]
-SWAP_HALVES = "swap-halves"  # [value; gate] -> [gate; value]
 OP_TEXT = {
     FUSE_QKV: "q/k/v fused as [q; k; v]",
     DEINTERLEAVE_QKV: "per-head [q_h; k_h; v_h] rows regrouped as [q; k; v]",
@@ -155,21 +130,20 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     """The naming of a checkpoint from its tensor names (``{name: (dtype, shape)}``) and, for
     the official release whose names equal ComfyUI's, its shard file names. Refuses a file
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
-    diff = sorted(n for n in tensors if _DIFFUSERS_HINT.search(n))
-    comfy = sorted(n for n in tensors if _COMFY_HINT.search(n))
+    hits = {lay.name: sorted(n for n in tensors if lay.name_hint.search(n))
+            for lay in layouts.LAYOUTS.values() if lay.name_hint is not None}
+    diff, comfy = hits.get("diffusers", []), hits.get("comfy", [])
     fp8 = bool(fp8_decodable(tensors))
     if diff and comfy:
         raise FormatError(
             f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "
             f"{len(comfy)} ComfyUI name(s) (e.g. {comfy[0]}) in one file; convert from the "
             "original download", tensor=diff[0], code="N301")
-    if diff:
-        return Detection("diffusers", f"diffusers names (e.g. {diff[0]})", fp8)
-    shards = shard_names or []
-    if has_config and len(shards) > 1 and all(OFFICIAL_SHARD.match(s) for s in shards):
-        return Detection("official", "native names in model-NNNNN-of-MMMMM shards beside "
-                         "config.json", fp8)
-    return Detection("comfy", "ComfyUI names", fp8)
+    for name in layouts.DETECT_ORDER:
+        evidence = layouts.get(name).detect(hits, shard_names or [], has_config)
+        if evidence is not None:
+            return Detection(name, evidence, fp8)
+    raise AssertionError("the comfy layout always matches")  # pragma: no cover
 
 
 SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
@@ -216,13 +190,7 @@ def staged_entries(mapping: Mapping, quantized_target: bool = False
 
 def diffusers_to_comfy(name: str) -> str:
     """A diffusers tensor name as ComfyUI names it (split q/k/v and SwiGLU order aside)."""
-    return _rename(name)
-
-
-def _rename(name: str) -> str:
-    for pattern, repl in DIFFUSERS_RENAMES:
-        name = re.sub(pattern, repl, name)
-    return name
+    return layouts.get("diffusers").rename(name)
 
 
 def _fail(code: str, msg: str, tensor: str) -> FormatError:
@@ -269,22 +237,20 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
             out.unused.append(name)
             consumed.add(name)
     groups: dict[tuple[str, str], dict[str, str]] = {}
+    layout = layouts.get(naming)
     for name in sorted(tensors):
         if name in consumed:
             continue
-        m = _SPLIT_QKV.match(name) if naming == "diffusers" else None
+        m = layout.split_qkv(name)
         if m:
             groups.setdefault((m["stem"], m["kind"]), {})[m["part"]] = name
             continue
-        target = _rename(name) if naming == "diffusers" else name
+        target = layout.rename(name)
         src = _source(tensors, name, decodable)
-        op = COPY
-        if naming == "diffusers" and ".ff.net.0.proj." in name:
-            op = SWAP_HALVES
-            if src.shape[0] % 2:
-                raise _fail("N303", f"SwiGLU projection of odd rows {src.shape[0]}", name)
-        elif naming == "official" and name.endswith(".attn.qkv_proj.weight"):
-            op = DEINTERLEAVE_QKV
+        op = layout.row_op(name)
+        if op == SWAP_HALVES and src.shape[0] % 2:
+            raise _fail("N303", f"SwiGLU projection of odd rows {src.shape[0]}", name)
+        if op == DEINTERLEAVE_QKV:
             stem = name[: -len(".attn.qkv_proj.weight")]
             out.targets.append(Target(target, (src,), op,
                                       _heads(tensors, stem, src.shape[0], naming)))
@@ -302,7 +268,7 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
             raise _fail("N303", f"attention {stem}: to_q/to_k/to_v.{kind} differ: "
                         + ", ".join(f"{s.dtype} {list(s.shape)}" for s in srcs),
                         parts["q"])
-        out.targets.append(Target(_rename(f"{stem}.attn.qkv_proj.{kind}"), srcs, FUSE_QKV))
+        out.targets.append(Target(layout.rename(f"{stem}.attn.qkv_proj.{kind}"), srcs, FUSE_QKV))
     names = [t.name for t in out.targets]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})

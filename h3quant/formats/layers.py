@@ -15,7 +15,7 @@ from h3quant.errors import MarkerError
 from h3quant.findings import Finding
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import QUANTIZED_WEIGHT_DTYPES
-from h3quant.formats.rules.markers import (
+from h3quant.formats.markers import (
     MARKER_SUFFIX,
     QuantFormat,
     check_marker_object,
@@ -39,7 +39,8 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> QuantFormat | None:
+    def format(self) -> str | None:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property

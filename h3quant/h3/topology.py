@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 from h3quant.errors import UnsupportedError
 from h3quant.findings import Finding
-from h3quant.formats.rules.layers import LAYER_SUFFIXES
+from h3quant.formats import registry
+from h3quant.formats.layers import LAYER_SUFFIXES
 
 FORMS = ("full", "pruned")
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -33,8 +34,6 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _BLOCK_NORMS = ("norm1", "norm2", "attn.q_norm", "attn.k_norm")
 # Tensors that may sit beside an expected ``L.weight`` when ``L`` is quantized.
 COMPANION_SUFFIXES = frozenset(LAYER_SUFFIXES - {"weight", "bias"})
-# Formats whose weight packs two 4-bit codes per byte along K.
-_PACKED_FORMATS = frozenset({"asym_w4a8_int8", "nvfp4"})
 
 _BLOCK_LINEAR_RE = re.compile(
     r"^(?!(?:.*\.)?token_refiner\.)(?:.*\.)?blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$"
@@ -190,7 +189,8 @@ def logical_shape(tensors: dict, name: str, fmt=None) -> tuple[int, ...] | None:
     if name.endswith(".weight") and len(shape) == 2:
         layer = name[: -len(".weight")]
         fmt = _fmt(fmt)
-        packed = fmt in _PACKED_FORMATS if fmt else f"{layer}.weight_s_rel" in tensors
+        spec = registry.spec(fmt) if fmt else None
+        packed = spec is not None and spec.packed if fmt else f"{layer}.weight_s_rel" in tensors
         if packed:
             return (shape[0], 2 * shape[1])
         if _stored_kn(tensors, layer, shape, fmt):
@@ -202,7 +202,8 @@ def _stored_kn(tensors: dict, layer: str, shape: tuple[int, ...], fmt: str | Non
     """An int8_tensorwise_kn weight (stored [K, N], FORMATS.md 9): told by its format, or
     without one by its 1-D scale holding one value per stored column."""
     if fmt:
-        return fmt == "int8_tensorwise_kn"
+        spec = registry.spec(fmt)
+        return spec is not None and spec.transposed
     scale = tensors.get(f"{layer}.weight_scale")
     return (scale is not None and getattr(tensors[f"{layer}.weight"], "dtype", None) == "I8"
             and len(scale.shape) == 1 and scale.shape[0] == shape[1] != shape[0])

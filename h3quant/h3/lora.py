@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.errors import LoraError
-from h3quant.formats.rules.naming import diffusers_to_comfy
+from h3quant.h3.naming import diffusers_to_comfy
 
 # (down suffix, up suffix) pairs, in the order they are tried.
 _PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"),
@@ -39,7 +39,13 @@ DIFFUSERS_NAMES = {
     "ff.net.0.proj": ("mlp.fc1", "swiglu"),
     "ff.net.2": ("mlp.fc2", None),
 }
-STYLES = ("comfyui", "kohya", "diffusers")
+# The key styles, each with what it looks like (the CLI's choices and help read this).
+STYLE_HELP = {
+    "comfyui": "ComfyUI / musubi-tuner (diffusion_model. prefix, lora_down / lora_up, alpha)",
+    "kohya": "kohya (lora_unet_blocks_0_attn_qkv_proj)",
+    "diffusers": "diffusers / PEFT (split to_q/to_k/to_v, SwiGLU [value; gate])",
+}
+STYLES = tuple(STYLE_HELP)
 
 
 @dataclass(frozen=True)
