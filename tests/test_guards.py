@@ -33,11 +33,12 @@ def test_import_contracts_are_kept():
     proc = _run("-c", "import sys; from importlinter.cli import lint_imports; "
                       "sys.exit(lint_imports(no_cache=True, no_logo=True))")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 broken" in proc.stdout and "9 kept" in proc.stdout, proc.stdout
+    assert "0 broken" in proc.stdout and "10 kept" in proc.stdout, proc.stdout
 
 
-def test_public_api_type_checks():
-    """mypy over the public API (the files listed in pyproject.toml's [tool.mypy])."""
+@pytest.mark.slow
+def test_package_type_checks():
+    """mypy over the whole h3quant package (pyproject.toml's [tool.mypy] names it)."""
     proc = _run("-m", "mypy", "--no-incremental")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Success: no issues found" in proc.stdout, proc.stdout
@@ -174,6 +175,27 @@ def test_private_import_detector_can_fail(tmp_path):
     assert len(_private_imports(bad)) == 2
 
 
+def _test_module_imports(path: Path) -> list[str]:
+    """Imports of a test module (``test_*``, ``tests.*``): shared helpers live in tests/helpers/
+    and tests/conftest.py, never in a test module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    return [f"{path.name} imports {n}" for n in names
+            if n.split(".")[0].startswith("test_") or n == "tests" or n.startswith("tests.")]
+
+
+def test_no_test_module_imports_another():
+    found = [hit for p in sorted((ROOT / "tests").rglob("*.py")) for hit in _test_module_imports(p)]
+    assert not found, "\n".join(found)
+
+
+def test_test_import_detector_can_fail(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("from test_convert import small_h3\nimport tests.test_block\nfrom helpers import forge\n")
+    assert len(_test_module_imports(bad)) == 2
+
+
 def test_block_linears_defined_once():
     owners = [str(p.relative_to(ROOT)) for p in SOURCES
               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
@@ -220,9 +242,11 @@ def test_readme_links_the_format_document():
 
 @pytest.mark.parametrize("name", ["torch", "click", "tqdm", "numpy"])
 def test_runtime_dependencies_are_imported_by_the_package(name):
-    """Every runtime dependency is imported by h3quant itself (test-only ones live in the extra)."""
+    """Every runtime dependency is imported by h3quant itself (test-only ones live in the extra;
+    torch in its own extra, as inspect and validate run without it)."""
     tomllib = pytest.importorskip("tomllib")
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["torch"]
     names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower() for d in deps}
     used = any(re.search(rf"^\s*(import|from) {name}\b", p.read_text(encoding="utf-8"), re.M)
                for p in SOURCES)
@@ -241,7 +265,7 @@ def test_no_undeclared_runtime_dependency():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = _names(project["dependencies"])
     extras = project["optional-dependencies"]
-    optional = set().union(*(_names(v) for k, v in extras.items() if k != "test"))
+    optional = set().union(*(_names(v) for k, v in extras.items() if k != "test")) - {"h3quant"}
     stdlib = set(sys.stdlib_module_names)
     imported = set()
     for p in SOURCES:

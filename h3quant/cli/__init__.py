@@ -25,6 +25,23 @@ _COMMANDS = {
 }
 
 
+def _needs_torch(name: str) -> click.Command:
+    """A stand-in for a command whose module needs PyTorch when PyTorch is not installed: it
+    says so (exit 2) instead of failing on the import."""
+    from h3quant.cli.common import EXIT_USAGE, torch_missing_message
+
+    def callback(args):
+        click.echo(f"h3quant: error: {torch_missing_message(name)}", err=True)
+        sys.exit(EXIT_USAGE)
+
+    cmd = click.Command(name, callback=callback, add_help_option=False,
+                        help="(needs PyTorch: pip install 'h3quant[torch]')",
+                        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+                        context_settings={"ignore_unknown_options": True})
+    setattr(cmd, "_h3quant_epilog", True)
+    return cmd
+
+
 class _LazyGroup(click.Group):
     """Imports a command's module only when that command runs (keeps `--help` and start-up fast)."""
 
@@ -44,13 +61,17 @@ class _LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             if exc.name == f"h3quant.cli.{module}":
                 return None  # command not built yet
+            from h3quant.cli.common import is_torch_missing
+
+            if is_torch_missing(exc):
+                return _needs_torch(name)
             raise
         cmd = mod.command
         if not getattr(cmd, "_h3quant_epilog", False):
             from h3quant.cli.common import EXIT_EPILOG
 
             cmd.epilog = f"{cmd.epilog}\n\n{EXIT_EPILOG}" if cmd.epilog else EXIT_EPILOG
-            cmd._h3quant_epilog = True
+            setattr(cmd, "_h3quant_epilog", True)
         return cmd
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -67,6 +88,14 @@ class _LazyGroup(click.Group):
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("h3quant: interrupted", err=True)
             sys.exit(130)
+        except ModuleNotFoundError as exc:  # e.g. an option's check that loads the runtime
+            from h3quant.cli.common import EXIT_USAGE, is_torch_missing, torch_missing_message
+
+            if not is_torch_missing(exc):
+                raise
+            name = next((a for a in (args or sys.argv[1:]) if a in _COMMANDS), None)
+            click.echo(f"h3quant: error: {torch_missing_message(name)}", err=True)
+            sys.exit(EXIT_USAGE)
         sys.exit(0)
 
 
@@ -116,7 +145,7 @@ def run(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         main.main(args, prog_name="h3quant")
-        code = 0
+        code: str | int | None = 0
     except SystemExit as exc:
         code = exc.code
     if code in (0, None) and args[:1] and args[0] in _FAST_EXIT:

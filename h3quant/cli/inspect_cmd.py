@@ -86,7 +86,7 @@ def _naming_line(n: dict) -> str:
     text = layouts.get(n["naming"]).title + f" ({n['evidence']})"
     if n["fp8_scaled"]:
         text += f", {n['fp8_scaled']} scaled fp8 weight(s)"
-    if n["naming"] != "comfy" or n["fp8_scaled"]:
+    if n["naming"] != layouts.TARGET or n["fp8_scaled"]:
         text += "; `convert` re-lays it out as ComfyUI's single file"
     return text
 

@@ -93,6 +93,20 @@ def render_frontier(points) -> str:
                             "dB measured", "error", "formats"], rows, {1, 2, 3, 4, 5}))
 
 
+def _why_not_a_pass(exc: BaseException) -> str:
+    """What is wrong with a --from file, in words (never a bare exception text)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"it is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(exc, OSError):
+        return f"cannot read it ({exc.strerror or exc})"
+    if isinstance(exc, KeyError):
+        return (f"it lacks the field \"{exc.args[0]}\" (save a pass with "
+                "'h3quant plan IN --json > pass.json')")
+    return "its fields do not have the types a saved pass holds"
+
+
 @click.command("plan", epilog="""\b
 Examples:
   h3quant plan h3_bf16.safetensors                      # sensitivity table
@@ -106,7 +120,8 @@ Examples:
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "
-                   "int8-convrot:g=64); float is always the unquantized choice.")
+                   "int8-convrot:g=64 or int8-convrot,w4a8,nvfp4,int4-convrot); float is always "
+                   "the unquantized choice.")
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
@@ -219,9 +234,9 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
             with open(from_json, encoding="utf-8") as fh:
                 loaded = json.load(fh)
             sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
-                               f"'h3quant plan --json' ({exc})") from None
+                               f"'h3quant plan --json': {_why_not_a_pass(exc)}") from None
     else:
         from tqdm import tqdm
 

@@ -50,7 +50,7 @@ def fit_error(fmt: str, layer, fields: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------- scheme findings
-PLAIN_FLOAT = registry.spec("float")
+PLAIN_FLOAT: FormatSpec = registry.PLAIN.spec
 SCHEMES: dict[str, FormatSpec] = {s.name: s for s in registry.specs() if s.quantized}
 
 

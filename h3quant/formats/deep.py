@@ -134,6 +134,11 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             dtype = torch.float8_e4m3fn if info.dtype in ("F8_E4M3", "U8") else None
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
+        if hasattr(codec, "deep_findings"):  # a format package's own data rules
+            for v in codec.deep_findings(lambda i, dt: _chunks(src, i, dt), t):
+                info = t.get(v.suffix) or t.get("weight")
+                out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
+                checked.add(info.name)
         w = t.get("weight")
         if codec.spec.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
@@ -142,6 +147,11 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             if info is not None and info.dtype in FLOAT_DTYPES:
                 _check_whole(src, codec, suffix, info, out)
                 checked.add(info.name)
+        for v in codec.layer_data_violations(t, lambda info, dtype=None: _read(src, info, dtype),
+                                             layer.fields or {}):
+            info = t.get(v.suffix) or t.get("weight")
+            out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),
+                               file=str(info.file) if info is not None else None))
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():
@@ -152,18 +162,22 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
                 checked.add(info.name)
 
 
-def deep_check(ckpt, scan) -> list[Finding]:
-    """Value checks over every layer (one at a time), then every remaining float tensor."""
+def deep_check(ckpt, scan, on_bytes=None) -> list[Finding]:
+    """Value checks over every layer (one at a time), then every remaining float tensor;
+    ``on_bytes(n)`` (progress) is told the bytes of each layer or tensor once checked."""
     out: list[Finding] = []
     checked: set[str] = set()
     src = Stream()
+    tell = on_bytes or (lambda n: None)
     try:
         for layer in scan.layers.values():
             _guarded(out, layer.name, _check_layer, src, layer, checked, out)
+            tell(sum(t.nbytes for t in layer.tensors.values()))
         for name, info in ckpt.tensors.items():
             if name in checked or info.dtype not in FLOAT_DTYPES or info.numel == 0:
                 continue
             _guarded(out, name, _check_float, src, info, out)
+            tell(info.nbytes)
     finally:
         src.close()
     return out

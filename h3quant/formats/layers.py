@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from h3quant.errors import MarkerError
 from h3quant.findings import Finding
@@ -39,7 +40,7 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> str | None:
+    def format(self) -> Any:
         """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
@@ -99,17 +100,21 @@ def scan_layers(
     def add(code: str, msg: str, tensor: str | None) -> None:
         found.append(Finding(code, msg, tensor=tensor, file=file))
 
+    def add_error(exc: MarkerError, tensor: str | None) -> None:
+        assert exc.code is not None  # the marker parsers give every error a finding code
+        add(exc.code, exc.reason, tensor)
+
     header: dict[str, dict] | None = None
     try:
         header = parse_header_metadata(metadata)
     except MarkerError as exc:
-        add(exc.code, exc.reason, None)
+        add_error(exc, None)
     header_fields: dict[str, dict] = {}
     for lname, raw in (header or {}).items():
         try:
             header_fields[lname] = effective_fields(check_marker_object(raw, "header metadata entry"))
         except MarkerError as exc:
-            add(exc.code, exc.reason, lname)
+            add_error(exc, lname)
         if lname not in layers:
             add("M112", "named in _quantization_metadata but the file has no such layer", lname)
 
@@ -123,7 +128,7 @@ def scan_layers(
             try:
                 tensor_fields = effective_fields(parse_marker_bytes(bytes(read_bytes(mname))))
             except MarkerError as exc:
-                add(exc.code, exc.reason, mname)
+                add_error(exc, mname)
             if layer.weight is None:
                 add("M108", "marker has no weight tensor beside it", mname)
         hdr = header_fields.get(layer.name)

@@ -68,7 +68,7 @@ def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
         if exc.name == "h3quant.h3.topology":
             return None
         raise
-    detection = topology.detect(tensors)
+    detection = topology.detect(tensors, quantized)
     return None if detection is None else topology.summary(detection, quantized)
 
 
@@ -196,8 +196,10 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         quant = [r for r in reports if r.quantized]
         quantized = {r.name: r.format for r in quant}
         counts = {s.value: 0 for s in Severity}
-        for f in ckpt.findings + layer_scan.findings:
-            counts[f.severity.value] += 1
+        scaled = naming_view.fp8_scaled(ckpt)  # as validate: scaled fp8 weights need no marker
+        for f in ckpt.findings + layer_scan.findings + naming_view.scaled_fp8_findings(ckpt):
+            if not (f.code == "M109" and f.tensor in scaled):
+                counts[f.severity.value] += 1
 
         return InspectResult(
             path=str(ckpt.path),

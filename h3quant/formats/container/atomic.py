@@ -23,10 +23,7 @@ Rules (what a user can rely on):
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -37,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3quant.errors import OutputError
+from h3quant.formats.container.platform import open_fd, rename_noreplace, set_mode, try_lock
 from h3quant.formats.container.signals import (  # noqa: F401 (Terminated, terminate_on_signals: re-exported)
     Terminated,
     deferred_signals,
@@ -50,47 +48,6 @@ _UNLOCKED_SUFFIX = ".new"  # a staging directory before its lock is held (never 
 LOCK_NAME = ".lock"
 MANIFEST_NAME = ".h3quant-output.json"
 MANIFEST_KIND = "h3quant-output"
-
-
-# --------------------------------------------------------------------------------------------
-# no-clobber rename
-# --------------------------------------------------------------------------------------------
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-_libc = None
-
-
-def _renameat2():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            _libc = False
-    return getattr(_libc, "renameat2", None) if _libc else None
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; ``FileExistsError`` if ``dst`` exists, checked atomically."""
-    fn = _renameat2()
-    if fn is not None:
-        rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(dst))
-    # Fallback for file systems without RENAME_NOREPLACE: claim the name atomically first.
-    if src.is_dir() and not src.is_symlink():
-        os.mkdir(dst)  # FileExistsError if taken; then rename onto our own empty directory
-        try:
-            os.rename(src, dst)
-        except BaseException:
-            os.rmdir(dst)
-            raise
-    else:
-        os.link(src, dst)  # FileExistsError if taken
-        os.unlink(src)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +214,7 @@ def check_outputs_distinct(paths: Iterable[Path]) -> None:
         if key in seen:
             raise OutputError(f"two outputs name the same file ({seen[key]} and {p})", path=p)
         seen[key] = Path(p)
-    stats = {}
+    stats: dict[tuple[int, int], Path] = {}
     for p in paths:
         st = _stat(Path(p))
         if st is not None:
@@ -291,12 +248,10 @@ _LEGACY_BACKUP = ".old-"  # older releases kept the previous output at <stage>/.
 def _try_lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if not try_lock(fd):
         os.close(fd)
         return None
     return fd
@@ -329,7 +284,7 @@ def _read_journal(stage: Path) -> list[dict] | None:
 
 
 def _write_small(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -402,7 +357,7 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
 
     A previous output that such a run had moved aside is put back first (``recover``); a
     staging directory that still holds one is kept, never deleted."""
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -637,7 +592,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True,
 
 def write_file(path: Path, data: bytes) -> None:
     """Write and fsync ``data`` to a new file at ``path`` (a staged path)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, default_mode())
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, default_mode())
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -653,7 +608,7 @@ def open_temp(path: Path) -> tuple[int, Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=STAGING_SUFFIX,
                                dir=path.parent)
     try:
-        os.fchmod(fd, default_mode())
+        set_mode(fd, tmp, default_mode())
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -676,8 +631,8 @@ def default_mode(directory: bool = False) -> int:
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename into it is durable (best effort: some filesystems refuse)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_fd(path, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory
         return
     try:
         os.fsync(fd)

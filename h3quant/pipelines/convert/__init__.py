@@ -62,6 +62,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
 
     An official, diffusers or fp8 input is converted through ``adopt.SourceView``: the output is
     ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives."""
+    import time
+
+    t0 = time.perf_counter()
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
@@ -97,7 +100,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
             if loras is not None:
-                report.extra["lora"] = survival.measure(source, loras, plan, options, log)
+                report.extra["lora"] = survival.measure(source, loras, plan, options, log,
+                                                        progress=progress)
+            # the reported time covers the whole run (the LoRA survival pass included)
+            report.elapsed_s = round(time.perf_counter() - t0, 3)
+            report.input_mb_per_s = (round(plan.input_bytes / 1e6 / report.elapsed_s, 1)
+                                     if report.elapsed_s > 0 else None)
             ckpt.check_unchanged()  # an input rewritten while read gives no output
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))
@@ -117,7 +125,9 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
 
 def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
     """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
-    view = adopt.SourceView(ckpt, mapping, options.codec.quantized)
+    view = adopt.SourceView(ckpt, mapping, options.codec.quantized,
+                            _untouched_fp8(mapping, options) if options.codec.quantized
+                            else frozenset())
     loras = None
     if options.loras:  # read once, resolved against the logical ComfyUI shapes
         from h3quant.pipelines.convert import bake, lora
@@ -127,6 +137,35 @@ def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
                           options.lora_skip_unmatched)
         bake.apply(view, loras, quantized)
     return cast(Checkpoint, view), loras
+
+
+def _untouched_fp8(mapping, options: ConvertOptions) -> frozenset[str]:
+    """The fp8 weights this conversion copies rather than re-encodes (no preset, filter or
+    rule picks their layer): shown as BF16 (rounded once, as ComfyUI computes with them), not
+    widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
+    from h3quant.pipelines.convert.options import is_h3, preset_selects, wide_rules
+
+    from types import SimpleNamespace
+
+    from h3quant.h3.naming import staged_entries
+
+    headers = {n: SimpleNamespace(name=n, dtype=d, shape=s)
+               for n, (d, s) in staged_entries(mapping, True).items()}
+    preset = options.preset or ("h3" if is_h3(headers) else "all-linears")
+    wide = wide_rules(options, preset, {n[: -len(".weight")]: h.shape for n, h in headers.items()
+                                        if n.endswith(".weight")}) if options.layers else ()
+    out = set()
+    for t in mapping.targets:
+        if not (t.fp8 and t.name.endswith(".weight")):
+            continue
+        layer = t.name[: -len(".weight")]
+        rule, sub = options.for_layer(layer)
+        if rule in wide and sub is not None:
+            continue  # a rule picks it
+        if preset_selects(preset, layer, "F32", 2, False) and options.filtered(layer):
+            continue
+        out.add(t.name)
+    return frozenset(out)
 
 
 def _promoted(options: ConvertOptions, loras) -> ConvertOptions:

@@ -68,6 +68,9 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal:
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
@@ -132,7 +135,9 @@ class ConvertOptions:
     @property
     def codec(self) -> registry.Codec:
         """The codec the target writes (in the chosen layout)."""
-        return registry.with_layout(registry.target_codec(self.target), self.layout)
+        codec = registry.with_layout(registry.target_codec(self.target), self.layout)
+        assert codec is not None  # __post_init__ refused a layout the target does not have
+        return codec
 
     @property
     def convrot(self) -> bool:
@@ -183,6 +188,17 @@ def is_h3(tensors: dict) -> bool:
         return detect(tensors) is not None
     except H3QuantError:
         return False
+
+
+def wide_rules(options: "ConvertOptions", preset: str, weights: dict[str, tuple[int, ...]]
+               ) -> frozenset[int]:
+    """The rules (indices) that name no layer the preset picks: those apply to any linear of
+    the input (``--layer 'token_refiner\\.=bf16'``); every other rule keeps to the preset's
+    layers. ``weights``: layer name -> weight shape."""
+    picked = [n for n, shape in weights.items() if options.filtered(n)
+              and preset_selects(preset, n, "F32", len(shape), True)]
+    return frozenset(i for i, (pat, _) in enumerate(options._rules)
+                     if not any(pat.search(n) for n in picked))
 
 
 def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,

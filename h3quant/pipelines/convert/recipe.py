@@ -124,7 +124,7 @@ def make_rule(pattern: str, target: str | None, opts: dict, where: str) -> Rule:
             raise ConvertError(f"{where}: layout {rule.layout} is not available for {target} "
                                f"(it has {', '.join(registry.layouts_of(codec))})")
         if rule.group_size is not None and not (registry.target(target).convrot
-                                                or codec.name == "asym_w4a8_int8"):
+                                                or codec.spec.always_convrot):
             raise ConvertError(f"{where}: {target} has no rotation; g= does not apply")
     return rule
 

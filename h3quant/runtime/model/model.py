@@ -166,9 +166,17 @@ class H3Model:
 
     @classmethod
     def open(cls, path: str | os.PathLike, device="cpu", *, mmap: bool = True,
-             linear: str = "runtime", backend: str | None = None, probe=None) -> "H3Model":
-        """Open a checkpoint (file, shard index or directory) for the forward on ``device``."""
-        ckpt = Checkpoint(path, mmap=mmap)
+             linear: str = "runtime", backend: str | None = None, probe=None,
+             any_layout: bool = False) -> "H3Model":
+        """Open a checkpoint (file, shard index or directory) for the forward on ``device``.
+        ``any_layout``: a float source or reference in any layout ``convert`` takes (official,
+        diffusers, fp8), read as ComfyUI's single file (``h3quant.source_view``)."""
+        if any_layout:
+            from h3quant.source_view import open_as_comfy
+
+            ckpt = open_as_comfy(path, mmap=mmap)
+        else:
+            ckpt = Checkpoint(path, mmap=mmap)
         try:
             return cls(ckpt, device=device, linear=linear, backend=backend, probe=probe,
                        owns=True)

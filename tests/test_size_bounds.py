@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import small_h3, write
+from helpers.h3files import small_h3, write
 
 from h3quant import limits
 from h3quant.errors import UsageError
@@ -22,8 +22,28 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 AS_LIMIT = 6 << 30  # bytes of address space for a child (torch alone maps about 1.5 GB)
 
 
+def memory_cap(cap: int = AS_LIMIT) -> int:
+    """``cap``, never above this process's own hard limit (a child may not be given more than
+    the suite itself has: under ``ulimit -v`` the cap shrinks to it)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    return cap if hard == resource.RLIM_INFINITY else min(cap, hard)
+
+
 def _limit_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+    cap = memory_cap()
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def test_memory_cap_never_exceeds_the_own_hard_limit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (5_000_000_000, 5_000_000_000))
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    _limit_memory()
+    assert calls == [(5_000_000_000, 5_000_000_000)]
+    monkeypatch.setattr(resource, "getrlimit",
+                        lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    _limit_memory()
+    assert calls[-1] == (AS_LIMIT, AS_LIMIT)
 
 
 def h3q(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -32,6 +52,7 @@ def h3q(*args, timeout=120) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------- block indices in a header
+@pytest.mark.slow
 @pytest.mark.parametrize("index", ["999999999", "1000", "7" * 5000], ids=["1e9", "1000", "5000-digits"])
 def test_absurd_block_index_is_a_finding_everywhere(tmp_path, index):
     t = small_h3(blocks=1)
@@ -82,6 +103,7 @@ def test_model_inputs_beyond_the_row_limit_are_refused_before_work():
     ["--frames", "64", "--height", "64", "--width", "64"],
     ["--audio-frames", "65536"],
 ])
+@pytest.mark.slow
 def test_verify_model_large_inputs_exit_2_at_once(tmp_path, args):
     src = write(tmp_path / "in.safetensors", small_h3(blocks=1))
     res = h3q("verify", src, "--model", "--device", "cpu", *args, timeout=60)
@@ -98,6 +120,7 @@ def test_help_states_the_limits():
 
 
 # ------------------------------------------------------------- attention in bounded blocks
+@pytest.mark.slow
 def test_attention_scores_stay_within_the_budget(monkeypatch):
     """Per-block verify at --tokens 16384 made one head's 16384 x 16384 scores (1 GiB, three
     copies). Scores are now taken in query-row blocks: never more than the budget at once, and
@@ -125,6 +148,7 @@ def test_attention_scores_stay_within_the_budget(monkeypatch):
 
 
 # ------------------------------------------------------------- W4A8 at many workers
+@pytest.mark.slow
 def test_w4a8_in_flight_chunks_do_not_grow_with_workers(monkeypatch):
     """--workers 256 made W4A8 submit every row chunk at once (5.2 GB instead of 0.8 GB on a
     full-size layer): at most MAX_INFLIGHT_CHUNKS are now queued or running."""

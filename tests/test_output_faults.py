@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3, write
 
 from h3quant.formats.container import atomic
+
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -94,7 +96,7 @@ def finish(proc, timeout=60):
 
 
 def _sharded_input(tmp_path: Path) -> Path:
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     return next(make_sharded(tmp_path / "ck", small_h3(blocks=1)).glob("*.index.json"))
 

@@ -9,6 +9,8 @@ import math
 import struct
 from pathlib import Path
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -93,6 +95,7 @@ entries = st.fixed_dictionaries(
 @SETTINGS
 @given(st.dictionaries(st.text(max_size=10), entries | json_values, max_size=6),
        st.one_of(st.none(), json_values), st.integers(0, 300))
+@pytest.mark.slow
 def test_header_parser_survives_arbitrary_entries(tensors, meta, data_len):
     obj = dict(tensors)
     if meta is not None:
@@ -124,6 +127,7 @@ def test_marker_parser_survives_arbitrary_bytes(raw):
     _marker_contract(raw)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(json_values)
 def test_marker_parser_survives_arbitrary_json(value):
@@ -135,11 +139,13 @@ def test_marker_parser_survives_arbitrary_json(value):
        st.dictionaries(st.sampled_from(["convrot", "convrot_groupsize", "group_size",
                                         "full_precision_matrix_mult", "params", "extra"]),
                        json_values, max_size=4))
+@pytest.mark.slow
 def test_marker_fields_are_typed_or_refused(fmt, extra):
     """A marker naming a known format either yields typed fields or a coded M114 refusal."""
     _marker_contract(json.dumps({"format": fmt, **extra}).encode())
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.text(max_size=64) | json_values.map(json.dumps))
 def test_header_metadata_parser(value):
@@ -154,6 +160,7 @@ def test_header_metadata_parser(value):
 @SETTINGS
 @given(json_values | st.sampled_from(sorted(known_format_names())),
        st.dictionaries(st.text(max_size=8), json_values, max_size=3))
+@pytest.mark.slow
 def test_marker_with_any_format_value(fmt, extra):
     """A ``format`` of any JSON type (list, object, number ...) is a coded refusal or accepted."""
     _marker_contract(json.dumps({**extra, "format": fmt}).encode())

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from test_block import quantize_file
+from helpers.h3files import quantize_file
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.runtime.linear import QuantizedLinear
@@ -67,6 +67,7 @@ def _x(k, rows=37, seed=0):
     return x.to(torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_kitchen_ascend_backend_equals_h3quant_npu_backend(int8_file, fused):
     with simulated_npu(rotate_quant=fused) as sim, kitchen_ascend() as ck:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import W4A8, cli, int8_layer, quantized_synth, save, w4a8_layer
+from helpers.forge import W4A8, cli, int8_layer, quantized_synth, save, w4a8_layer
 from h3quant.formats.container.checkpoint import Checkpoint
 
 LAYER = "blocks.0.mlp.fc1"

@@ -10,12 +10,7 @@ import pytest
 
 from h3quant.pipelines.convert import ConvertOptions, convert, io
 from h3quant.pipelines.convert.io import OffsetWriter
-from tests.test_convert import sha, small_h3, write
-
-
-@pytest.fixture
-def src(tmp_path):
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
+from helpers.h3files import sha
 
 
 def _convert(src, dst, **kw):
@@ -101,6 +96,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_the_copies_start_before_torch_is_imported(src, tmp_path):
     """The CLI's convert opens its output and starts the byte-for-byte copies first, and only
     then loads torch (1-2 s on a small machine) for the layers, while the copies run."""
@@ -178,6 +174,7 @@ run(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_a_finished_convert_process_exits_without_the_interpreter_teardown(src, tmp_path):
     """After a successful convert the process ends at once (stdout and stderr flushed, the
     output in place); failures and other commands exit the normal way."""

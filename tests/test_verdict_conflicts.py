@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import sha
-from test_convert_formats import read_all, rewrite
+from helpers.h3files import read_all, resave, sha
 
 from h3quant.errors import FindingError
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
@@ -46,7 +45,7 @@ def _disagreeing(files, tmp_path) -> tuple[Path, str]:
     layers = parse_header_metadata(meta)
     victim = sorted(layers)[0]
     layers[victim] = dict(layers[victim], convrot=False)  # the tensor marker says convrot=true
-    bad = rewrite(files["int8"], tmp_path / "bad.safetensors",
+    bad = resave(files["int8"], tmp_path / "bad.safetensors",
                   metadata=dict(meta, **{HEADER_KEY: header_metadata_value(layers)}))
     return bad, victim
 
@@ -66,7 +65,7 @@ def _broken_codebook(files, tmp_path, how: str) -> tuple[Path, str]:
             cb = cb * 4
         tensors[name] = cb
 
-    bad = rewrite(files["w4a8"], tmp_path / f"cb_{how}.safetensors", edit=edit)
+    bad = resave(files["w4a8"], tmp_path / f"cb_{how}.safetensors", edit=edit)
     return bad, victim[0]
 
 
@@ -99,11 +98,13 @@ def _assert_refused_everywhere(bad: Path, code: str, tensor: str, tmp_path: Path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
 
 
+@pytest.mark.slow
 def test_marker_and_header_disagreement_is_one_verdict(files, tmp_path):
     bad, victim = _disagreeing(files, tmp_path)
     _assert_refused_everywhere(bad, "M110", victim, tmp_path, ["int8-convrot", "bf16"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["unsorted", "nan", "range"])
 def test_broken_w4a8_codebook_is_one_verdict(files, tmp_path, how):
     bad, victim = _broken_codebook(files, tmp_path, how)

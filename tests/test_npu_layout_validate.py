@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from forge import cli, codes, expect_error, save, validate
+from helpers.forge import cli, codes, expect_error, save, validate
 
 from h3quant.formats.int8_kn.tensors import kn_marker
 from h3quant.formats.markers import COMFY_FORMATS, parse_header_metadata

@@ -178,6 +178,7 @@ def test_fitted_codebook_is_unchanged_by_the_integer_sort():
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.slow
 def test_pool_encodes_the_same_bytes_and_reports_the_first_bad_rows(monkeypatch):
     """Row chunks on a thread pool: byte-identical output; a non-finite value outside the
     codebook sample is reported with its chunk's rows (the first bad chunk in row order)."""
@@ -201,6 +202,7 @@ def test_pool_encodes_the_same_bytes_and_reports_the_first_bad_rows(monkeypatch)
             encode_w4a8(big, pool=pool)
 
 
+@pytest.mark.slow
 def test_fine_levels_need_no_clamp_within_their_reach():
     """The padded fine table read without a clamp (values within +-REACH) gives the clamped
     lookup's levels, NaN (ambiguous) cells included; beyond the reach the clamp still runs."""

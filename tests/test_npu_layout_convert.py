@@ -139,6 +139,7 @@ def test_relayout_round_trip_is_byte_identical(files, tmp_path):
     assert subprocess.run(["cmp", str(direct), str(files["canon"])], check=False).returncode == 0
 
 
+@pytest.mark.slow
 def test_relayout_in_small_slabs_gives_the_same_bytes(files, tmp_path, monkeypatch):
     """Bounded memory: a transpose slab much smaller than a layer changes nothing."""
     from h3quant.pipelines.convert import relayout
@@ -170,6 +171,7 @@ def test_kn_source_decodes_like_the_canonical_one(files, tmp_path):
     assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
 
 
+@pytest.mark.slow
 def test_w4a8_to_kn_takes_the_decoded_int8_grid(files, tmp_path):
     from h3quant.formats.w4a8.tensors import decode_w4a8_int8
 
@@ -202,6 +204,7 @@ def test_layout_npu_only_for_int8_targets(files, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_cli_layout_npu_and_dry_run(files, tmp_path):
     out = tmp_path / "cli_kn.safetensors"
     res = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(files["canon"]),
@@ -221,6 +224,7 @@ def test_cli_layout_npu_and_dry_run(files, tmp_path):
     assert report.counts["keep"] == 8 and filecmp.cmp(again, out, shallow=False)
 
 
+@pytest.mark.slow
 def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
     """Its rows peak in [96, 127] like W4A8's (not at 127 like freshly encoded int8): verify's
     reference-free checks take that, in both layouts; scales off by 2 still fail."""
@@ -249,7 +253,7 @@ def test_int8_from_the_w4a8_grid_passes_verify_data_checks(files, tmp_path):
 def test_a_tensorwise_scale_is_repeated_per_column_for_kn(tmp_path):
     """A true tensorwise int8 layer (one scale []) relays out to kn with that scale on all N
     columns: same codes, same values, no requantization."""
-    from forge import int8_layer, save
+    from helpers.forge import int8_layer, save
 
     t = int8_layer("lin", n=48, k=64, scale_shape=(), marker={"format": "int8_tensorwise"})
     src = save(tmp_path / "tw.safetensors", t)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import independent_h3 as ind
-from test_block import quantize_file, read_all
+from helpers import independent_h3 as ind
+from helpers.h3files import quantize_file, read_tensors
 
 from h3quant.cli import main
 from h3quant.errors import VerifyError
@@ -115,9 +115,10 @@ def test_schedule_and_spans_follow_the_rule():
     assert t_span(N_HEADS, 1.0, coarse)[1] - t_span(N_HEADS, 1.0, coarse)[0] > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [8, 2])
 def test_every_step_equals_the_independent_rule(bank_files, steps):
-    src, _ = read_all(bank_files["bank"])
+    src, _ = read_tensors(bank_files["bank"])
     v, a, t = _inputs()
     sched = t_schedule(steps)
     vw, vb = src["final_layer.video_out.weight"], src["final_layer.video_out.bias"]
@@ -167,6 +168,7 @@ def test_the_tie_at_sigma_0878_picks_the_head_comfyui_picks(heads, steps):
     assert round(float(1.0 - s32 / (12.0 + s32 * (1.0 - 12.0))) * heads) == 2
 
 
+@pytest.mark.slow
 def test_a_bank_needs_the_schedule_and_a_plain_file_ignores_it(bank_files):
     v, a, t = _inputs(1)
     sched = shifted_schedule(4)
@@ -198,7 +200,7 @@ def test_synth_inspect_and_validate_report_the_bank(bank_files, tmp_path):
     assert r.exit_code == 0, r.output
     # video and audio stacking different numbers of heads: a topology error
     from h3quant.formats.container.writer import save_tensors
-    src, meta = read_all(out)
+    src, meta = read_tensors(out)
     src["final_layer.audio_out.weight"] = src["final_layer.audio_out.weight"][:2 * PA]
     bad = tmp_path / "bad.safetensors"
     save_tensors(bad, src, meta)
@@ -208,6 +210,7 @@ def test_synth_inspect_and_validate_report_the_bank(bank_files, tmp_path):
     assert r.exit_code == 2
 
 
+@pytest.mark.slow
 def test_verify_model_checks_every_step(bank_files):
     small = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "4",
              "--text-tokens", "8"]

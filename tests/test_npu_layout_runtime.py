@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from runtime_util import quantize_weight
+from helpers.runtime import quantize_weight
 
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
@@ -156,6 +156,7 @@ def test_simulated_format_cast_rules():
         assert kinds == ["copy", "format_cast"]  # a strided input is made contiguous first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "npu", "mps"])
 def test_verify_passes_on_kn_files_on_every_device(files, device):
     if device == "cpu":
@@ -178,6 +179,7 @@ def test_verify_passes_on_kn_files_on_every_device(files, device):
 # ------------------------------------------------------------------------- verify --model
 
 
+@pytest.mark.slow
 def test_whole_model_on_a_kn_file_equals_the_canonical_file(files):
     """The streamed H3 forward (verify --model) loads kn blocks as they are: on the CPU and on the
     simulated NPU it computes exactly what it computes from the canonical file."""
