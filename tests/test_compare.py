@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gguf_util import write_gguf
-from test_block import quantize_file, read_all
+from helpers.gguf_files import write_gguf
+from helpers.h3files import quantize_file, read_tensors as read_all
 
 from h3quant.cli import main
 

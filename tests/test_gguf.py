@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gguf_util import q4k_decode, q4k_encode, write_gguf
-from test_block import read_all
+from helpers.gguf_files import q4k_decode, q4k_encode, write_gguf
+from helpers.h3files import read_tensors as read_all
 
 from h3quant.cli import main
 from h3quant.errors import ContainerError
