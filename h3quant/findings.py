@@ -132,6 +132,12 @@ _r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuratio
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
 _r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
 _r("T106", "h3-block-index-limit", E, "block indices stay below 1000 (H3 has 50)")
+# GGUF files (read through the gguf package): FORMATS.md, GGUF.
+_r("G101", "gguf-header", E, "a GGUF file has the GGUF magic and a header the gguf package reads, with "
+   "unique tensor names and shapes within the limits")
+_r("G102", "gguf-type", E, "every tensor type is one the gguf package dequantizes")
+_r("G103", "gguf-not-h3", W, "the tensors carry ComfyUI's H3 names (ComfyUI-GGUF's layout)")
+_r("G104", "gguf-non-finite", E, "every tensor is finite once dequantized (validate --deep)")
 # A check that could not run.
 _r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
    "the input is malformed in a way h3quant does not anticipate)")

@@ -19,6 +19,7 @@ _COMMANDS = {
     "convert": "convert_cmd",
     "verify": "verify_cmd",
     "plan": "plan_cmd",
+    "compare": "compare_cmd",
     "backends": "backends_cmd",
     "demo": "demo_cmd",
 }

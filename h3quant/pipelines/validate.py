@@ -79,6 +79,15 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
     p = Path(path)
     if not p.exists():
         raise ContainerError("no such file or directory", path=p, code="C112")
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(p):  # a GGUF file: its own header and type rules, then the H3 topology
+        from h3quant.pipelines.gguf_view import validate_gguf
+
+        n, gfindings = validate_gguf(p, deep=deep)
+        return _result(p, deep, gfindings, {"files": 1, "container": "gguf", "tensors": n,
+                                            "stages": ["gguf", "topology"]
+                                            + (["deep"] if deep else [])})
     with Checkpoint(p, mmap=mmap, strict=False) as ckpt:
         findings = list(ckpt.findings)
         io = [f for f in findings if f.code == "C112"]
