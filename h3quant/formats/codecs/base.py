@@ -122,12 +122,17 @@ class Codec:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
         return rows["weight"]
 
+    calibrates: bool = False  # encode() takes statistics (``calibration``) to choose its codes
+
     def encode(self, w: torch.Tensor, marker: dict | None, method: str,
-               pool=None) -> dict[str, torch.Tensor]:
+               pool=None, calibration=None) -> dict[str, torch.Tensor]:
         """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside).
 
         ``pool``: an executor a whole-layer codec (``chunked = False``) may spread its row
-        chunks over; row-chunked codecs are called per chunk and ignore it."""
+        chunks over; row-chunked codecs are called per chunk and ignore it. ``calibration``:
+        the layer's input statistics (``h3quant.calibration.LayerStats``) for a codec with
+        ``calibrates``: the same scales, codes chosen by error feedback; None: round to
+        nearest (the uncalibrated bytes, exactly)."""
         import torch
 
         return {"weight": w.to(torch.bfloat16)}

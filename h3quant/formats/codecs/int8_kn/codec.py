@@ -55,8 +55,8 @@ class Int8TensorwiseKn(Int8Tensorwise):
         # the weight is read through column_sources: layer rows are columns of [K, N]
         return ["weight_scale"], []
 
-    def encode(self, w, marker, method, pool=None):
-        out = super().encode(w, marker, method, pool)
+    def encode(self, w, marker, method, pool=None, calibration=None):
+        out = super().encode(w, marker, method, pool, calibration)
         out["weight_scale"] = out["weight_scale"].reshape(-1)
         return out
 

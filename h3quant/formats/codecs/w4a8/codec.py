@@ -81,7 +81,15 @@ class AsymW4A8Int8(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
-    def encode(self, w, marker, method, pool=None):
+    calibrates = True
+
+    def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is not None:
+            from h3quant.formats.codecs.w4a8.calibrated import encode_w4a8_calibrated
+
+            return encode_w4a8_calibrated(w, calibration, group_size=marker["group_size"],
+                                          convrot_groupsize=marker["convrot_groupsize"],
+                                          codebook="auto", pool=pool)
         from h3quant.formats.codecs.w4a8.tensors import encode_w4a8
 
         return encode_w4a8(w, group_size=marker["group_size"],
