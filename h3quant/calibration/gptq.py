@@ -94,10 +94,14 @@ def predicted_gain_db(h: torch.Tensor, damp: float = DAMP) -> float:
     ``sum_j V_jj^2`` for ``H = V V^T`` with ``V`` upper triangular). The gain is
     ``10 log10(tr H / sum_j 1 / U_jj^2)``. Optimistic where feedback pushes weights into a
     level set's clamp, and blind to activation quantization."""
-    hd = damped(h, damp)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
-    tr = float(torch.as_tensor(h, dtype=torch.float64).diagonal().clamp(min=0).sum())
-    after = float((1.0 / u.diagonal() ** 2).sum())
+    tr = float(torch.as_tensor(h).to(torch.float64).diagonal().clamp(min=0).sum())
+    return gain_from_factor(tr, inverse_factor(h, damp))
+
+
+def gain_from_factor(trace: float, u: torch.Tensor) -> float:
+    """``predicted_gain_db`` from ``tr H`` and the factor ``inverse_factor`` gave."""
+    tr = trace
+    after = float((1.0 / u.diagonal().to(torch.float64) ** 2).sum())
     if tr <= 0 or after <= 0:
         return 0.0
     return 10.0 * math.log10(tr / after)
@@ -116,5 +120,5 @@ def output_sqnr_db(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> flo
     return 10.0 * math.log10(max(sig, 1e-300) / noise)
 
 
-__all__ = ["BLOCK", "DAMP", "damped", "feedback", "inverse_factor", "output_sqnr_db",
+__all__ = ["BLOCK", "DAMP", "damped", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]

@@ -165,7 +165,7 @@ def _row_bytes(lp: LayerPlan, suffix: str) -> int:
 
 
 def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                   workers: int = 1, pool=None) -> Samples:
+                   workers: int = 1, pool=None, calibration=None) -> Samples:
     """Row-chunked codecs: each chunk's outputs are written at their rows' offsets."""
     n, k = lp.n, lp.k
     codec, marker = opts.codec, lp.out_fields
@@ -177,7 +177,8 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        out = codec.encode(w, marker, opts.rotation)
+        out = codec.encode(w, marker, opts.rotation, calibration=calibration) \
+            if calibration is not None else codec.encode(w, marker, opts.rotation)
         with lock:
             samples.take(r0, r1, w, **out)
         src.release(r0, r1)
@@ -205,7 +206,7 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
 
 
 def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                 workers: int = 1, pool=None) -> Samples:
+                 workers: int = 1, pool=None, calibration=None) -> Samples:
     """Codecs that need the whole layer at once (W4A8 fits its codebook per layer)."""
     n, k = lp.n, lp.k
     if lp.src_fields is None:
@@ -214,7 +215,10 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         w = torch.empty(n, k, dtype=torch.float32)
         for r0, r1, rows in _chunked(n, k, lambda a, b: (a, b, src.rows(a, b)), workers, pool):
             w[r0:r1] = rows
-    out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
+    if calibration is not None:
+        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
+    else:
+        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
     _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
     _check_planned(lp, out, n, opts.codec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
@@ -231,10 +235,11 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
 
 
 def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                 workers: int = 1, pool=None) -> Samples:
-    """Encode one planned layer with the target's codec."""
+                 workers: int = 1, pool=None, calibration=None) -> Samples:
+    """Encode one planned layer with the target's codec (``calibration``: the layer's
+    statistics, for a codec that calibrates; None rounds to nearest)."""
     run = encode_chunked if opts.codec.chunked else encode_whole
-    return run(lp, src, opts, sink, progress, workers, pool)
+    return run(lp, src, opts, sink, progress, workers, pool, calibration)
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:

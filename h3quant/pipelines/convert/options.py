@@ -50,6 +50,8 @@ class ConvertOptions:
     lora_warn: float = 0.5  # warn when a layer keeps less than this share of its LoRA delta
     lora_promote: str | None = None  # a --to target for every layer a LoRA touches
     layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
+    calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
+    calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -74,6 +76,8 @@ class ConvertOptions:
             raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
                                f"got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
+        if self.calibration_heldout and not self.calibration:
+            raise ConvertError("--calibration-heldout needs --calibration")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")
@@ -162,6 +166,8 @@ class ConvertOptions:
             body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
         if self.layers:
             body["layers"] = [r.text for r in self.layers]
+        if self.calibration:  # calibrated codes: the statistics file's name
+            body["calibration"] = os.path.basename(self.calibration)
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:

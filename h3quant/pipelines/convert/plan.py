@@ -75,6 +75,7 @@ class ConvertPlan:
     naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
     lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
     rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
+    calibration: object = None  # convert.calibrated.Calibration when --calibration is given
 
     @property
     def output_bytes(self) -> int:
