@@ -92,14 +92,14 @@ def predicted_gain_db(h: torch.Tensor, damp: float = DAMP) -> float:
     compensated by the columns after it, costs ``sigma^2 sum_j 1 / U_jj^2`` (``U`` the factor of
     the damped inverse, ``1 / U_jj^2`` the Schur complement of the columns ``j..``; equivalently
     ``sum_j V_jj^2`` for ``H = V V^T`` with ``V`` upper triangular). The gain is
-    ``10 log10(tr H / sum_j 1 / U_jj^2)``. Optimistic where feedback pushes weights into a
+    ``10 log10(tr H / sum_j 1 / U_jj^2)``, both of the damped ``H`` (so white inputs predict
+    exactly 0 dB). Optimistic where feedback pushes weights into a
     level set's clamp, and blind to activation quantization."""
-    tr = float(torch.as_tensor(h).to(torch.float64).diagonal().clamp(min=0).sum())
-    return gain_from_factor(tr, inverse_factor(h, damp))
+    return gain_from_factor(float(damped(h, damp).diagonal().sum()), inverse_factor(h, damp))
 
 
 def gain_from_factor(trace: float, u: torch.Tensor) -> float:
-    """``predicted_gain_db`` from ``tr H`` and the factor ``inverse_factor`` gave."""
+    """``predicted_gain_db`` from the damped ``tr H`` and the factor ``inverse_factor`` gave."""
     tr = trace
     after = float((1.0 / u.diagonal().to(torch.float64) ** 2).sum())
     if tr <= 0 or after <= 0:

@@ -103,11 +103,11 @@ class LayerStats:
         return feedback(x, self.factor(convrot, group_size), quantize)
 
     def predicted_gain_db(self, convrot: bool, group_size: int = 256) -> float:
-        from h3quant.calibration.gptq import gain_from_factor
+        from h3quant.calibration.gptq import damped, gain_from_factor
 
         u = self.factor(convrot, group_size)  # the factor error feedback uses (cached)
-        trace = float(self.hessian().to(torch.float64).diagonal().clamp(min=0).sum())
-        return gain_from_factor(trace, u)  # a rotation keeps the trace
+        trace = float(damped(self.hessian()).diagonal().sum())  # a rotation keeps the trace
+        return gain_from_factor(trace, u)
 
     def release(self) -> None:
         """Drop the Hessian and its factors (the layer is done)."""

@@ -80,8 +80,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             for line in loras.skipped:
                 log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
-        with Outputs(inputs=input_paths(source, src) + [Path(p) for p in (options.calibration, options.calibration_heldout) if p],
-                     overwrite=options.overwrite,
+        stats = [Path(p) for p in (options.calibration, options.calibration_heldout) if p]
+        with Outputs(inputs=input_paths(source, src) + stats, overwrite=options.overwrite,
                      log=log) as outs:
             out = outs.add(dst, directory=plan.directory)
             report_out = outs.add(report_path, what="report") if report_path else None
