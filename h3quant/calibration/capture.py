@@ -27,8 +27,7 @@ from h3quant.formats.codecs import registry
 import os
 
 from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
-from h3quant.runtime.loader import load_prefix
-from h3quant.runtime.model.block import build_block, swiglu
+from h3quant.runtime.model.block import swiglu
 
 
 class BlockWriter:
@@ -139,8 +138,8 @@ def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
     with torch.no_grad():
         for i in model.blocks:
             dtype = states[0].x.dtype
-            loaded = load_prefix(model.ckpt, model.scan, f"{model.prefix}blocks.{i}", i)
-            block = build_block(loaded, model._make_linear(dtype), device=dev)
+            block = model.load_block(i, dtype)  # float math of its weights (reference), or
+            # the device's runtime path (a model opened with linear="runtime")
             rec = {}
             for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
                 key = f"blocks.{i}.{lin}"
@@ -150,7 +149,7 @@ def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
                 st.x = block(st.x, st.cond)
                 if on_call is not None:
                     on_call()
-            del block, loaded
+            del block
             model.release_block(i)
             for key, r in rec.items():
                 writer.write_tensor(f"{key}.hessian", r.h.cpu())

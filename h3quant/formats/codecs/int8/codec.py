@@ -87,7 +87,7 @@ class Int8Tensorwise(Codec):
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:
-            from h3quant.formats.codecs.int8.calibrated import encode_int8_calibrated
+            from h3quant.formats.codecs.int8.tensors import encode_int8_calibrated
 
             q, s = encode_int8_calibrated(w, calibration, convrot=bool(marker.get("convrot")),
                                           group_size=marker.get("convrot_groupsize", 256),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.convrot import rotate
-from h3quant.formats.codecs.w4a8.tensors import _pack, _s_rel_float, encode_w4a8, unpack_nibbles
+from h3quant.formats.codecs.w4a8.tensors import encode_w4a8, pack_nibbles, unpack_nibbles
 
 
 def encode_w4a8_calibrated(weight: torch.Tensor, calibration, *, group_size: int = 16,
@@ -27,7 +27,7 @@ def encode_w4a8_calibrated(weight: torch.Tensor, calibration, *, group_size: int
     rot = rotate(weight.float(), convrot_groupsize)
     s_ch = out["weight_s_channel"].float()
     table = out["weight_codebook"].float()
-    s_rel = _s_rel_float(out["weight_s_rel"])  # [n, K / G]
+    s_rel = out["weight_s_rel"].float()  # [n, K / G], e4m3 as the encoder wrote it
     # decoded int8 levels of every group: the decoder's fp32 product, rounding and clamp
     levels = (table.view(1, 1, 16) * s_rel.unsqueeze(-1)).round_().clamp_(-127, 127)
     rtn = unpack_nibbles(out["weight"]).to(torch.int64)  # [n, K]
@@ -42,7 +42,7 @@ def encode_w4a8_calibrated(weight: torch.Tensor, calibration, *, group_size: int
         return code, lv.gather(1, code.unsqueeze(1)).squeeze(1) * s_ch
 
     codes = calibration.feedback(rot, quantize, convrot=True, group_size=convrot_groupsize)
-    out["weight"] = _pack(codes).reshape(n, k // 2)
+    out["weight"] = pack_nibbles(codes).reshape(n, k // 2)
     return out
 
 
