@@ -57,31 +57,31 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
     """Codes of ``x`` [n, K] (fp32, the codec's basis) chosen with error feedback.
 
     ``quantize(v, j)``: the codec's nearest level of column ``j``'s values ``v`` [n] -> (codes
-    [n], dequantized values [n]). Returns the codes [n, K] (the dtype ``quantize`` gives)."""
+    [n], dequantized values [n]). Returns the codes [n, K] (the dtype ``quantize`` gives).
+    Works on the transpose (a column is a contiguous row): the in-block updates are contiguous
+    rank-1 updates, the between-block one a single GEMM."""
     n, k = x.shape
     if u.shape != (k, k):
         raise ValueError(f"factor is {list(u.shape)}, the weight has K={k}")
-    w = x.to(torch.float32, copy=True)
-    u = u.to(w.device)
+    wt = x.t().to(torch.float32).contiguous()  # [K, n]: row j = column j of the weight
+    u = u.to(device=wt.device, dtype=torch.float32)
     codes = None
+    err = torch.empty(min(block, k), n, dtype=torch.float32, device=wt.device)
     for i1 in range(0, k, block):
         i2 = min(k, i1 + block)
-        w1 = w[:, i1:i2]  # a view: updated in place
-        err = torch.empty(n, i2 - i1, dtype=torch.float32, device=w.device)
         u1 = u[i1:i2, i1:i2]
         for jj in range(i2 - i1):
-            v = w1[:, jj]
+            v = wt[i1 + jj]
             c, q = quantize(v, i1 + jj)
             if codes is None:
-                codes = torch.empty(n, k, dtype=c.dtype, device=w.device)
-            codes[:, i1 + jj] = c
-            e = (v - q).div_(u1[jj, jj])
-            err[:, jj] = e
+                codes = torch.empty(k, n, dtype=c.dtype, device=wt.device)
+            codes[i1 + jj] = c
+            e = torch.sub(v, q, out=err[jj]).div_(u1[jj, jj])
             if jj + 1 < i2 - i1:
-                w1[:, jj + 1:].sub_(torch.outer(e, u1[jj, jj + 1:]))
+                wt[i1 + jj + 1:i2].sub_(torch.outer(u1[jj, jj + 1:], e))
         if i2 < k:
-            w[:, i2:].sub_(err @ u[i1:i2, i2:])
-    return codes
+            wt[i2:].sub_(u[i1:i2, i2:].t() @ err[:i2 - i1])
+    return codes.t().contiguous()
 
 
 def predicted_gain_db(h: torch.Tensor, damp: float = DAMP) -> float:
