@@ -89,7 +89,7 @@ def main() -> None:
         t_cap = best(record, args.repeat, sync)
         t_cap_floor = best(lambda: torch.mm(x.t(), x), args.repeat, sync)
         hh = (x.t() @ x).double()
-        del x
+        x = None  # free it before the factor
         t_fac = best(lambda: inverse_factor(hh), 1, sync)
         u = inverse_factor(hh)
         w = torch.randn(n, k, device=dev, generator=g)
@@ -122,7 +122,7 @@ def main() -> None:
         for key, v in (("capture", t_cap), ("capture_floor", t_cap_floor), ("factor", t_fac),
                        ("feedback", t_fb), ("feedback_floor", t_fb_floor), ("bytes", stats_bytes)):
             tot[key] += v
-        del h, hh, u, w
+        h = hh = u = w = cal = None  # one linear's tensors at a time
     print(f"per block ({len(args.linears)} linears): capture {tot['capture']:.3f} s per "
           f"{args.rows} rows (floor {tot['capture_floor']:.3f}, "
           f"x{tot['capture'] / tot['capture_floor']:.2f}); GPTQ {tot['factor'] + tot['feedback']:.1f} s "
