@@ -343,3 +343,23 @@ def test_capture_cli_warns_and_prints_gains(world, tmp_path):
 def test_capture_help_has_examples():
     r = CliRunner().invoke(main, ["capture", "--help"])
     assert r.exit_code == 0 and "Examples:" in r.output and "--through" in r.output
+
+
+def test_capture_through_a_quantized_file(world):
+    """--through: the forward runs on the quantized blocks; the statistics stay the source's."""
+    from h3quant.calibration.fingerprint import checkpoint_fingerprint
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    d = world["d"]
+    q = d / "through_q.safetensors"
+    convert(world["src"], q, ConvertOptions(target="w4a8", report=False, overwrite=True))
+    out = d / "through.stats"
+    capture_statistics(world["src"], world["inputs"], out, through=q, predict=False)
+    with Statistics(out) as s, Statistics(world["stats"]) as f:
+        assert s.meta["checkpoint"] == checkpoint_fingerprint(world["src"])
+        assert s.meta["forward"] == checkpoint_fingerprint(q)
+        a, b = s.layers["blocks.0.attn.qkv_proj"], f.layers["blocks.0.attn.qkv_proj"]
+        torch.testing.assert_close(a.hessian(), b.hessian())  # block 0 sees the same inputs
+        a, b = s.layers["blocks.1.mlp.fc2"], f.layers["blocks.1.mlp.fc2"]
+        assert not torch.allclose(a.hessian(), b.hessian())  # later blocks see quantized ones
