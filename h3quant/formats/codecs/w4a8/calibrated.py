@@ -36,7 +36,8 @@ def encode_w4a8_calibrated(weight: torch.Tensor, calibration, *, group_size: int
         t = v / s_ch
         lv = levels[:, j // group_size, :]  # [n, 16]
         dist = (t.unsqueeze(1) - lv).abs_()
-        best, idx = dist.min(1)
+        idx = dist.argmin(1)  # (min(dim) was measured 1000x slower on two busy threads)
+        best = dist.gather(1, idx.unsqueeze(1)).squeeze(1)
         keep = dist.gather(1, rtn[:, j:j + 1]).squeeze(1) <= best
         code = torch.where(keep, rtn[:, j], idx)
         return code, lv.gather(1, code.unsqueeze(1)).squeeze(1) * s_ch
