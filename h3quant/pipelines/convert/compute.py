@@ -26,6 +26,7 @@ from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
 CHUNK_ELEMS = 1 << 20  # weight elements per row chunk (4 MB as fp32)
+CALIBRATED_ROWS = 2048  # rows per chunk at least, with error feedback
 
 
 def rows_per_chunk(k: int) -> int:
@@ -105,9 +106,10 @@ class SourceRows:
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
-def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None):
+def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None,
+             step: int | None = None):
     """Yield ``task(r0, r1)`` results in row order; up to ``workers + 1`` chunks in flight."""
-    step = rows_per_chunk(k)
+    step = step or rows_per_chunk(k)
     spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
     if pool is None or workers <= 1:
         for r0, r1 in spans:
@@ -171,7 +173,10 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     codec, marker = opts.codec, lp.out_fields
     samples = Samples.for_layer(n, opts.report)
     lock = threading.Lock()
-    step = rows_per_chunk(k)
+    # error feedback walks every column once per chunk: calibrated chunks are larger (the rows
+    # of a chunk share each column step and its GEMMs); the spans depend on the shape alone
+    # (not on --workers), so the same input gives the same bytes
+    step = rows_per_chunk(k) if calibration is None else max(rows_per_chunk(k), CALIBRATED_ROWS)
 
     def task(r0, r1):
         if r1 < n:
@@ -188,7 +193,7 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
                    for sfx in codec.transposed_outputs}
-    for r0, r1, out in _chunked(n, k, task, workers, pool):
+    for r0, r1, out in _chunked(n, k, task, workers, pool, step):
         _check_planned(lp, out, r1 - r0, codec.unrowed_outputs, codec.transposed_outputs)
         if codec.quantized:
             _check_finite(lp, out, r0)
