@@ -29,8 +29,8 @@ import torch
 
 from h3quant.calibration.gptq import BLOCK, inverse_factor
 from h3quant.calibration.stats import LayerStats
-from h3quant.formats.codecs import registry
-from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
+from h3quant.formats import registry
+from h3quant.h3.topology import BLOCK_LINEARS, config_for
 
 
 def best(fn, repeat, sync):

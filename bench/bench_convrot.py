@@ -21,7 +21,7 @@ import torch
 
 from h3quant.convrot import rotate, rotate_dense, rotate_exact
 from h3quant.convrot.rotation import halves_match_dense
-from h3quant.formats.codecs.int8.tensors import encode_int8
+from h3quant.formats.int8.tensors import encode_int8
 
 
 def _status_mb(key: str) -> float:

@@ -24,7 +24,7 @@ import torch
 
 def _rank(ctx, path: str, tokens: int, mode: str):
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.layers import scan_checkpoint
+    from h3quant.formats.layers import scan_checkpoint
     from h3quant.pipelines.verify.tp import block_inputs
     from h3quant.runtime.devices import parse_device
     from h3quant.runtime.loader import find_prefix

@@ -48,7 +48,7 @@ def _worker(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from h3quant.formats.codecs.w4a8.tensors import (
+    from h3quant.formats.w4a8.tensors import (
         FROZEN_CODEBOOK,
         decode_w4a8,
         encode_w4a8,

@@ -34,10 +34,10 @@ import torch
 
 from h3quant.calibration.gptq import output_sqnr_db
 from h3quant.calibration.recorder import write_inputs
-from h3quant.calibration.stats import LayerStats, Statistics
-from h3quant.formats.codecs import registry
+from h3quant.calibration.stats import LayerStats, Statistics, layer_key
+from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.layers import scan_checkpoint
 from h3quant.pipelines.capture import capture_statistics
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.verify.model import ModelInputs, verify_model
@@ -63,18 +63,13 @@ def decoded(path) -> dict[str, torch.Tensor]:
     with Checkpoint(path) as c:
         scan = scan_checkpoint(c)
         for name, lay in scan.layers.items():
-            if ".blocks." in "." + name and "token_refiner" not in name and lay.weight is not None:
+            if layer_key(name) is not None and lay.weight is not None:
                 codec = registry.codec_for(lay.fields)
                 rows, whole = codec.source_tensors(lay.fields, lay.tensors)
                 t = {s: c.read(lay.tensors[s].name) for s in rows}
                 w = {s: c.read(lay.tensors[s].name) for s in whole}
                 out[name] = codec.decode_rows(t, w, lay.fields).float()
     return out
-
-
-def layer_sqnr(src_w, file_w, stats: Statistics) -> dict[str, float]:
-    return {k: output_sqnr_db(src_w[k], file_w[k], stats.layer(k).hessian()) for k in src_w
-            if stats.layer(k) is not None}
 
 
 def whole_model(path, src, inputs) -> dict[str, float]:
@@ -95,6 +90,8 @@ def main() -> None:
     ap.add_argument("--through", nargs="*", default=["int8-convrot", "w4a8"],
                     help="formats also calibrated on statistics captured through their "
                          "uncalibrated file")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse A.stats and B.stats of an earlier run in --dir")
     args = ap.parse_args()
     d = args.dir
     d.mkdir(parents=True, exist_ok=True)
@@ -104,12 +101,15 @@ def main() -> None:
     with H3Model.open(src) as m:
         a = make_inputs(d, m, "A", range(8), [0.15 + 0.1 * i for i in range(8)], 64, (16, 16), 32)
         b = make_inputs(d, m, "B", range(100, 103), [0.33, 0.58, 0.81], 40, (12, 20), 24)
-    t0 = time.perf_counter()
-    cap_a = capture_statistics(src, a, d / "A.stats", overwrite=True)
-    t_cap = time.perf_counter() - t0
-    capture_statistics(src, b, d / "B.stats", overwrite=True, predict=False)
-    print(f"capture A: {cap_a.rows} rows per layer, {len(a)} calls, {t_cap:.1f} s "
-          f"({t_cap / args.blocks:.2f} s per block incl. predicted gains)\n")
+    if args.reuse and (d / "A.stats").exists() and (d / "B.stats").exists():
+        print("statistics A and B reused from an earlier run of this script\n")
+    else:
+        t0 = time.perf_counter()
+        cap_a = capture_statistics(src, a, d / "A.stats", overwrite=True, predict=False)
+        t_cap = time.perf_counter() - t0
+        capture_statistics(src, b, d / "B.stats", overwrite=True, predict=False)
+        print(f"capture A: {cap_a.rows} rows per layer, {len(a)} calls, {t_cap:.1f} s "
+              f"({t_cap / args.blocks:.2f} s per block)\n")
     src_w = decoded(src)
     sa, sb = Statistics(d / "A.stats"), Statistics(d / "B.stats")
     summary = []

@@ -84,7 +84,7 @@ def layer_checks(files, device: str) -> None:
     import torch
 
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.layers import scan_checkpoint
+    from h3quant.formats.layers import scan_checkpoint
     from h3quant.runtime.loader import load_layer
     from h3quant.runtime.model.block import quantized_linear
 

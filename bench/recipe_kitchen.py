@@ -100,7 +100,7 @@ def main() -> int:
           f"{time.perf_counter() - t0:.1f} s, {out.stat().st_size / 1e6:.2f} MB")
 
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.formats.rules.markers import parse_marker_bytes
+    from h3quant.formats.markers import parse_marker_bytes
 
     bad = 0
     with Checkpoint(src) as a, Checkpoint(out) as b:

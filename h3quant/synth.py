@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.rules.topology import (
+from h3quant.h3.topology import (
     BANK_TENSORS,
     BLOCK_LINEARS,
     H3Config,

@@ -9,7 +9,9 @@
   diffusers names, split ``to_q`` / ``to_k`` / ``to_v``, ``ff.net.0.proj`` as ``[value; gate]``
   (``rope.inv_freq`` is kept, as a persistent buffer);
 - with ``fp8``, every 2-D BF16 linear of the DiT and refiner blocks as ``float8_e4m3fn`` codes
-  with one F32 ``scale_weight`` ``[1]`` per tensor (amax / 448), ComfyUI's scaled-fp8 form.
+  with one F32 ``scale_weight`` ``[1]`` per tensor (amax / 448), and the empty ``F8_E4M3``
+  ``scaled_fp8`` marker tensor that tells ComfyUI's loader (``comfy/utils.py``
+  ``convert_old_quants``) to multiply the scales in: ComfyUI's scaled-fp8 form, as released.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch
 from h3quant.errors import UnsupportedError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import to_torch
+from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
 from h3quant.formats.container.writer import Entry, StreamingWriter, entry_for, plan_layout
+from h3quant.h3 import layouts
 
-LAYOUTS = ("comfy", "official", "diffusers")
+LAYOUTS = layouts.names()
 SHARDS = 2
 E4M3_MAX = 448.0
 _TO_DIFFUSERS = (  # ComfyUI prefix -> diffusers prefix (first match), then infixes
@@ -53,20 +57,39 @@ def _diffusers_name(name: str) -> str:
     return name
 
 
-def _tensors_of(name: str, x: torch.Tensor, layout: str, head_dim: int):
-    """(name, tensor) pairs of one ComfyUI tensor in ``layout``."""
-    if layout == "official" and name.endswith(".attn.qkv_proj.weight"):
+def _comfy(name: str, x: torch.Tensor, head_dim: int):
+    yield name, x
+
+
+def _official(name: str, x: torch.Tensor, head_dim: int):
+    if name.endswith(".attn.qkv_proj.weight"):
         heads = x.shape[0] // (3 * head_dim)
         yield name, x.reshape(3, heads, head_dim, -1).transpose(0, 1).reshape(x.shape)
-    elif layout == "diffusers" and name.endswith(".attn.qkv_proj.weight"):
+    else:
+        yield name, x
+
+
+def _diffusers(name: str, x: torch.Tensor, head_dim: int):
+    if name.endswith(".attn.qkv_proj.weight"):
         stem = _diffusers_name(name[: -len(".attn.qkv_proj.weight")])
         for part, rows in zip("qkv", x.chunk(3, dim=0)):
             yield f"{stem}.attn.to_{part}.weight", rows
-    elif layout == "diffusers" and name.endswith(".mlp.fc1.weight"):
+    elif name.endswith(".mlp.fc1.weight"):
         gate, value = x.chunk(2, dim=0)
         yield _diffusers_name(name), torch.cat([value, gate])
     else:
-        yield (_diffusers_name(name) if layout == "diffusers" else name), x
+        yield _diffusers_name(name), x
+
+
+# One writer per source layout of the registry (the inverse of its mapping onto ComfyUI's names).
+_WRITERS = {"comfy": _comfy, "official": _official, "diffusers": _diffusers}
+if set(_WRITERS) != set(LAYOUTS):
+    raise ImportError("every source layout needs a synth writer")
+
+
+def _tensors_of(name: str, x: torch.Tensor, layout: str, head_dim: int):
+    """(name, tensor) pairs of one ComfyUI tensor in ``layout``."""
+    yield from _WRITERS[layout](name, x, head_dim)
 
 
 def _fp8(name: str, x: torch.Tensor):
@@ -79,7 +102,15 @@ def _fp8(name: str, x: torch.Tensor):
     yield name[: -len(".weight")] + ".scale_weight", scale
 
 
+def _marker() -> torch.Tensor:
+    """ComfyUI's scaled-fp8 marker as its own writer stores it: an empty fp8 tensor."""
+    return torch.empty(0, dtype=torch.float8_e4m3fn)
+
+
 def _converted(ckpt: Checkpoint, name: str, layout: str, fp8: bool, head_dim: int):
+    if name == SCALED_FP8_MARKER:
+        yield name, _marker()
+        return
     for n, x in _tensors_of(name, ckpt.read(name), layout, head_dim):
         yield from (_fp8(n, x.contiguous()) if fp8 else [(n, x.contiguous())])
 
@@ -98,23 +129,25 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
             plan[name] = [Entry(n, e.dtype, e.shape) for n, e in
                           ((n, entry_for(n, t)) for n, t in _meta_pairs(name, meta, layout,
                                                                         fp8, head_dim))]
-        meta = dict(ckpt.metadata)
-        if layout == "comfy":
-            layout_ = plan_layout([e for es in plan.values() for e in es], meta)
+        if fp8:
+            plan[SCALED_FP8_MARKER] = [entry_for(SCALED_FP8_MARKER, _marker())]
+        metadata = dict(ckpt.metadata)
+        if layouts.get(layout).shard_stem is None:  # a single file
+            layout_ = plan_layout([e for es in plan.values() for e in es], metadata)
             return _write(ckpt, out, layout_, list(plan), plan, layout, fp8, head_dim)
         out.mkdir(exist_ok=True)
-        stem = "model" if layout == "official" else "diffusion_pytorch_model"
+        stem = layouts.get(layout).shard_stem
         names = list(plan)
         parts = [names[i::SHARDS] for i in range(SHARDS)]
         weight_map, total = {}, 0
         for i, part in enumerate(parts, 1):
             fname = f"{stem}-{i:05d}-of-{SHARDS:05d}.safetensors"
-            lay = plan_layout([e for n in part for e in plan[n]], meta)
+            lay = plan_layout([e for n in part for e in plan[n]], metadata)
             total += _write(ckpt, out / fname, lay, part, plan, layout, fp8, head_dim)
             weight_map.update({e.name: fname for n in part for e in plan[n]})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        cls = "MiniMaxH3Transformer3DModel" if layout == "diffusers" else "MiniMaxH3"
+        cls = layouts.get(layout).config_class
         (out / "config.json").write_text(json.dumps({"_class_name": cls}) + "\n")
         return total
 

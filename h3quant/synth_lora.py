@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.formats.rules.topology import H3Config
+from h3quant.h3.lora import STYLES
+from h3quant.h3.topology import H3Config
 
-LORA_STYLES = ("comfyui", "kohya", "diffusers")
+LORA_STYLES = STYLES
 
 
 def lora_tensors(cfg: H3Config, style: str, rank: int = 4, scale: float = 0.01,

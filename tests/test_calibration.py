@@ -13,7 +13,7 @@ from h3quant.calibration.gptq import feedback, inverse_factor, output_sqnr_db, p
 from h3quant.calibration.recorder import write_inputs
 from h3quant.calibration.stats import LayerStats, Statistics, layer_key
 from h3quant.cli import main
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint
 
@@ -238,7 +238,7 @@ def test_identity_statistics_convert_bytes(world, target):
 
 def test_calibrated_convert_report_and_kitchen(world):
     """Real statistics change the codes; comfy-kitchen dequantizes them as the marker says."""
-    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8
+    from h3quant.formats.w4a8.tensors import decode_w4a8
     from h3quant.pipelines.convert import ConvertOptions, convert
 
     pytest.importorskip("comfy_kitchen.tensor")
@@ -286,7 +286,7 @@ def test_int8_calibrated_file_reads_in_kitchen(world):
                            ref._params.scale.reshape(-1))  # kitchen's scales, kept
         assert not torch.equal(q, r.read(name + ".weight"))  # the codes moved
         assert int(q.min()) >= -127
-        from h3quant.formats.codecs.int8.tensors import decode_int8
+        from h3quant.formats.int8.tensors import decode_int8
 
         mine = decode_int8(q, b.read(name + ".weight_scale"), convrot=True, group_size=256)
         theirs = ck_tensor.QuantizedTensor(q, "TensorWiseINT8Layout", ref._params).dequantize()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from h3quant.calibration.awq import decode_awq_w4a16, encode_awq_w4a16
+from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16, encode_awq_w4a16
 from h3quant.calibration.gptq import output_sqnr_db
 from h3quant.calibration.stats import LayerStats
 

@@ -8,8 +8,8 @@ import torch
 
 from h3quant.convrot import GroupSizeError, rotate, rotate_dense
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.int8.tensors import decode_int8, encode_int8, quantize_activation
-from h3quant.formats.codecs.int8.codec import int8_marker
+from h3quant.formats.int8.tensors import decode_int8, encode_int8, quantize_activation
+from h3quant.formats.int8.codec import int8_marker
 
 H4 = np.array([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=np.float64)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
-from h3quant.formats.rules.markers import marker_bytes
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats.markers import marker_bytes
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.synth import synth_checkpoint
 
@@ -22,6 +22,7 @@ def files(tmp_path_factory):
     return src, out
 
 
+@pytest.mark.slow
 def test_every_block_linear_equals_kitchen(files):
     src, out = files
     with Checkpoint(src) as a, Checkpoint(out) as b:
@@ -54,13 +55,14 @@ def test_markers_and_header_agree_canonically(files):
             assert bytes(b.read_bytes(name + ".comfy_quant")) == canonical
 
 
+@pytest.mark.slow
 def test_kitchen_written_w4a8_file_reads_validates_and_verifies(tmp_path):
     """A W4A8 file whose layers comfy-kitchen encoded (state_dict as ComfyUI saves it)."""
     from click.testing import CliRunner
 
     from h3quant.cli import main
-    from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, marker_tensor
-    from h3quant.formats.rules.topology import block_linear_names, config_for
+    from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
+    from h3quant.h3.topology import block_linear_names, config_for
     from h3quant.formats.container.writer import save_tensors
 
     src = tmp_path / "bf16.safetensors"

@@ -5,8 +5,8 @@ import json
 import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.layers import scan_checkpoint
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 from h3quant.formats.container.writer import save_tensors
 
 INT8 = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}

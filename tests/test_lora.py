@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.rules import lora as lk
-from h3quant.formats.rules.topology import config_for, expected_tensors
+from h3quant.h3 import lora as lk
+from h3quant.h3.topology import config_for, expected_tensors
 from h3quant.pipelines.convert import lora as lm
 
 CFG = config_for("tiny", blocks=2)

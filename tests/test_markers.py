@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from forge import INT8_CONVROT, codes, expect_error, float_layer, int8_layer, save, validate
-from h3quant.formats.rules.markers import HEADER_KEY
+from helpers.forge import INT8_CONVROT, codes, expect_error, float_layer, int8_layer, save, validate
+from h3quant.formats.markers import HEADER_KEY
 
 
 def _marker(raw: bytes, dtype=torch.uint8) -> torch.Tensor:

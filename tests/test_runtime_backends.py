@@ -15,11 +15,11 @@ from h3quant.errors import DeviceError, FormatError, UnsupportedError
 from h3quant.runtime.backends import list_backends, reference_linear, w8a8_emulation
 from h3quant.runtime.backends.base import LinearOptions
 from h3quant.runtime.capabilities import CUDA_INT_MM_GATE, StaticProbe
-from h3quant.formats.codecs.int8.tensors import quantize_activation as _quantize_activation
+from h3quant.formats.int8.tensors import quantize_activation as _quantize_activation
 from h3quant.runtime.int8_math import quantize_activation as runtime_quantize_activation
 from h3quant.runtime.int8_math import scale_accumulator
 from h3quant.runtime.linear import QuantizedLinear
-from runtime_util import quantize_weight, rel
+from helpers.runtime import quantize_weight, rel
 
 TOL = {"torch-int8": 0.02, "dequant": 0.01, "reference": 0.005}
 

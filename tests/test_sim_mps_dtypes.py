@@ -34,7 +34,7 @@ def test_float64_on_the_cpu_is_untouched_by_the_mps_simulation():
 
 def test_the_quantized_linear_runs_on_simulated_mps_without_float64():
     """The MPS runtime path (weight dequantized on the device, float matmul) uses no float64."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
+    from h3quant.formats.int8.tensors import encode_int8
     from h3quant.runtime.linear import QuantizedLinear
 
     torch.manual_seed(0)

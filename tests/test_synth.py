@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from h3quant.cli.synth_cmd import command
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.topology import config_for, expected_tensors
+from h3quant.h3.topology import config_for, expected_tensors
 from h3quant.formats.container.writer import Entry
 from h3quant.synth import METADATA_KEY, synth_checkpoint, tensor_chunks
 

@@ -6,7 +6,7 @@ import pytest
 
 from h3quant.errors import UnsupportedError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.topology import (
+from h3quant.h3.topology import (
     PRESETS,
     block_linear_names,
     check,

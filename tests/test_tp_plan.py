@@ -5,10 +5,9 @@ from itertools import pairwise
 
 import pytest
 import torch
-from tp_util import tp_files
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.layers import scan_checkpoint
 from h3quant.runtime.devices import parse_device
 from h3quant.runtime.linear import QuantizedLinear
 from h3quant.runtime.loader import LoadedLayer, load_blocks
@@ -98,7 +97,7 @@ def test_int32_sum_at_the_edge_is_exact():
 
 
 def test_shared_quantizer_equals_the_codec_on_one_rank():
-    from h3quant.formats.codecs.int8.tensors import quantize_activation
+    from h3quant.formats.int8.tensors import quantize_activation
 
     x = torch.randn(33, 512) * torch.logspace(-3, 3, 33)[:, None]
     x[3] = 0
@@ -111,10 +110,11 @@ def test_shared_quantizer_equals_the_codec_on_one_rank():
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "w4a8", "kn"])
 @pytest.mark.parametrize("mmap", [True, False])
 def test_each_rank_reads_only_its_bytes_and_they_are_the_right_ones(files, fmt, mmap):

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-import h3quant.formats.rules.deep as deep
+import h3quant.formats.deep as deep
 import h3quant.pipelines.validate as vmod
-from forge import (
+from helpers.forge import (
     cli,
     codes,
     expect_error,

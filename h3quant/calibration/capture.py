@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from h3quant.calibration.stats import LINEARS
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 import os
 
 from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes

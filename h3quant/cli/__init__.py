@@ -116,7 +116,7 @@ def run(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         main.main(args, prog_name="h3quant")
-        code = 0
+        code: str | int | None = 0
     except SystemExit as exc:
         code = exc.code
     if code in (0, None) and args[:1] and args[0] in _FAST_EXIT:

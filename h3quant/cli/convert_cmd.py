@@ -1,4 +1,5 @@
-"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|bf16``: streaming, atomic conversion."""
+"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|fp8|fp8-e5m2|mxfp8|bf16``: streaming,
+atomic conversion."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from h3quant.cli.common import (
     mmap_option,
 )
 from h3quant.errors import ConvertError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
+from h3quant.h3 import layouts
 
 _TARGETS = tuple(registry.targets())
 
@@ -64,7 +66,7 @@ def _group_size(ctx, param, value):
                    "npu = int8_tensorwise_kn, pre-transposed [K, N] with an [N] scale, which "
                    "Ascend's npu_quant_matmul takes as is (ComfyUI does not load it). From an "
                    "int8 file the change of layout only moves the codes (no requantization).")
-@click.option("--naming", type=click.Choice(["auto", "comfy", "official", "diffusers"]),
+@click.option("--naming", type=click.Choice(["auto", *layouts.names()]),
               default="auto", show_default=True,
               help="Naming of IN: auto detects it (diffusers names; official = model-NNNNN-of-"
                    "MMMMM shards, whose names equal ComfyUI's but whose fused q/k/v rows are "
@@ -124,6 +126,11 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     Examples:
       h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
+      h3quant convert h3_bf16.safetensors h3_fp8.safetensors --to fp8     # ComfyUI's float8_e4m3fn
+      h3quant convert h3_fp8_scaled.safetensors h3_mxfp8.safetensors --to mxfp8
+      h3quant convert h3_bf16.safetensors h3_nvfp4.safetensors --to nvfp4
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot   # convrot_w4a4
+      h3quant convert h3_nvfp4.safetensors h3_int8.safetensors --to int8-convrot  # from nvfp4
       h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
@@ -133,6 +140,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
       h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
           --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to int8-convrot \\
+          --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
       h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
       h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \

@@ -81,8 +81,9 @@ def render(res) -> str:
 def _naming_line(n: dict) -> str:
     if n.get("error"):
         return f"unreadable: [{n['error']['code']}] {n['error']['message']}"
-    text = {"comfy": "ComfyUI single file", "official": "official native shards",
-            "diffusers": "diffusers shards"}[n["naming"]] + f" ({n['evidence']})"
+    from h3quant.h3 import layouts
+
+    text = layouts.get(n["naming"]).title + f" ({n['evidence']})"
     if n["fp8_scaled"]:
         text += f", {n['fp8_scaled']} scaled fp8 weight(s)"
     if n["naming"] != "comfy" or n["fp8_scaled"]:

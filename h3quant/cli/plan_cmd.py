@@ -106,7 +106,8 @@ Examples:
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "
-                   "int8-convrot:g=64); float is always the unquantized choice.")
+                   "int8-convrot:g=64 or int8-convrot,w4a8,nvfp4,int4-convrot); float is always "
+                   "the unquantized choice.")
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),

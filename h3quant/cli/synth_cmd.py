@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from h3quant.cli.common import MAX_BLOCKS, SEED, handle_errors, log
+from h3quant.h3 import layouts
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for outputs at least this big
 
@@ -31,12 +32,8 @@ def _size(n: int) -> str:
                    "time_embedder.proj_in/proj_out.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
-@click.option("--naming", type=click.Choice(["comfy", "official", "diffusers"]), default="comfy",
-              show_default=True,
-              help="Layout written: comfy = ComfyUI's single file; official = a directory of "
-                   "model-NNNNN-of-MMMMM shards + index, q/k/v rows per head; diffusers = a "
-                   "directory of diffusion_pytorch_model shards, diffusers names, split "
-                   "to_q/to_k/to_v, SwiGLU as [value; gate].")
+@click.option("--naming", type=click.Choice(layouts.names()), default="comfy",
+              show_default=True, help="Layout written: " + layouts.help_text())
 @click.option("--dtype", "wdtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True,
               help="fp8: the DiT and refiner block linears as float8_e4m3fn codes with a "
@@ -66,7 +63,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
       h3quant synth h3_fewstep.safetensors --head-bank 4                # a 4-head bank
     """
     from h3quant.formats.container.atomic import Outputs
-    from h3quant.formats.rules.topology import BLOCK_LINEARS, config_for
+    from h3quant.h3.topology import BLOCK_LINEARS, config_for
     from h3quant.synth import synth_checkpoint
 
     cfg = config_for(preset, blocks=blocks, form=form)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from h3quant.cli.common import guard, handle_errors
+from h3quant.h3.lora import STYLE_HELP, STYLES
 
 
 @click.command("synth-lora", epilog="""\b
@@ -14,9 +15,8 @@ Examples:
   h3quant synth-lora peft.safetensors --style diffusers --blocks 1
   h3quant inspect lora.safetensors""")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--style", type=click.Choice(["comfyui", "kohya", "diffusers"]), default="comfyui",
-              show_default=True, help="Key style: ComfyUI/musubi, kohya, or diffusers/PEFT "
-                                      "(split to_q/to_k/to_v, SwiGLU [value; gate]).")
+@click.option("--style", type=click.Choice(STYLES), default="comfyui", show_default=True,
+              help="Key style: " + "; ".join(f"{k} = {v}" for k, v in STYLE_HELP.items()) + ".")
 @click.option("--preset", type=click.Choice(["tiny", "full"]), default="tiny", show_default=True,
               help="H3 dimensions the adapters fit.")
 @click.option("--blocks", type=click.IntRange(1, 1000), default=None,
@@ -33,7 +33,7 @@ def command(out, style, preset, blocks, rank, scale, seed, overwrite) -> None:
     The same options and seed give the same bytes; OUT appears only when complete. Exit
     status: 0 written, 2 usage or I/O error.
     """
-    from h3quant.formats.rules.topology import config_for
+    from h3quant.h3.topology import config_for
     from h3quant.synth_lora import write_lora
 
     cfg = config_for(preset, blocks=blocks)

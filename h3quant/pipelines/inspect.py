@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, fields
 from h3quant.errors import ContainerError, MarkerError
 from h3quant.findings import Severity
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_layers
-from h3quant.formats.rules.markers import (
+from h3quant.formats.layers import scan_layers
+from h3quant.formats.markers import (
     MARKER_SUFFIX,
     layer_of_marker,
     marker_bytes,
     parse_header_metadata,
 )
-from h3quant.formats.rules.schemes import layer_report
+from h3quant.formats.report import layer_report
 from h3quant.pipelines import naming_view
 
 MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
@@ -63,12 +63,12 @@ def scan(ckpt: Checkpoint, *, prefer_header: bool):
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
     """The detected H3 topology summary, or None when the checkpoint is not an H3 DiT."""
     try:
-        from h3quant.formats.rules import topology
+        from h3quant.h3 import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.rules.topology":
+        if exc.name == "h3quant.h3.topology":
             return None
         raise
-    detection = topology.detect(tensors)
+    detection = topology.detect(tensors, quantized)
     return None if detection is None else topology.summary(detection, quantized)
 
 
@@ -111,7 +111,7 @@ def layer_mix(layer_scan) -> list[dict] | None:
     block) have the same formats (``{"blocks": "0-1", "layers": {"attn.qkv_proj":
     "int8_tensorwise convrot g=256", ...}}``), then one row per other quantized layer
     (``{"layer": name, "format": ...}``)."""
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
 
     desc: dict[str, str] = {}
     for name, lay in layer_scan.layers.items():
@@ -196,8 +196,10 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         quant = [r for r in reports if r.quantized]
         quantized = {r.name: r.format for r in quant}
         counts = {s.value: 0 for s in Severity}
-        for f in ckpt.findings + layer_scan.findings:
-            counts[f.severity.value] += 1
+        scaled = naming_view.fp8_scaled(ckpt)  # as validate: scaled fp8 weights need no marker
+        for f in ckpt.findings + layer_scan.findings + naming_view.scaled_fp8_findings(ckpt):
+            if not (f.code == "M109" and f.tensor in scaled):
+                counts[f.severity.value] += 1
 
         return InspectResult(
             path=str(ckpt.path),

@@ -11,8 +11,8 @@ import struct
 from pathlib import Path
 
 from h3quant.errors import H3QuantError, LoraError, UnsupportedError
-from h3quant.formats.rules import lora as lora_keys
-from h3quant.formats.rules.topology import config_for, expected_tensors
+from h3quant.h3 import lora as lora_keys
+from h3quant.h3.topology import config_for, expected_tensors
 
 _PAIR_HINT = re.compile(r"\.(lora_(down|up|A|B)|lora\.(down|up)|hada_|lokr_)")
 

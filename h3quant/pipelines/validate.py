@@ -15,7 +15,7 @@ from pathlib import Path
 from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.schemes import check_layer
+from h3quant.formats.check import check_layer
 from h3quant.pipelines import naming_view
 from h3quant.pipelines.inspect import scan
 
@@ -101,6 +101,8 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     scaled = fp8_scaled(ckpt)  # ComfyUI's scaled fp8: a scale companion, no marker
     findings.extend(f for f in layer_scan.findings
                     if not (f.code == "M109" and f.tensor in scaled))
+    findings.extend(_guard("scaled fp8 marker", where, findings,
+                           naming_view.scaled_fp8_findings, ckpt) or [])
     checked["stages"].append("markers")
     checked["layers"] = len(layer_scan.layers)
     checked["quantized_layers"] = len(layer_scan.quantized)
@@ -117,7 +119,7 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
     checked["stages"].append("topology")
 
     if deep:
-        from h3quant.formats.rules.deep import deep_check
+        from h3quant.formats.deep import deep_check
 
         res = _guard("deep data", where, findings, deep_check, ckpt, layer_scan)
         findings.extend(res or [])
@@ -128,32 +130,27 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
 
 def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     try:
-        from h3quant.formats.rules import topology
+        from h3quant.h3 import topology
     except ModuleNotFoundError as exc:
-        if exc.name == "h3quant.formats.rules.topology":
+        if exc.name == "h3quant.h3.topology":
             return []
         raise
     named, viewed = naming_view.view(ckpt)  # N301-N305 raised, listed by _guard
     checked["naming"] = named
     tensors = ckpt.tensors if viewed is None else viewed  # as ComfyUI names them
-    detection = topology.detect(tensors)
+    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+                 if viewed is None else {})
+    detection = topology.detect(tensors, quantized)
     if detection is None:  # the block index limit holds for any file (convert refuses it)
         beyond = [replace(f, file=str(ckpt.path)) for n in tensors
                   if (f := topology.beyond_limit_finding(n)) is not None]
         return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
                         "topology checks skipped", file=str(ckpt.path)), *beyond]
-    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
-                 if viewed is None else {})
     checked["topology"] = topology.summary(detection, quantized)
     return list(topology.check(tensors, detection, quantized))
 
 
-def fp8_scaled(ckpt: Checkpoint) -> set[str]:
-    """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
-    from h3quant.formats.rules.naming import fp8_scaled_weights
-
-    weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
-    return weights | {w[: -len(".weight")] for w in weights}
+fp8_scaled = naming_view.fp8_scaled
 
 
 def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:

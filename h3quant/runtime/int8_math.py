@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from h3quant.convrot import rotate
 from h3quant.errors import FormatError, UnsupportedError
-from h3quant.formats.codecs.int8.tensors import quantize_activation as quantize_rows
+from h3quant.formats.int8.tensors import quantize_activation as quantize_rows
 
 INPUT_ACTS = (None, "none", "swiglu")
 # Largest fp32 temporary (bytes) materialised at once when scaling int32 accumulators.

@@ -5,7 +5,7 @@ scales bit for bit (no re-quantization, no float round trip), its marker comes f
 ``_quantization_metadata`` or the ``.comfy_quant`` tensor (the header wins), marker and other
 metadata-only keys never become tensors of the layer, and the stored row order ([q; k; v],
 [gate; up]) is kept. Anything the runtime cannot run as stored is refused with a specific error:
-an unsupported format (fp8, nvfp4, ...), runtime quantization requested on a pre-quantized layer,
+an unsupported format (one without a codec), runtime quantization requested on a pre-quantized layer,
 tensors that do not match the marker, a broken or disagreeing marker.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -26,17 +27,15 @@ from h3quant.errors import (
     VerifyError,
 )
 from h3quant.findings import Severity
-from h3quant.formats.rules import checks as rules
-from h3quant.formats.codecs import registry
+from h3quant.formats import check as rules
+from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
-from h3quant.formats.rules.layers import Layer, LayerScan, scan_checkpoint
-from h3quant.formats.rules.markers import QuantFormat
-from h3quant.formats.rules.topology import BLOCK_LINEARS
+from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
+from h3quant.formats.markers import QuantFormat
+from h3quant.h3.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
-_KN = QuantFormat.INT8_TENSORWISE_KN
-_INT8 = (QuantFormat.INT8_TENSORWISE, _KN)  # one math, two layouts
 
 
 
@@ -56,6 +55,7 @@ class LoadedLayer:
 
     @property
     def format(self) -> QuantFormat | None:
+        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property
@@ -77,8 +77,10 @@ class LoadedLayer:
 
     @property
     def is_int8(self) -> bool:
-        """int8_tensorwise in either layout (canonical [N, K] or the NPU's [K, N])."""
-        return self.format in _INT8
+        """An int8 layer in either layout (canonical [N, K] or the NPU's [K, N]): its stored
+        codes are the grid the int8 runtime multiplies."""
+        codec = registry.get(self.format) if self.format else None
+        return codec is not None and codec.spec.int8_codes
 
     @property
     def out_features(self) -> int:
@@ -115,6 +117,10 @@ class LoadedLayer:
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        assert self.fields is not None  # is_quantized
+        if self.decodes:
+            raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
+                              "runs them through their decode)", tensor=self.name)
         if self._grid is None:
             self._grid = self.codec.int8_grid(self.tensors, self.fields)
         return self._grid
@@ -125,11 +131,18 @@ class LoadedLayer:
         ``weight_s_channel``."""
         return self.codec.runtime_weights(self.tensors, self.int8_grid())
 
+    @property
+    def decodes(self) -> bool:
+        """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
+        return self.is_quantized and bool(getattr(self.codec, "decodes", False))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, or the float
-        weight upcast."""
+        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's
+        decode (fp32, then ``dtype``) of a decoded format, or the float weight upcast."""
         if not self.is_quantized:
             return self.weight.to(dtype)
+        if self.decodes:
+            return self.codec.decode_weight(self.tensors, self.fields, torch.float32).to(dtype)
         q, s = self.int8_grid()
         w = q.to(torch.float32) * s[:, None]
         if self.convrot:
@@ -169,7 +182,7 @@ def find_prefix(names) -> str:
 
 def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     """Indices ``i`` of every ``{prefix}blocks.{i}.*`` tensor, sorted (token_refiner excluded)."""
-    from h3quant.formats.rules.topology import MAX_BLOCKS, block_index_beyond_limit
+    from h3quant.h3.topology import MAX_BLOCKS, block_index_beyond_limit
 
     prefix = find_prefix(ckpt.tensors) if prefix is None else prefix
     found = set()
@@ -183,10 +196,12 @@ def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     return sorted(found)
 
 
-def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
-    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file."""
+def _raise_marker_findings(scan: LayerScan, names: set[str], path,
+                           scaled: frozenset[str] = frozenset()) -> None:
+    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file
+    (``scaled``: legacy scaled-fp8 weights, which need no marker)."""
     for f in scan.findings:
-        if f.severity is not Severity.ERROR:
+        if f.severity is not Severity.ERROR or (f.code == "M109" and f.tensor in scaled):
             continue
         owner = f.tensor.rpartition(".")[0] if f.tensor and f.tensor.endswith(".comfy_quant") \
             else f.tensor
@@ -196,15 +211,15 @@ def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
 
 def check_quantized(layer: Layer, fields: dict, path) -> None:
     """Raise when the layer's tensors do not match what its marker says."""
-    fmt = QuantFormat(fields["format"])
+    fmt = fields["format"]
     name = layer.name
 
-    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
+    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError) -> NoReturn:
         raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
 
     codec = registry.get(fmt)
     if codec is None:
-        bad("Q105", f"format {fmt.value!r} is not supported by the h3quant runtime (supported: "
+        bad("Q105", f"format {fmt!r} is not supported by the h3quant runtime (supported: "
             f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
@@ -213,9 +228,9 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)
     if extra:
-        bad("Q106", f"tensors {extra} are not part of {fmt.value}; refusing to guess their meaning",
+        bad("Q106", f"tensors {extra} are not part of {fmt}; refusing to guess their meaning",
             extra[0], cls=UnsupportedError)
-    for v in rules.layer_violations(fmt.value, fields, layer.tensors):
+    for v in rules.layer_violations(fmt, fields, layer.tensors):
         bad(v.code, v.message, v.suffix)  # the rules validate and convert apply too
 
 
@@ -232,12 +247,16 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
         check_quantized(layer, layer.fields, path)
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
-        cb = tensors.get("weight_codebook")
-        v = rules.codebook_violation(cb) if cb is not None else None
-        if v is not None:  # the rule validate --deep and convert apply too
-            raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
-                               code=v.code)
+        codec = registry.codec_for(layer.fields, tensor=layer.name)
+        for suffix in codec.spec.deep_whole:  # the rules validate --deep and convert apply too
+            v = codec.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
+            if v is not None:
+                raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
+                                   code=v.code)
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
+    legacy = legacy_scaled_fp8(ckpt, layer)
+    if legacy is not None:
+        return legacy
     for s, info in layer.tensors.items():
         if info.dtype not in FLOAT_DTYPES:
             raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
@@ -249,11 +268,44 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
     return loaded
 
 
+def has_scaled_fp8_marker(ckpt: Checkpoint) -> bool:
+    """The file carries ComfyUI's ``scaled_fp8`` marker and no ``_quantization_metadata`` (the
+    only case in which ComfyUI's loader scales ``scale_weight`` layers; FORMATS.md 17.3)."""
+    from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
+    from h3quant.formats.markers import HEADER_KEY
+
+    root = find_prefix(ckpt.tensors)
+    return f"{root}{SCALED_FP8_MARKER}" in ckpt.tensors and HEADER_KEY not in ckpt.metadata
+
+
+def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
+    """A legacy scaled-fp8 layer (e4m3 ``weight`` + one ``scale_weight``, optional
+    ``scale_input``) of a file with the ``scaled_fp8`` marker, loaded as ComfyUI's loader
+    renames it: a ``float8_e4m3fn`` layer with ``weight_scale`` (``input_scale`` unless 1.0)."""
+    t = {**layer.tensors, **{sfx: ckpt.tensors[f"{layer.name}.{sfx}"]
+                             for sfx in ("scale_weight", "scale_input")
+                             if f"{layer.name}.{sfx}" in ckpt.tensors}}  # scanned as "others"
+    w, s = t.get("weight"), t.get("scale_weight")
+    if w is None or s is None or w.dtype != "F8_E4M3" or s.numel != 1 \
+            or set(t) - {"weight", "scale_weight", "scale_input", "bias"} \
+            or not has_scaled_fp8_marker(ckpt):
+        return None
+    tensors = {"weight": ckpt.read(w.name),
+               "weight_scale": ckpt.read(s.name).to(torch.float32).reshape(())}
+    if "bias" in t:
+        tensors["bias"] = ckpt.read(t["bias"].name)
+    if "scale_input" in t:
+        si = ckpt.read(t["scale_input"].name).to(torch.float32)
+        if si.numel() != 1 or float(si) != 1.0:
+            tensors["input_scale"] = si.reshape(())
+    return LoadedLayer(layer.name, tensors, {"format": "float8_e4m3fn"}, "scaled_fp8")
+
+
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
     """int8 ConvRot (g=256, per row) of a float 2-D weight, the encoding of FORMATS.md 3."""
-    from h3quant.formats.codecs.int8.tensors import encode_int8
-    from h3quant.formats.codecs.int8.codec import int8_marker
-    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.formats.int8.tensors import encode_int8
+    from h3quant.formats.int8.codec import int8_marker
+    from h3quant.formats.markers import effective_fields
     w = layer.weight
     if w.dim() != 2:
         return layer  # norms and other 1-D parameters stay float
@@ -304,7 +356,9 @@ def load_prefix(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, *,
     """Every layer under ``prefix.`` (a DiT block ``blocks.{i}`` or a refiner block
     ``token_refiner.blocks.{j}``) as a LoadedBlock."""
     lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
-    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
+    scaled = frozenset(f"{n}.weight" for n in lnames if f"{n}.scale_weight" in ckpt.tensors) \
+        if has_scaled_fp8_marker(ckpt) else frozenset()
+    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path, scaled)
     layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
                                               quantize_on_load=quantize_on_load and
                                               n[len(prefix) + 1:] in BLOCK_LINEARS)

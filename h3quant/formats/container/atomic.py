@@ -257,7 +257,7 @@ def check_outputs_distinct(paths: Iterable[Path]) -> None:
         if key in seen:
             raise OutputError(f"two outputs name the same file ({seen[key]} and {p})", path=p)
         seen[key] = Path(p)
-    stats = {}
+    stats: dict[tuple[int, int], Path] = {}
     for p in paths:
         st = _stat(Path(p))
         if st is not None:
@@ -402,7 +402,7 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
 
     A previous output that such a run had moved aside is put back first (``recover``); a
     staging directory that still holds one is kept, never deleted."""
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -1,21 +1,19 @@
-"""The format contract as rules: markers and header metadata (``markers``), each format's tensor set
-(``schemes``), layers (``layers``), the H3 topology (``topology``), the data checks of
-``validate --deep`` (``deep``) and the one rule set all commands share (``checks``, re-exported
-here: ``from h3quant.formats import rules; rules.layer_violations(...)``)."""
+"""The rules under their earlier import path: ``from h3quant.formats import rules;
+rules.layer_violations(...)`` keeps working. The rules are the formats' own
+(``h3quant.formats.<format>.spec``), run by the one check engine ``h3quant.formats.check``."""
 
-from h3quant.formats.rules.checks import (
-    S_REL_DTYPES,
+from h3quant.formats.check import (
     SCALE_DTYPES,
     Violation,
-    codebook_violation,
     combination_violations,
     fit_error,
-    int8_scale_shapes,
     layer_violations,
     scale_violations,
-    w4a8_channel_shapes,
     weight_violation,
 )
+from h3quant.formats.int8.spec import int8_scale_shapes
+from h3quant.formats.w4a8.codebook import codebook_violation
+from h3quant.formats.w4a8.spec import S_REL_DTYPES, w4a8_channel_shapes
 
 __all__ = ["S_REL_DTYPES", "SCALE_DTYPES", "Violation", "codebook_violation",
            "combination_violations", "fit_error",

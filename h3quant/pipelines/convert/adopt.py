@@ -10,7 +10,7 @@ held at a time (``CACHE_EXTRA``). Nothing is written beside the output, and conv
 official or diffusers checkpoint gives exactly the bytes converting the equivalent ComfyUI file
 gives.
 
-Row operations (``formats.rules.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
+Row operations (``h3.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded to fp32 (``float(code) * scale``, the scale per tensor or per
 output row, as ComfyUI's scaled-fp8 loader multiplies it in) and seen as F32 by a quantized
 target, or rounded once to BF16 (nearest even) for ``--to bf16``.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from h3quant.errors import MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.naming import (
+from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
     FUSE_QKV,
@@ -37,15 +37,15 @@ from h3quant.formats.rules.naming import (
     plan_mapping,
     staged_entries,
 )
-from h3quant.pipelines.naming_view import check_scale, has_config
+from h3quant.pipelines.naming_view import check_scale, has_config, headers
 from h3quant.formats.container.reader import TensorInfo
-from h3quant.formats.rules.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
+from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
     """The input's naming (detected, or ``naming``) and its map onto ComfyUI's names."""
-    tensors = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
+    tensors = headers(ckpt)
     det = detect(tensors, [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None,
                  has_config(ckpt))
     if naming != "auto":
@@ -60,14 +60,15 @@ def decode_fp8(ckpt: Checkpoint, src):
     per row) multiplied in."""
     import torch
 
-    w = ckpt.read(src.name).to(torch.float32)
+    from h3quant.formats.fp8.tensors import decode_fp8 as decode
+
+    w = ckpt.read(src.name)
     if src.scale is None:
-        return w
+        return w.to(torch.float32)
     s = ckpt.read(src.scale).to(torch.float32)
     check_scale(s, src.scale, "; nothing written")
-    if s.numel() == 1:
-        return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
-    return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
+    s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (w.dim() - 1))
+    return decode(w, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
 
 
 def _read(ckpt: Checkpoint, src):

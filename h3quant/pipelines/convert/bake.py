@@ -14,10 +14,10 @@ own format (what ``convert --lora`` does when ``--to`` is not given).
 from __future__ import annotations
 
 from h3quant.errors import ConvertError, FormatError, MarkerError, UnsupportedError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.dtypes import FLOAT_DTYPES, to_torch
-from h3quant.formats.rules.layers import group_tensors
-from h3quant.formats.rules.markers import effective_fields, parse_header_metadata
+from h3quant.formats.layers import group_tensors
+from h3quant.formats.markers import effective_fields, parse_header_metadata
 from h3quant.pipelines.convert.layers import LayerPlan, logical_shape, resolve_marker
 
 KEPT_SUFFIXES = ("weight", "bias")  # what a decoded layer keeps; its scales and marker go

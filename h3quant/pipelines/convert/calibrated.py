@@ -49,6 +49,9 @@ class Calibration:
         info: dict = {}
         st = self.stats.layer(lp.name)
         if st is None:
+            if codec.spec.write_refusal:
+                raise FormatError(f"the statistics have no entry for this layer; {codec.name} is "
+                                  "written from statistics only", tensor=lp.name)
             info["note"] = "no statistics for this layer: rounded to nearest"
             return None, info
         if st.k != lp.k:
@@ -58,7 +61,11 @@ class Calibration:
         if not codec.calibrates:
             info["note"] = f"{codec.name} has no calibrated encoder: rounded to nearest"
             return None, info
-        if st.rows < st.k:
+        if st.rows < st.k and codec.spec.write_refusal:  # written from statistics only
+            info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.name} "
+                            "is written from statistics only)")
+            self.log(f"warning: {lp.name}: {info['note']}")
+        elif st.rows < st.k:
             info["note"] = (f"only {st.rows} rows for K={st.k} (a singular Hessian): rounded to "
                             "nearest")
             self.log(f"warning: {lp.name}: {info['note']}")

@@ -19,9 +19,9 @@ import torch
 
 from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 from h3quant.formats.container.dtypes import itemsize
-from h3quant.formats.codecs.int8_kn.tensors import RowTransposer
+from h3quant.formats.int8_kn.tensors import RowTransposer
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
@@ -82,6 +82,8 @@ class SourceRows:
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
         self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
+        self._views = self.codec.row_views(self._whole, self.f)
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -103,6 +105,9 @@ class SourceRows:
         rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
+        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+            rows["_row0"] = r0
+        rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
@@ -228,8 +233,12 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     _check_planned(lp, out, n, opts.codec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
     unrowed = opts.codec.unrowed_outputs
-    samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
-    samples.extra = {s: v for s, v in out.items() if s in unrowed}
+    cols = getattr(opts.codec, "sampled_by_column", ())  # stored [*, N]: sampled as rows
+    samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
+                             if s not in unrowed or s in cols})
+    samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
+    if samples.idx is not None and (unrowed or getattr(opts.codec, "needs_row0", False)):
+        samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
@@ -248,4 +257,5 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:
+    assert lp.marker is not None  # called for layers that write a marker
     return torch.frombuffer(bytearray(lp.marker), dtype=torch.uint8)

@@ -16,7 +16,7 @@ import torch
 
 from h3quant.errors import ConvertError, H3QuantError, LoraError
 from h3quant.formats.container.reader import SafetensorsFile
-from h3quant.formats.rules import lora as lora_keys
+from h3quant.h3 import lora as lora_keys
 
 MERGE_ROWS = 1024  # rows of a layer merged at once (float64: 44 MB at K = 5376)
 

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from h3quant.convrot import is_valid_group_size
 from h3quant.errors import ConvertError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
+from h3quant.h3 import layouts
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
@@ -69,12 +70,15 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal and not self.calibration:  # written from statistics only
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
-        if self.naming not in ("auto", "comfy", "official", "diffusers"):
-            raise ConvertError(f"--naming must be auto, comfy, official or diffusers, "
-                               f"got {self.naming!r}")
+        if self.naming not in ("auto", *layouts.names()):
+            raise ConvertError(f"--naming must be auto, {', '.join(layouts.names()[:-1])} or "
+                               f"{layouts.names()[-1]}, got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
         if self.calibration_heldout and not self.calibration:
             raise ConvertError("--calibration-heldout needs --calibration")
@@ -135,7 +139,9 @@ class ConvertOptions:
     @property
     def codec(self) -> registry.Codec:
         """The codec the target writes (in the chosen layout)."""
-        return registry.with_layout(registry.target_codec(self.target), self.layout)
+        codec = registry.with_layout(registry.target_codec(self.target), self.layout)
+        assert codec is not None  # __post_init__ refused a layout the target does not have
+        return codec
 
     @property
     def convrot(self) -> bool:
@@ -182,7 +188,7 @@ class ConvertOptions:
 
 def is_h3(tensors: dict) -> bool:
     from h3quant.errors import H3QuantError
-    from h3quant.formats.rules.topology import detect
+    from h3quant.h3.topology import detect
 
     try:
         return detect(tensors) is not None
@@ -194,7 +200,7 @@ def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,
                    quantized: bool) -> bool:
     """Whether ``preset`` picks ``layer`` (before ``--include``/``--exclude``)."""
     if preset == "h3":
-        from h3quant.formats.rules.topology import is_h3_block_linear
+        from h3quant.h3.topology import is_h3_block_linear
 
         return is_h3_block_linear(layer)
     # all-linears: every 2-D float weight, and every already-quantized linear

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 from h3quant.errors import ConvertError
-from h3quant.formats.codecs import registry
+from h3quant.formats import registry
 
 KEEP = "keep"
 LAYOUT_CHOICES = ("canonical", "npu")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 
-from h3quant.formats.codecs import registry
-from h3quant.formats.codecs.int8_kn.tensors import TRANSPOSE_BYTES, RowTransposer, transpose_stream
+from h3quant.formats import registry
+from h3quant.formats.int8_kn.tensors import TRANSPOSE_BYTES, RowTransposer, transpose_stream
 
 COPY_CHUNK = 16 << 20
 _W4A8 = "asym_w4a8_int8"
@@ -92,7 +92,7 @@ def grid_layer(lp, reader, sink, progress, codec) -> None:
     """W4A8 codes -> their int8 grid, row slabs at a time, written in the target layout."""
     import torch
 
-    from h3quant.formats.codecs.w4a8.tensors import decode_w4a8_int8
+    from h3quant.formats.w4a8.tensors import decode_w4a8_int8
 
     t, f = lp.inputs, lp.src_fields
     n, k = lp.n, lp.k

@@ -17,8 +17,9 @@ import torch
 
 from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FindingError, FormatError, H3QuantError
-from h3quant.formats.rules import checks as rules
-from h3quant.formats.codecs import registry
+from h3quant.findings import Severity, rule
+from h3quant.formats import check as rules
+from h3quant.formats import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
 from h3quant.pipelines.convert.io import by_input_offset
 from h3quant.pipelines.convert.plan import ConvertPlan
@@ -46,18 +47,32 @@ def check_source_scales(lp, reader) -> None:
             raise FormatError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
                               tensor=info.name, code=v.code)
 
+    def read(info, dtype=None):
+        t = reader.whole(info).contiguous().reshape(-1)
+        return t.view(dtype) if dtype is not None else t
+
+    for v in codec.layer_data_violations(lp.inputs, read, lp.src_fields or {}):
+        if rule(v.code).severity is Severity.ERROR:  # nvfp4 block scales against codes ...
+            info = lp.inputs.get(v.suffix)
+            raise FormatError(f"[{v.code}] source {v.suffix}: {v.message}; nothing written",
+                              tensor=info.name if info is not None else lp.name, code=v.code)
+
 
 def check_source_codebook(lp, reader) -> None:
-    """Refuse a W4A8 source layer whose codebook breaks ``validate --deep``'s rule (D104),
-    whatever becomes of the layer: decoded through it, its codes would be laundered into a
-    clean-looking file; copied, the output would carry the same broken table."""
-    info = lp.inputs.get("weight_codebook")
-    if info is None:
+    """Refuse a source layer whose whole-read tables (a W4A8 codebook) break ``validate
+    --deep``'s rule (D104), whatever becomes of the layer: decoded through it, its codes would
+    be laundered into a clean-looking file; copied, the output would carry the same broken table."""
+    codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
+    if codec is None:
         return
-    v = rules.codebook_violation(reader.whole(info))
-    if v is not None:
-        raise FindingError(f"[{v.code}] source weight_codebook: {v.message}; nothing written",
-                           tensor=info.name, code=v.code)
+    for suffix in codec.spec.deep_whole:
+        info = lp.inputs.get(suffix)
+        if info is None:
+            continue
+        v = codec.data_violation(suffix, reader.whole(info))
+        if v is not None:
+            raise FindingError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
+                               tensor=info.name, code=v.code)
 
 
 class CheckedRows(SourceRows):
@@ -81,10 +96,12 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     results: dict[str, dict] = {}
     failures: list[dict] = []
     layers = by_input_offset(plan.layers, lambda lp: lp.weight)
-    pool = ThreadPoolExecutor(opts.workers) if opts.workers > 1 else None
+    workers = opts.workers
+    assert workers is not None  # ConvertOptions sets it
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
-    if opts.workers > 1:  # the workers share the cores: no nested intra-op teams
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.workers))
+    if workers > 1:  # the workers share the cores: no nested intra-op teams
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     ok = False
     try:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,

@@ -149,12 +149,13 @@ def sqnr_db(signal: float, noise: float) -> float:
 
 def _encoded_layer(layer, cand: Candidate):
     """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format."""
-    from h3quant.formats.codecs import registry
-    from h3quant.formats.rules.markers import effective_fields
+    from h3quant.formats import registry
+    from h3quant.formats.markers import effective_fields
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     k = int(layer.weight.shape[1])
     why = codec.skip_reason(k, marker)
     if why:
@@ -165,17 +166,37 @@ def _encoded_layer(layer, cand: Candidate):
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
 
 
+def _candidate_linear(layer, device, compute_dtype):
+    """The module a candidate-format layer runs as: the runtime's quantized linear where the
+    runtime multiplies the format's int8 grid (int8, W4A8), else the float linear of the
+    format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
+    import torch
+
+    from h3quant.runtime.model.block import FloatLinear, quantized_linear
+
+    codec = layer.codec
+    if not getattr(codec, "decodes", False):
+        return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
+    rows, whole = codec.source_tensors(layer.fields, layer.tensors)
+    whole_t = {s: layer.tensors[s] for s in whole}
+    local = {s: layer.tensors[s] for s in rows}
+    local.update(codec.row_views(whole_t, layer.fields))
+    w = codec.decode_rows(local, whole_t, layer.fields)
+    return FloatLinear(w.to(torch.bfloat16), layer.bias)  # cast in chunks per call
+
+
 def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     """Bytes of an [n, k] linear's weight tensors in ``cand`` (None: as stored in float), with
     its marker tensor; from the codec's planned tensor set, as convert lays them out."""
     if cand is None:
         return float_bytes
-    from h3quant.formats.codecs import registry
+    from h3quant.formats import registry
     from h3quant.formats.container.dtypes import itemsize
-    from h3quant.formats.rules.markers import marker_bytes
+    from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     total = len(marker_bytes(marker))
     for dtype, shape in codec.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
@@ -190,10 +211,10 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     looks); ``on_block(done, total)`` after each block."""
     import torch
 
-    from h3quant.formats.rules.topology import BLOCK_LINEARS
+    from h3quant.h3.topology import BLOCK_LINEARS
     from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
-    from h3quant.runtime.model.block import build_block, quantized_linear, reference_linear
+    from h3quant.runtime.model.block import build_block, reference_linear
     from h3quant.runtime.model.model import H3Model
 
     cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
@@ -203,8 +224,9 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
         quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
                      and n.startswith(model.prefix + "blocks.")]
         if quantized:
+            fields = model.scan.layers[quantized[0]].fields or {}
             raise PlanError(f"plan measures a float checkpoint; {quantized[0]} is quantized "
-                            f"({model.scan.layers[quantized[0]].fields['format']}): plan from "
+                            f"({fields['format']}): plan from "
                             "the BF16 original")
         run = model.blocks[:blocks] if blocks else model.blocks
         video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
@@ -231,8 +253,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
                         def make(lay, _g=group, _enc=enc):
                             local = lay.name[len(prefix) + 1:]
                             if local in _g:
-                                return quantized_linear(_enc[local], device=cpu,
-                                                        compute_dtype=torch.float32)
+                                return _candidate_linear(_enc[local], cpu, torch.float32)
                             return reference_linear(lay, device=model.tdev)
 
                         qblock = build_block(loaded, make, device=model.tdev)

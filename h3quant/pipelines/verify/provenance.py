@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h3quant.formats.codecs.w4a8.codebook import FROZEN_CODEBOOK
-from h3quant.formats.rules import origin
+from h3quant.formats.w4a8.codebook import FROZEN_CODEBOOK
+from h3quant.h3 import provenance as origin
 
 W4A8 = origin.W4A8
 GROUP = 16  # W4A8's group of codes sharing one e4m3 scale (the group size h3quant writes)

@@ -17,7 +17,7 @@ import torch
 
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.layers import scan_checkpoint
 from h3quant.pipelines.verify import blocks as verify
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.result import Verdict

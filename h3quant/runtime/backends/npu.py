@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from h3quant.formats.codecs.int8_kn.tensors import NPU_MAX_N, NZ_FORMAT, nz_eligible
+from h3quant.formats.int8_kn.tensors import NPU_MAX_N, NZ_FORMAT, nz_eligible
 from h3quant.runtime.backends.base import (
     Backend,
     DequantizedLinear,

@@ -36,7 +36,7 @@ import torch
 from h3quant.errors import ClosedError, VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
-from h3quant.formats.rules.layers import scan_checkpoint
+from h3quant.formats.layers import scan_checkpoint
 from h3quant.runtime.model.block import (
     Conditioning,
     build_block,

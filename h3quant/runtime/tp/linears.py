@@ -115,7 +115,7 @@ class RowParallelLinear(nn.Module):
         self.out_features = layer.out_features
         self.bias = None if layer.bias is None else layer.bias.to(tdev)
         self.in_width = full_k // comm.world  # the natural slice the layer input arrives as
-        self.local = None
+        self.local: nn.Module | None = None  # the per-rank mode's local linear
         if self.quantized and mode == "shared":
             self.scale = row_scale(layer).to(tdev)
             self.convrot = layer.convrot
@@ -187,6 +187,7 @@ class RowParallelLinear(nn.Module):
             return torch.zeros((m, self.out_features), dtype=torch.float32, device=dev)
         if not self.quantized:
             return F.linear(xk.float(), self.weight.float())
+        assert self.local is not None  # a quantized layer here runs in the per-rank mode
         return self.local(xk).float()
 
 

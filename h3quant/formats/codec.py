@@ -1,0 +1,88 @@
+"""The narrow codec: a format's tensor work (encode, decode, the runtime's weights).
+
+A codec is built from its format's ``FormatSpec`` (``codec.spec``) and only adds what needs
+tensors: which stored tensors to read to decode rows, decoding them, encoding float rows (with
+an optional calibration object, for encoders that use one), the grid the int8 runtime
+multiplies, and the checks on tensor values. Header facts (name, targets, limits, planned
+tensors ...) are the spec's; ``codec.name`` and the like read through to it. Importing a codec
+never imports torch; its methods do, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from h3quant.formats.spec import FormatSpec, RowRange, Violation
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Codec:
+    """Tensor work of one format; the defaults are a plain float layer's."""
+
+    calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+
+    def __init__(self, spec: FormatSpec) -> None:
+        self.spec = spec
+
+    def __getattr__(self, name: str) -> Any:  # header facts: the spec's
+        if name == "spec":
+            raise AttributeError(name)
+        return getattr(self.spec, name)
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec.name}>"
+
+    def source_tensors(self, fields: dict | None, tensors: dict) -> tuple[list[str], list[str]]:
+        """(suffixes read row by row, suffixes read whole) to decode rows of a stored weight."""
+        return ["weight"], []
+
+    def row_views(self, whole: dict, fields: dict | None) -> dict[str, torch.Tensor]:
+        """Row-indexed tensors derived once from the whole-read ones (nvfp4: its block scales
+        unswizzled to ``[N, K/16]``); ``decode_rows`` gets their rows under the same names."""
+        return {}
+
+    def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
+        """Rows of the weight in the original basis (fp32 for quantized formats)."""
+        return rows["weight"]
+
+    def encode(self, w: torch.Tensor, marker: dict | None, method: str, pool=None,
+               calibration=None) -> dict[str, torch.Tensor]:
+        """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside).
+
+        ``pool``: an executor a whole-layer codec (``chunked = False``) may spread its row
+        chunks over; row-chunked codecs are called per chunk and ignore it. ``calibration``: an
+        object an encoder that uses activation statistics is handed (None: none given)."""
+        import torch
+
+        return {"weight": w.to(torch.bfloat16)}
+
+    def report_grid(self, out: dict, marker: dict | None):
+        """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""
+        return out["weight"].float(), None
+
+    def int8_grid(self, tensors: dict, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
+        raise NotImplementedError(f"{self.spec.name} layers have no int8 grid")
+
+    def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
+        return grid
+
+    def row_range(self, tensors: dict, th) -> RowRange:
+        """verify's reference-free check of the int8 grid: the legal per-row code peak."""
+        return RowRange(per_tensor=False, low=127, high=127, no_min128=True, text="max|q| = 127 per row")
+
+    def data_violation(self, suffix: str, values: torch.Tensor) -> Violation | None:
+        """The rule on the values of a ``spec.deep_whole`` tensor (None: they pass)."""
+        return None
+
+    def layer_data_violations(self, tensors: dict, read, fields: dict) -> list[Violation]:
+        """``validate --deep`` rules over several tensors of one layer (nvfp4: block scales
+        against codes); ``read(info, dtype=None)`` gives a tensor's values, 1-D."""
+        return []
+
+    def nz_eligible(self, n: int, k: int) -> bool | None:
+        """Whether the layer's weight can run in the NPU's NZ layout (None: not a question)."""
+        return None

@@ -1,1 +1,0 @@
-"""``int8_tensorwise``: the codec object (``codec``) and its tensor functions (``tensors``)."""

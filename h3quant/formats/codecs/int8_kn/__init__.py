@@ -1,1 +1,0 @@
-"""``int8_tensorwise_kn``, the NPU pre-transposed int8 layout: codec object and tensor functions."""

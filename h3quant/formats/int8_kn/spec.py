@@ -1,0 +1,85 @@
+"""``int8_tensorwise_kn``: int8_tensorwise pre-transposed for the NPU (FORMATS.md 9).
+
+Weight ``I8 [K, N]`` (exactly the transpose of the canonical codes), ``weight_scale F32 [N]``,
+optional bias; math, rotation and scales are int8_tensorwise's, so this format is that format
+with the weight stored the other way round. It has no ``convert --to`` target of its own: it is
+the ``--layout npu`` form of the int8 targets. ComfyUI does not know it (so it refuses such
+files instead of mis-reading them).
+"""
+
+from __future__ import annotations
+
+from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
+from h3quant.formats.int8.spec import SPEC as INT8_SPEC
+from h3quant.formats.int8.spec import Int8Spec
+from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
+from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
+
+NAME = "int8_tensorwise_kn"
+
+
+class Int8KnSpec(Int8Spec):
+    """The kn layout's header rules (the rest are int8_tensorwise's)."""
+
+    def marker(self, target, group_size):
+        return kn_marker(convrot=target.convrot, group_size=group_size)
+
+    def same_target(self, layer, fields, marker):
+        convrot = bool(marker.get("convrot"))
+        return (fields["format"] == NAME and bool(fields.get("convrot")) == convrot
+                and (not convrot or fields.get("convrot_groupsize") == marker["convrot_groupsize"]))
+
+    def planned(self, n, k, marker):
+        return {"weight": ("I8", (k, n)), "weight_scale": ("F32", (n,))}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        if suffix == "weight" and dtype == "U8":
+            dtype = "I8"
+        return dtype, shape
+
+    def tensor_violations(self, n, cols, fields, tensors):
+        k, n = n, cols
+        out: list[Violation] = []
+        s = tensors.get("weight_scale")
+        if s is None:
+            out.append(Violation("Q101", f"{self.name} layer has no weight_scale", "weight_scale"))
+        elif s.dtype not in SCALE_DTYPES:
+            out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32", "weight_scale"))
+        elif shape_of(s) != (n,):
+            out.append(Violation("Q109", f"weight_scale is {list(shape_of(s))}, expected F32 "
+                                 f"[{n}] for a [K, N] = [{k}, {n}] kn weight", "weight_scale"))
+        return n, k, out
+
+    def combination_violations(self, fields, tensors):
+        return []
+
+    def skip_shape(self, suffix, layer):
+        return suffix == "weight_scale"  # judged against the weight by check_kn (Q109)
+
+    def header_findings(self, layer, n, k, add):
+        return check_kn(layer, n, k, file=str(layer.weight.file))
+
+
+SPEC = Int8KnSpec(
+    name=NAME,
+    description="int8_tensorwise pre-transposed for Ascend npu_quant_matmul: weight [K, N], "
+                "scale [N]",
+    tensors=(
+        TensorSpec("weight", ("I8",), lambda n, k, f: [(k, n)], "[K, N]"),
+        TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,)], "[N]"),
+        BIAS,
+    ),
+    comfy=False,
+    verify=INT8_SPEC.verify,
+    marker_defaults=dict(INT8_SPEC.marker_defaults),
+    runtime_tensors=("weight", "weight_scale"),
+    runtime_required=("weight", "weight_scale"),
+    deep_scales=("weight_scale",),
+    int8_codes=True,
+    convrot_rules=True,
+    weight_bits=8,
+    transposed_outputs=("weight",),
+    column_sources=("weight",),
+    layout="npu",
+    canonical=CANONICAL_NAME,
+)

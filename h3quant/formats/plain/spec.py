@@ -1,0 +1,24 @@
+"""The plain floating-point layer: no marker, any float weight (BF16 / F16 / F32)."""
+
+from __future__ import annotations
+
+from h3quant.formats.spec import BIAS, FLOATS, FormatSpec, TensorSpec, Target
+
+NAME = "float"
+
+
+class PlainSpec(FormatSpec):
+    def describe(self, fields):
+        return "BF16"
+
+
+SPEC = PlainSpec(
+    name=NAME,
+    description="unquantized floating-point layer (BF16 / F16 / F32)",
+    tensors=(TensorSpec("weight", FLOATS, None, "any"), BIAS),
+    closed=False,
+    quantized=False,
+    targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
+    runtime_tensors=("weight",),
+    runtime_required=("weight",),
+)

@@ -1,0 +1,247 @@
+"""What a format is, as data: its wire name, marker fields and defaults, tensor set, targets,
+verify limits and header-level rules. Torch-free.
+
+Each format package (``h3quant.formats.int8`` ...) exports one ``SPEC``: a ``FormatSpec`` (or a
+subclass overriding the few header rules that differ, such as W4A8's packed width) and, where
+h3quant can encode and decode it, a ``CODEC`` (``h3quant.formats.codec``). The engines in
+``h3quant.formats`` (markers, layers, check, deep) read these specs through the one registry
+(``h3quant.formats.registry``) instead of testing format names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
+
+# Allowed shapes given (N, K, fields); None = any shape.
+ShapeRule = Callable[[int, int, dict], list[tuple[int, ...]]]
+
+SCALE_DTYPES = ("F32",)
+FLOATS = tuple(sorted(FLOAT_DTYPES))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a format's layer: suffix, legal dtypes and shapes (of logical N, K)."""
+
+    suffix: str
+    dtypes: tuple[str, ...]
+    shapes: ShapeRule | None
+    shape_text: str
+    required: bool = True
+    at_least: bool = False  # padded layouts: same rank, every dim >= the expected one
+
+    def describe(self) -> str:
+        return f"{'/'.join(self.dtypes)} {self.shape_text}"
+
+
+BIAS = TensorSpec("bias", FLOATS, lambda n, k, f: [(n,)], "[N]", required=False)
+
+
+def scalar(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
+    return [(), (1,)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ``convert --to`` choice: the format (wire name) that writes it and its fixed parameters."""
+
+    name: str
+    codec: str
+    convrot: bool
+    help: str
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Legal peak |code| of a quantized layer's int8 grid (per row, or one peak per tensor)."""
+
+    per_tensor: bool
+    low: int
+    high: int
+    no_min128: bool  # the encoder never writes -128
+    text: str
+    alt: RowRange | None = None  # accepted instead when every row fits it (a known other source)
+
+    def misses(self, peak, qmin):
+        """Rows (bool tensor) whose peak |q| or minimum code break the rule."""
+        bad = (peak < self.low) | (peak > self.high)
+        return bad | (qmin == -128) if self.no_min128 else bad
+
+
+@dataclass(frozen=True)
+class VerifyLimits:
+    """``verify`` limits for layers of a format (block limits apply to the loosest format present)."""
+
+    rel_err: float  # relative L2 error of the layer's output against the float reference
+    block_sqnr_db: float  # SQNR of an H3 block's residual update
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken tensor rule: finding code, message, and the tensor suffix it is about."""
+
+    code: str
+    message: str
+    suffix: str = "weight"
+
+
+def shape_of(t) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One on-disk layer format, as data (plus the header rules a subclass may override)."""
+
+    name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
+    description: str
+    tensors: tuple[TensorSpec, ...] = ()  # the tensor set, declared once
+    closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
+    quantized: bool = True
+    comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
+    targets: tuple[Target, ...] = ()
+    verify: VerifyLimits | None = None
+    marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
+    runtime_tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
+    runtime_required: tuple[str, ...] = ()
+    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
+    deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
+    int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
+    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
+    always_convrot: bool = False  # the format rotates whatever its marker says
+    convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
+    packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
+    opaque: bool = False  # the logical [N, K] cannot be told from the header
+    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
+    canonical: str | None = None  # for a layout variant: the format it re-lays out
+    transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
+    column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def format(self) -> str | None:
+        """The marker's wire name (None for the plain format: it has no marker)."""
+        return self.name if self.quantized else None
+
+    @property
+    def transposed(self) -> bool:
+        """The weight is stored ``[K, N]``."""
+        return bool(self.column_sources)
+
+    @property
+    def suffixes(self) -> frozenset[str]:
+        return frozenset(t.suffix for t in self.tensors) | {"comfy_quant"}
+
+    # ------------------------------------------------------------------ header facts
+    def logical_k(self, cols: int, fields: dict | None) -> int:
+        """Logical input width K of a stored weight with ``cols`` columns."""
+        return 2 * cols if self.packed else cols
+
+    def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
+        """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
+        if self.transposed:
+            return shape[1], shape[0]
+        return shape[0], self.logical_k(shape[1], fields)
+
+    def header_nk(self, layer) -> tuple[int | None, int | None]:
+        """Logical ``(N, K)`` of a layer whose weight is 2-D, from its header entries."""
+        if self.opaque:
+            return None, None
+        return self.logical_shape(tuple(layer.weight.shape), layer.fields)
+
+    def uses_convrot(self, fields: dict | None) -> bool:
+        return self.always_convrot or bool(fields and fields.get("convrot"))
+
+    def describe(self, fields: dict | None) -> str:
+        """Short text for a layer's storage (``int8_tensorwise convrot g=256`` ...)."""
+        return self.name
+
+    # ------------------------------------------------------------------ convert planning
+    def marker(self, target: Target, group_size: int) -> dict | None:
+        """The canonical marker object ``target`` writes (None: a plain layer, no marker)."""
+        return None
+
+    def same_target(self, layer, fields: dict, marker: dict | None) -> bool:
+        """The layer already stores exactly what ``marker`` would be written as (re-emit it)."""
+        return False
+
+    def skip_reason(self, k: int, marker: dict | None) -> str | None:
+        """Why a layer of input width ``k`` cannot be written with ``marker`` (None: it can)."""
+        return None
+
+    def planned(self, n: int, k: int, marker: dict | None) -> dict[str, tuple[str, tuple]]:
+        """Output tensors ``{suffix: (dtype, shape)}`` of one layer (marker tensor aside)."""
+        return {"weight": ("BF16", (n, k))}
+
+    def keep_declared(self, suffix: str, dtype: str, shape: tuple, n: int) -> tuple[str, tuple]:
+        """How a kept (re-emitted) tensor is declared: same bytes, canonical dtype and shape."""
+        return dtype, shape
+
+    # ------------------------------------------------------------------ tensor rules
+    def tensor_violations(self, n: int, cols: int, fields: dict,
+                          tensors: dict) -> tuple[int, int, list[Violation]]:
+        """Format-specific rules of a layer with a 2-D weight of ``n`` rows, ``cols`` columns:
+        (logical N, logical K, violations). Only formats h3quant converts define them."""
+        return n, cols, []
+
+    def combination_violations(self, fields: dict, tensors: dict) -> list[Violation]:
+        """Rules across a layer's marker fields and tensors (beyond one tensor's dtype/shape)."""
+        return []
+
+    def layer_violations(self, fields: dict, tensors: dict) -> list[Violation]:
+        """Every tensor rule of a layer of this format (the rules convert and verify refuse
+        by). ``tensors`` maps suffix -> an object with ``dtype`` (safetensors name) and ``shape``."""
+        fmt = self.name
+        w = tensors.get("weight")
+        if w is None:
+            return [Violation("Q101", f"{fmt} layer has no weight")]
+        wdtypes = self.tensors[0].dtypes if self.tensors else ("I8",)
+        if w.dtype not in wdtypes or len(shape_of(w)) != 2:
+            return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
+                              f"2-D {'/'.join(wdtypes)} weight")]
+        rows, cols = shape_of(w)  # 2-D, checked above
+        n, k, out = self.tensor_violations(rows, cols, fields, tensors)
+        out.extend(self.combination_violations(fields, tensors))
+        if fields.get("convrot") or self.always_convrot:  # (kn: k is the stored row count)
+            g = fields.get("convrot_groupsize", 256)
+            if not is_valid_group_size(g) or k % g:
+                out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 "
+                                     f"dividing K={k}"))
+        b = tensors.get("bias")
+        if b is not None and (b.dtype not in ("F32", "F16", "BF16", "F64") or shape_of(b) != (n,)):
+            out.append(Violation("Q103", f"bias is {b.dtype} {list(shape_of(b))}, expected a "
+                                 f"float [{n}]", "bias"))
+        return out
+
+    def fit_error(self, layer, fields: dict) -> str | None:
+        """The first tensor-rule violation of ``layer`` as one line (what convert refuses)."""
+        found = self.layer_violations(fields, layer.tensors)
+        if not found:
+            return None
+        v = found[0]
+        return f"[{v.code}] {v.suffix}: {v.message}" if v.suffix != "weight" else \
+            f"[{v.code}] {v.message}"
+
+    # ------------------------------------------------------------------ validate's scheme check
+    def skip_shape(self, suffix: str, layer) -> bool:
+        """A tensor whose shape another rule of the format judges (``header_findings``)."""
+        return False
+
+    def header_findings(self, layer, n: int | None, k: int | None, add) -> list | None:
+        """Format-specific findings before the per-tensor checks, reported through
+        ``add(code, msg, suffix)`` or returned as a list of findings."""
+        return None
+
+    def extra_findings(self, layer, add) -> None:
+        """Format-specific findings after the tensor set (extra tensors, ...)."""
+
+    def constraints(self, layer, k: int, add) -> None:
+        """Format-specific rules on the marker's fields against K (after ConvRot's)."""
