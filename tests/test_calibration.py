@@ -363,3 +363,29 @@ def test_capture_through_a_quantized_file(world):
         torch.testing.assert_close(a.hessian(), b.hessian())  # block 0 sees the same inputs
         a, b = s.layers["blocks.1.mlp.fc2"], f.layers["blocks.1.mlp.fc2"]
         assert not torch.allclose(a.hessian(), b.hessian())  # later blocks see quantized ones
+
+
+def test_awq_w4a16_is_written_from_statistics_and_read_back(world):
+    """convert --to awq-w4a16 needs statistics; with them the file validates and comfy-kitchen's
+    AWQ reference dequantizes it as h3quant decodes it."""
+    from h3quant.errors import ConvertError
+    from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.pipelines.validate import validate_checkpoint
+
+    eager = pytest.importorskip("comfy_kitchen.backends.eager.awq")
+    with pytest.raises(ConvertError):
+        ConvertOptions(target="awq-w4a16")
+    out = world["d"] / "awq.safetensors"
+    convert(world["src"], out, ConvertOptions(target="awq-w4a16", overwrite=True,
+                                              calibration=str(world["stats"])))
+    assert validate_checkpoint(out, deep=True).ok
+    with Checkpoint(out) as c:
+        name = "blocks.1.mlp.fc2"
+        t = {s: c.read(f"{name}.{s}") for s in ("weight", "weight_scale", "weight_zeros")}
+    k = 2 * t["weight"].shape[1]
+    theirs = eager.gemv_awq_w4a16(torch.eye(k, dtype=t["weight_scale"].dtype), t["weight"],
+                                  t["weight_scale"], t["weight_zeros"], group_size=64)
+    ours = decode_awq_w4a16({"qweight": t["weight"], "wscales": t["weight_scale"],
+                             "wzeros": t["weight_zeros"]})
+    assert torch.equal(theirs.float().t(), ours.to(t["weight_scale"].dtype).float())
