@@ -17,6 +17,7 @@ _COMMANDS = {
     "inspect": "inspect_cmd",
     "validate": "validate_cmd",
     "convert": "convert_cmd",
+    "capture": "capture_cmd",
     "verify": "verify_cmd",
     "plan": "plan_cmd",
     "compare": "compare_cmd",

@@ -111,6 +111,18 @@ def _group_size(ctx, param, value):
                    "report's 'kept' share says how much survives).")
 @click.option("--lora-skip-unmatched", is_flag=True,
               help="Skip LoRA keys that fit no layer of IN (listed) instead of refusing.")
+@click.option("--calibration", "calibration", type=click.Path(dir_okay=False, path_type=str),
+              default=None,
+              help="Statistics from 'h3quant capture IN' (measured on this very checkpoint): "
+                   "int8, int8-convrot and w4a8 layers keep their usual scales (and W4A8 its "
+                   "codebook) but choose their codes by error feedback on your inputs; the "
+                   "file format is unchanged; awq-w4a16 is written only this way. Layers "
+                   "with fewer recorded rows than their input width are rounded to nearest "
+                   "(warned). Other formats are rounded to nearest.")
+@click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
+              default=None,
+              help="Statistics of other inputs (captured on IN too): the report also gives "
+                   "each layer's output SQNR on them. Changes no byte.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -124,8 +136,8 @@ def _group_size(ctx, param, value):
 @mmap_option
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
-            rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, overwrite, dry_run,
-            as_json,
+            rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
+            calibration_heldout, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -162,6 +174,9 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors mixed.safetensors --to int8-convrot \\
           --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
+      h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
+      h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \
+          --calibration h3.stats --report r.json              # calibrated codes
     """
     from h3quant.cli.render import render_plan, summary_line
 
@@ -216,7 +231,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              report=not no_report, workers=workers, mmap=not no_mmap,
                              overwrite=overwrite, rotation=rotation, layout=layout,
                              naming=naming, loras=tuple(loras),
-                             lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote)
+                             lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
+                             calibration=calibration, calibration_heldout=calibration_heldout)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

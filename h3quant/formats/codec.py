@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
+    calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
 

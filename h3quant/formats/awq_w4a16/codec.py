@@ -49,14 +49,25 @@ class AWQW4A16Codec(Codec):
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
 
+    calibrates = True
+    chunked = False  # written whole: its scales are stored [K/G, N], not by row
+    unrowed_outputs = ("weight_scale", "weight_zeros")
+    sampled_by_column = ("weight_scale", "weight_zeros")  # report samples: their rows, [n, K/G]
+
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is None:
             raise UnsupportedError(REFUSAL, code="Q105")
-        raise UnsupportedError("writing awq_w4a16 from calibration statistics is not available "
-                               "yet", code="Q105")
+        from h3quant.formats.awq_w4a16.encoder import encode_awq_w4a16
+
+        t = encode_awq_w4a16(w, calibration, group_size=_g(marker))
+        return {"weight": t["qweight"], "weight_scale": t["wscales"], "weight_zeros": t["wzeros"]}
 
     def report_grid(self, out, marker):
-        raise UnsupportedError(REFUSAL, code="Q105")
+        from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16
+
+        t = {"qweight": out["weight"], "wscales": out["weight_scale"].t(),  # sampled as rows
+             "wzeros": out["weight_zeros"].t()}
+        return decode_awq_w4a16(t, _g(marker)), None
 
 
 CODEC = AWQW4A16Codec(SPEC)

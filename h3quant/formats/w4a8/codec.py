@@ -25,7 +25,15 @@ class W4A8Codec(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
+    calibrates = True
+
     def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is not None:  # the codebook and scales as always, codes by feedback
+            from h3quant.formats.w4a8.calibrated import encode_w4a8_calibrated
+
+            return encode_w4a8_calibrated(w, calibration, group_size=marker["group_size"],
+                                          convrot_groupsize=marker["convrot_groupsize"],
+                                          codebook="auto", pool=pool)
         from h3quant.formats.w4a8.tensors import encode_w4a8
 
         return encode_w4a8(w, group_size=marker["group_size"],

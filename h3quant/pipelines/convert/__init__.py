@@ -92,6 +92,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
         plan = build_plan(source, src, dst, options)
         for path in input_paths(source, src):
             files.read(path, "input shard")
+        for stats in (options.calibration, options.calibration_heldout):
+            if stats:
+                files.read(Path(stats), "calibration statistics")
         with Outputs(files=files, overwrite=options.overwrite, log=log) as outs:
             out = outs.add(dst, directory=plan.directory)
             report_out = outs.add(report_path, what="report") if report_path else None
@@ -104,7 +107,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             elif plan.identity:
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
-            report = run_plan(plan, source, out, progress=progress)
+            if options.calibration:
+                from h3quant.pipelines.convert.calibrated import Calibration
+
+                plan.calibration = Calibration(options, src, log)
+            try:
+                report = run_plan(plan, source, out, progress=progress)
+            finally:
+                if plan.calibration is not None:
+                    plan.calibration.close()
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
             if loras is not None:

@@ -63,6 +63,8 @@ class ConvertOptions:
     lora_warn: float = 0.5  # warn when a layer keeps less than this share of its LoRA delta
     lora_promote: str | None = None  # a --to target for every layer a LoRA touches
     layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
+    calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
+    calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -81,7 +83,7 @@ class ConvertOptions:
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         refusal = registry.target_codec(self.target).spec.write_refusal
-        if refusal:
+        if refusal and not self.calibration:  # written from statistics only
             raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
@@ -90,6 +92,8 @@ class ConvertOptions:
             raise ConvertError(f"--naming must be auto, {', '.join(layouts.names()[:-1])} or "
                                f"{layouts.names()[-1]}, got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
+        if self.calibration_heldout and not self.calibration:
+            raise ConvertError("--calibration-heldout needs --calibration")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")
@@ -177,6 +181,8 @@ class ConvertOptions:
             body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_lora_spec, self.loras)]
         if self.layers:
             body["layers"] = [r.text for r in self.layers]
+        if self.calibration:  # calibrated codes: the statistics file's name
+            body["calibration"] = os.path.basename(self.calibration)
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:

@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from h3quant import __version__
 from h3quant.errors import ConvertError, MarkerError
@@ -82,6 +83,7 @@ class ConvertPlan:
     naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
     lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
     rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
+    calibration: Any = None  # convert.calibrated.Calibration when --calibration is given
 
     @property
     def output_bytes(self) -> int:

@@ -153,12 +153,26 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
             run_via(lp, reader, sinks, progress, opts.codec)
         elif lp.action == "convert":
             src = CheckedRows(lp, reader)
-            samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool)
+            st, info = (None, None)
+            if plan.calibration is not None and opts.codec.quantized:
+                st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
+                entry["calibration"] = info
+            samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool,
+                                   calibration=st)
             if opts.report:  # on a worker when there are any: overlaps the next layer
                 ref, out = samples.cat()
                 args = (opts.codec, lp, ref, out)
+                if info is not None:
+                    w_hat, _ = opts.codec.report_grid(out, lp.out_fields or {})
+                    info["output_sqnr_db"] = plan.calibration.output_sqnr(lp, ref, w_hat)
                 entry["metrics"] = (pool.submit(layer_metrics, *args) if pool
                                     else layer_metrics(*args))
+            if st is not None:
+                st.release()
+            elif plan.calibration is not None:
+                lay = plan.calibration.stats.layer(lp.name)
+                if lay is not None:
+                    lay.release()
         else:
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
