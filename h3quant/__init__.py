@@ -1,3 +1,3 @@
 """h3quant: read, validate, convert and verify quantized MiniMax H3 checkpoints."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -27,25 +27,30 @@ PV, PA = 96, 32
 
 # ------------------------------------------------------------------ the rule, written here
 
-def t_schedule(steps):
-    """The sampler's simple schedule, shift 12: fp32 12u / (1 + 11u), u = 1 - k/steps, then 0."""
-    out = []
-    for k in range(steps):
-        u = torch.tensor(1.0 - k / steps, dtype=torch.float32)
-        out.append(float(torch.tensor(12.0) * u / (torch.tensor(1.0) + torch.tensor(11.0) * u)))
-    return out + [0.0]
+def t_schedule(steps, shift=12.0):
+    """ComfyUI's "simple" scheduler of a discrete flow model (comfy/samplers.py,
+    comfy/model_sampling.py), written out: a 1000-entry fp32 table of shifted sigmas read at
+    ``-(1 + int(x * 1000 / steps))``, then 0."""
+    ts = (torch.arange(1, 1001, 1) / 1000) * 1000
+    ts = ts / 1000
+    table = shift * ts / (1 + (shift - 1) * ts)
+    step = len(table) / steps
+    return [float(table[-(1 + int(x * step))]) for x in range(steps)] + [0.0]
 
 
 def t_span(n, sigma, sigmas):
-    """(start, stop) of the heads the step at ``sigma`` uses (fp32, as the model sees it)."""
-    sig = (torch.tensor(sigma, dtype=torch.float32) * 1000) / 1000
-    sig = torch.clamp(sig, min=1e-6)
-    sched = torch.tensor(sigmas, dtype=torch.float32)
-    best = min(range(len(sigmas)), key=lambda j: (abs(float(sched[j] - sig)), j))
-    nxt = sched[min(best + 1, len(sigmas) - 1)]
+    """(start, stop) of the heads the step at ``sigma`` uses, as ComfyUI's FinalLayer computes
+    them: the model's sigma a Python float (fp32 timestep / 1000), the schedule an fp32 tensor,
+    the start's position in float64, the stop's in fp32, Python's round."""
+    timestep = torch.FloatTensor([sigma]) * 1000
+    sig = float((timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6))
+    sched = torch.FloatTensor(sigmas)
+    best = int((sched - sig).abs().argmin())
+    nxt = sched[min(best + 1, sched.shape[0] - 1)]
 
-    def grid_pos(s):
-        unshifted = s / (12.0 + s * (1.0 - 12.0))  # fp32 tensor ops
+    def grid_pos(s):  # float64 for a Python float, fp32 for a tensor
+        base = s / (12.0 + s * (1.0 - 12.0))
+        unshifted = 1.0 * base / (1.0 + (1.0 - 1.0) * base)
         return round(float(1.0 - unshifted) * n)
 
     start = min(grid_pos(sig), n - 1)
@@ -144,6 +149,27 @@ def test_every_step_equals_the_independent_rule(bank_files, steps):
     assert len(seen) > 1
 
 
+@pytest.mark.parametrize("heads,steps", [(4, 8), (4, 16)])
+def test_the_tie_at_sigma_0878_picks_the_head_comfyui_picks(heads, steps):
+    """At sigma ~0.878 the head position is 2.5 up to float64 rounding: ComfyUI computes it
+    in float64 from the Python float sigma (2.5000000254... -> head 3); in fp32 it lands on
+    2.5 and rounds to even (head 2). Every step of the schedule must agree with ComfyUI."""
+    from h3quant.runtime.model.schedule import head_span
+
+    sched = t_schedule(steps)
+    assert shifted_schedule(steps) == sched  # bit for bit, every entry
+    tie = [i for i, s in enumerate(sched[:-1]) if abs(s - 0.878049) < 1e-6]
+    assert len(tie) == 1
+    for i, s in enumerate(sched[:-1]):
+        hs = head_span(heads, s, sched)
+        assert (hs.step, hs.start, hs.stop) == (i, *t_span(heads, s, sched)), (i, s)
+    assert t_span(heads, sched[tie[0]], sched)[0] == 3
+    # the same position in fp32 (the arithmetic ComfyUI does not use) would pick head 2
+    s32 = torch.tensor(sched[tie[0]], dtype=torch.float32)
+    assert round(float(1.0 - s32 / (12.0 + s32 * (1.0 - 12.0))) * heads) == 2
+
+
+@pytest.mark.slow
 def test_a_bank_needs_the_schedule_and_a_plain_file_ignores_it(bank_files):
     v, a, t = _inputs(1)
     sched = shifted_schedule(4)

@@ -15,6 +15,7 @@ from helpers.h3files import sha, small_h3
 
 from h3quant.cli import main
 from h3quant.errors import OutputError
+from h3quant.formats.container import platform
 from h3quant.formats.container import atomic
 from h3quant.pipelines.convert import ConvertOptions, convert
 
@@ -173,7 +174,7 @@ def test_output_appearing_during_the_run_is_not_clobbered(src, tmp_path, monkeyp
 
 def test_rename_noreplace_fallback_is_atomic(tmp_path, monkeypatch):
     """Without renameat2 (other libcs, some file systems) the link/mkdir claim still refuses."""
-    monkeypatch.setattr(atomic, "_renameat2", lambda: None)
+    monkeypatch.setattr(platform, "_renameat2", lambda: None)
     f, d = tmp_path / "f", tmp_path / "d"
     (tmp_path / "s").write_text("new")
     f.write_text("old")

@@ -22,8 +22,28 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 AS_LIMIT = 6 << 30  # bytes of address space for a child (torch alone maps about 1.5 GB)
 
 
+def memory_cap(cap: int = AS_LIMIT) -> int:
+    """``cap``, never above this process's own hard limit (a child may not be given more than
+    the suite itself has: under ``ulimit -v`` the cap shrinks to it)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    return cap if hard == resource.RLIM_INFINITY else min(cap, hard)
+
+
 def _limit_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+    cap = memory_cap()
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def test_memory_cap_never_exceeds_the_own_hard_limit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (5_000_000_000, 5_000_000_000))
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    _limit_memory()
+    assert calls == [(5_000_000_000, 5_000_000_000)]
+    monkeypatch.setattr(resource, "getrlimit",
+                        lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    _limit_memory()
+    assert calls[-1] == (AS_LIMIT, AS_LIMIT)
 
 
 def h3q(*args, timeout=120) -> subprocess.CompletedProcess:

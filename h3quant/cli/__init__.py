@@ -19,9 +19,27 @@ _COMMANDS = {
     "convert": "convert_cmd",
     "verify": "verify_cmd",
     "plan": "plan_cmd",
+    "compare": "compare_cmd",
     "backends": "backends_cmd",
     "demo": "demo_cmd",
 }
+
+
+def _needs_torch(name: str) -> click.Command:
+    """A stand-in for a command whose module needs PyTorch when PyTorch is not installed: it
+    says so (exit 2) instead of failing on the import."""
+    from h3quant.cli.common import EXIT_USAGE, torch_missing_message
+
+    def callback(args):
+        click.echo(f"h3quant: error: {torch_missing_message(name)}", err=True)
+        sys.exit(EXIT_USAGE)
+
+    cmd = click.Command(name, callback=callback, add_help_option=False,
+                        help="(needs PyTorch: pip install 'h3quant[torch]')",
+                        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+                        context_settings={"ignore_unknown_options": True})
+    setattr(cmd, "_h3quant_epilog", True)
+    return cmd
 
 
 class _LazyGroup(click.Group):
@@ -43,13 +61,17 @@ class _LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             if exc.name == f"h3quant.cli.{module}":
                 return None  # command not built yet
+            from h3quant.cli.common import is_torch_missing
+
+            if is_torch_missing(exc):
+                return _needs_torch(name)
             raise
         cmd = mod.command
         if not getattr(cmd, "_h3quant_epilog", False):
             from h3quant.cli.common import EXIT_EPILOG
 
             cmd.epilog = f"{cmd.epilog}\n\n{EXIT_EPILOG}" if cmd.epilog else EXIT_EPILOG
-            cmd._h3quant_epilog = True
+            setattr(cmd, "_h3quant_epilog", True)
         return cmd
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -66,6 +88,14 @@ class _LazyGroup(click.Group):
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("h3quant: interrupted", err=True)
             sys.exit(130)
+        except ModuleNotFoundError as exc:  # e.g. an option's check that loads the runtime
+            from h3quant.cli.common import EXIT_USAGE, is_torch_missing, torch_missing_message
+
+            if not is_torch_missing(exc):
+                raise
+            name = next((a for a in (args or sys.argv[1:]) if a in _COMMANDS), None)
+            click.echo(f"h3quant: error: {torch_missing_message(name)}", err=True)
+            sys.exit(EXIT_USAGE)
         sys.exit(0)
 
 

@@ -86,7 +86,22 @@ def handle_errors(func):
             sys.exit(EXIT_USAGE)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except ModuleNotFoundError as exc:
+            if not is_torch_missing(exc):
+                if debug_enabled():
+                    raise
+                click.echo(internal_error_line(exc), err=True)
+                sys.exit(EXIT_INTERNAL)
+            ctx = click.get_current_context(silent=True)
+            click.echo(f"h3quant: error: {torch_missing_message(ctx.info_name if ctx else None)}",
+                       err=True)
+            sys.exit(EXIT_USAGE)
         except InternalError as exc:
+            if is_torch_missing(exc.original):
+                ctx = click.get_current_context(silent=True)
+                click.echo(f"h3quant: error: "
+                           f"{torch_missing_message(ctx.info_name if ctx else None)}", err=True)
+                sys.exit(EXIT_USAGE)
             if debug_enabled():
                 raise exc.original from None
             click.echo(internal_error_line(exc.original, exc.what), err=True)
@@ -98,6 +113,21 @@ def handle_errors(func):
             sys.exit(EXIT_INTERNAL)
 
     return wrapper
+
+
+def is_torch_missing(exc: BaseException) -> bool:
+    """True when ``exc`` says PyTorch is not installed (an optional dependency: ``inspect`` and
+    ``validate`` work without it)."""
+    return (isinstance(exc, ModuleNotFoundError)
+            and (exc.name or "").split(".")[0] == "torch")
+
+
+def torch_missing_message(command: str | None = None) -> str:
+    what = ("'h3quant validate --deep'" if command == "validate" else f"'h3quant {command}'"
+            if command else "this command")
+    return (f"{what} needs PyTorch, which is not installed; install it with "
+            "pip install 'h3quant[torch]' (or your platform's own torch build: CUDA, MPS, "
+            "Ascend). 'h3quant inspect' and 'h3quant validate' (without --deep) work without it")
 
 
 def printable(text: str) -> str:

@@ -1,9 +1,11 @@
-"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|bf16``: streaming, atomic conversion."""
+"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|fp8|fp8-e5m2|mxfp8|bf16``: streaming,
+atomic conversion."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -14,12 +16,31 @@ from h3quant.cli.common import (
     handle_errors,
     log,
     mmap_option,
+    progress_enabled,
 )
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
 
 _TARGETS = tuple(registry.targets())
+
+
+def default_output(src: str, target: str, layout: str | None = None) -> str:
+    """OUT when none is given: beside IN, named after IN and the target. An input inside a
+    Hugging Face cache (``models--ORG--NAME/snapshots/...``) is named after its repository and
+    written to the current directory: outputs never go into the cache."""
+    p = Path(src)
+    if p.name.endswith(".index.json"):
+        p = p.parent
+    stem, where = (p.name if p.is_dir() else p.name.removesuffix(".safetensors")), p.parent
+    repo = next((a for a in p.absolute().parents if a.name.startswith("models--")), None)
+    if repo is not None:
+        rel = p.absolute().relative_to(repo).parts[2:]  # after snapshots/<rev>
+        stem = "_".join([repo.name.split("--")[-1], *[x.removesuffix(".safetensors")
+                                                      for x in rel]])
+        where = Path(".")
+    suffix = target + ("-npu" if layout == "npu" else "")
+    return str(where / f"{stem or 'h3'}_{suffix}.safetensors")
 
 
 def _group_size(ctx, param, value):
@@ -32,7 +53,7 @@ def _group_size(ctx, param, value):
 
 @click.command("convert")
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
-@click.argument("dst", metavar="OUT", type=click.Path(path_type=str))
+@click.argument("dst", metavar="[OUT]", required=False, type=click.Path(path_type=str))
 @click.option("--to", "target", type=click.Choice(_TARGETS), default="int8-convrot",
               show_default=True,
               help="Target format of the selected linears: "
@@ -41,7 +62,9 @@ def _group_size(ctx, param, value):
               help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
                    "inputs); all-linears = every 2-D float weight (default otherwise).")
 @click.option("--include", multiple=True, metavar="REGEX",
-              help="Only convert layers whose name matches (re.search; repeatable).")
+              help="Only convert layers whose name matches (re.search; repeatable). Patterns: "
+                   "at most 65,536 characters, no backreferences, lookarounds or inline flags "
+                   "(matched in bounded time).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
 @click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
@@ -50,7 +73,8 @@ def _group_size(ctx, param, value):
                    "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
               help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
-                   "hand); see docs/FORMATS.md, Recipes.")
+                   "hand); see docs/FORMATS.md, Recipes. A regular file of at most 16 MiB; it is "
+                   "an input (no output may name it).")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -79,7 +103,8 @@ def _group_size(ctx, param, value):
                    "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
                    "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
                    "quantized IN without --to, the touched layers are decoded, merged and "
-                   "encoded again in IN's own format.")
+                   "encoded again in IN's own format. Checked from its header before any data "
+                   "is read: rank at most 1024, F32/F16/BF16 adapters, each adapter once.")
 @click.option("--lora-promote", type=click.Choice(_TARGETS), default=None,
               help="Write every layer a LoRA touches in this format instead (e.g. "
                    "int8-convrot in a W4A8 file: 4-bit rounding can eat a small delta; the "
@@ -104,6 +129,11 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
+    Without OUT the output goes beside IN, named after it and the target
+    (h3_bf16.safetensors -> h3_bf16_int8-convrot.safetensors; a Hugging Face cache snapshot's
+    output goes to the current directory, never into the cache); an existing file of that
+    name is never replaced: name OUT then.
+
     Only the selected linears are re-encoded; every other tensor is copied byte for byte.
     Nothing is left at OUT if anything fails; OUT == IN is refused. The output is written to a
     temporary file beside OUT and renamed when complete; the same input and options always give
@@ -113,7 +143,13 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     \b
     Examples:
       h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
+      h3quant convert h3_bf16.safetensors       # writes h3_bf16_int8-convrot.safetensors
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
+      h3quant convert h3_bf16.safetensors h3_fp8.safetensors --to fp8     # ComfyUI's float8_e4m3fn
+      h3quant convert h3_fp8_scaled.safetensors h3_mxfp8.safetensors --to mxfp8
+      h3quant convert h3_bf16.safetensors h3_nvfp4.safetensors --to nvfp4
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot   # convrot_w4a4
+      h3quant convert h3_nvfp4.safetensors h3_int8.safetensors --to int8-convrot  # from nvfp4
       h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
@@ -123,14 +159,32 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
       h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
           --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to int8-convrot \\
+          --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
     """
     from h3quant.cli.render import render_plan, summary_line
+
+    if dst is None:
+        dst = default_output(src, target, layout)
+        if os.path.lexists(dst):
+            raise click.UsageError(f"OUT not given and the default output {dst} exists; it is "
+                                   "never replaced: name OUT")
+        log(f"output: {dst}")
     from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
     from h3quant.pipelines.convert.recipe import load_recipe, parse_rule
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    from h3quant.formats.container.iofiles import CommandFiles
+    from h3quant.pipelines.convert import register_files
+
+    # every file this run reads and writes, checked before anything is read: no output may
+    # name an input (IN, a shard, a --lora file, the --recipe)
+    files = CommandFiles("convert")
+    files.read(recipe_path, "recipe")
+    register_files(files, src, dst, loras, report_path)
+    files.check(overwrite=overwrite)
     if lora_promote and not loras:
         raise ConvertError("--lora-promote needs --lora (it names the layers a LoRA touches)")
     ctx = click.get_current_context()
@@ -147,6 +201,13 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(src):  # a GGUF source: converted from a float copy made beside OUT
+        from h3quant.cli.convert_gguf import from_gguf
+
+        from_gguf(ctx, src, dst, quiet)
+        return
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
@@ -169,8 +230,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     done_before = len(committed_outputs())
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
-                       progress=not quiet and sys.stderr.isatty(), log=say,
-                       report_path=report_path)
+                       progress=progress_enabled(quiet), log=say,
+                       report_path=report_path, files=files)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
         # Everything is cleaned up by now (or every output is complete, when the signal came
         # after the final move: exit 0 then). Exit at once rather than wait at interpreter exit
@@ -196,4 +257,4 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if lay["action"] == "skip":
                 log(f"skipped {lay['name']}: {lay['reason']}")
         if options.report and converted:
-            log(summary_line(report.summary))
+            log(summary_line(report.summary, converted))

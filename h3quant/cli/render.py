@@ -89,9 +89,13 @@ def render_mix(mix: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary_line(summary: dict) -> str:
-    """One line of the convert error report's summary (``ConvertReport.summary``)."""
+def summary_line(summary: dict, converted: int = 0) -> str:
+    """One line of the convert error report's summary (``ConvertReport.summary``);
+    ``converted``: the layers the run converted (some may only move bytes, bit for bit)."""
     if not summary.get("layers"):
+        if converted:
+            return (f"error report: nothing to measure: the {converted} converted layer(s) "
+                    "were re-laid out bit for bit, not re-encoded")
         return "error report: no converted layers"
     return (f"error report ({summary['layers']} layers, up to {REPORT_ROWS} rows each): "
             f"weight rel L2 mean {summary['mean_weight_rel_l2']:.4f} "

@@ -14,6 +14,7 @@ from h3quant.cli.common import (
     guard,
     handle_errors,
     mmap_option,
+    progress_enabled,
 )
 
 
@@ -60,8 +61,10 @@ Examples:
 @click.option("--codes", is_flag=True,
               help="Print the rule registry (every finding code) and exit.")
 @mmap_option
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar on stderr (--deep).")
 @handle_errors
-def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: bool) -> None:
+def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: bool,
+            quiet: bool = False) -> None:
     """Check a checkpoint against the container, marker, scheme and H3 topology rules.
 
     CKPT is a .safetensors file, a *.safetensors.index.json shard index, or a directory.
@@ -75,7 +78,18 @@ def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: b
         raise click.UsageError("missing argument CKPT (or use --codes)")
     from h3quant.pipelines.validate import validate_checkpoint
 
-    res = guard("validating", validate_checkpoint, ckpt, deep=deep, mmap=not no_mmap)
+    bar = None
+    if deep and progress_enabled(quiet):
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="B", unit_scale=True, desc="deep check", file=sys.stderr,
+                   leave=False)
+    try:
+        res = guard("validating", validate_checkpoint, ckpt, deep=deep, mmap=not no_mmap,
+                    on_bytes=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
     if as_json:
         emit_json(res.to_dict())
     else:

@@ -165,11 +165,12 @@ def _given(ctx, names) -> list[str]:
               show_default=True, help="Seconds the rendezvous or any collective may wait before "
                                       "the run fails (exit 2).")
 @mmap_option
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar on stderr.")
 @handle_errors
 def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height, width,
             audio_frames, text_tokens, sigma, steps, sigmas, depth, plot, overwrite, seed,
             inputs_file, magnitude_factor,
-            as_json, tp, tp_scale, tp_timeout, no_mmap):
+            as_json, tp, tp_scale, tp_timeout, no_mmap, quiet=False):
     ctx = click.get_current_context()
     parallel = tp is not None  # never the environment alone (docs/verify.md)
     schedule = _schedule(steps, sigmas, ctx)
@@ -182,6 +183,8 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         mode = "the per-block mode (add --model)" + ("" if parallel else " without --tp")
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
+    # every file this run reads and writes, checked before anything is read
+    _files(ckpt, reference, inputs_file, plot).check(overwrite=overwrite)
     given_inputs = _file_inputs(ctx, inputs_file, sigma) if whole_model else None
     if parallel:
         from h3quant.pipelines.verify.model import ModelInputs
@@ -194,19 +197,43 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     if whole_model:
         _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens,
                    sigma, depth, plot, seed, as_json, no_mmap, overwrite, schedule,
-                   given_inputs)
+                   given_inputs, quiet)
     from h3quant.pipelines.verify.blocks import Thresholds, verify_checkpoint
 
     log(f"verifying {ckpt} ({blocks} blocks, {tokens} tokens, device {device})")
     th = Thresholds(magnitude_factor=magnitude_factor)
-    res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
-                blocks=blocks, tokens=tokens, seed=seed, sigma=sigma, mmap=not no_mmap,
-                thresholds=th)
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False,
+               disable=not progress_enabled(quiet))
+
+    def on_block(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(1)
+
+    try:
+        res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
+                    blocks=blocks, tokens=tokens, seed=seed, sigma=sigma, mmap=not no_mmap,
+                    thresholds=th, on_block=on_block)
+    finally:
+        bar.close()
     if as_json:
         emit_json(res.to_dict())
     else:
         click.echo(view.render_blocks(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
+
+
+def _files(ckpt, reference, inputs_file, plot):
+    """The files of a verify run: CKPT, --reference and --inputs read; --plot written."""
+    from h3quant.formats.container.iofiles import CommandFiles
+
+    files = CommandFiles("verify")
+    files.checkpoint(ckpt, "checkpoint")
+    files.checkpoint(reference, "reference")
+    files.read(inputs_file, "--inputs file")
+    files.write(plot, "plot")
+    return files
 
 
 def _schedule(steps, sigmas, ctx):
@@ -252,17 +279,17 @@ def _file_inputs(ctx, path, sigma):
 
 def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
                depth, plot, seed, as_json, no_mmap, overwrite=False, schedule=None,
-               given_inputs=None):
+               given_inputs=None, quiet=False):
     from tqdm import tqdm
 
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
     plot_inputs = ()
     if plot:  # the plot is an output like any other: checked before the long run
-        from h3quant.formats.container.atomic import check_output, checkpoint_inputs
+        from h3quant.formats.container.atomic import check_output
 
-        plot_inputs = checkpoint_inputs(ckpt, reference,
-                                        given_inputs.file if given_inputs else None)
+        plot_inputs = _files(ckpt, reference, given_inputs.file if given_inputs else None,
+                             plot).input_paths
         check_output(plot, directory=False, overwrite=overwrite, inputs=plot_inputs,
                      what="plot")
         view.require_matplotlib()
@@ -271,7 +298,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     log(f"verifying the whole model {ckpt} against "
         f"{reference or 'its own weights in float math (no --reference)'} on device {device}")
     bar = tqdm(total=None, unit="block", desc="blocks", file=sys.stderr, leave=False,
-               disable=not progress_enabled())
+               disable=not progress_enabled(quiet))
 
     def on_block(done: int, total: int) -> None:
         bar.total = total

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from h3quant.errors import MarkerError
 from h3quant.findings import Finding
@@ -39,8 +40,8 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> QuantFormat | None:
-        """The marker's wire name, as a ``QuantFormat`` (a str; None for a float layer)."""
+    def format(self) -> Any:
+        """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
     @property
@@ -146,7 +147,7 @@ def scan_layers(
         weight = layer.weight
         broken_marker = marker is not None or layer.name in (header or {})
         if (layer.fields is None and not broken_marker and weight is not None
-                and weight.dtype in QUANTIZED_WEIGHT_DTYPES):
+                and weight.dtype in QUANTIZED_WEIGHT_DTYPES and not _scaled_fp8(layer, tensors)):
             add("M109", f"weight is {weight.dtype} but the layer has no quantization marker",
                 layer.tensor_name("weight"))
     if header is None and any(lay.source == "tensor" for lay in layers.values()):
@@ -179,3 +180,15 @@ def _short(fields: dict) -> str:
 def scan_checkpoint(ckpt) -> LayerScan:
     """``scan_layers`` over an open ``Checkpoint``."""
     return scan_layers(ckpt.tensors, ckpt.metadata, ckpt.read_bytes, file=str(ckpt.path))
+
+
+def _scaled_fp8(layer, tensors) -> bool:
+    """ComfyUI's scaled fp8: an fp8 weight with a float scale companion and no marker (a layout
+    of its own, decoded as code x scale; not a layer that lost its marker)."""
+    from h3quant.formats.container.dtypes import FLOAT_DTYPES
+    from h3quant.formats.check import FP8_SCALE_NAMES as FP8_SCALES
+
+    w = layer.tensors.get("weight")
+    names = [f"{layer.name}.{s}" for s in FP8_SCALES]
+    return (w is not None and w.dtype in ("F8_E4M3", "F8_E5M2")
+            and any(n in tensors and tensors[n].dtype in FLOAT_DTYPES for n in names))

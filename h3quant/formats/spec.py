@@ -119,10 +119,17 @@ class FormatSpec:
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
     weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
+    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
+    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
+    grid_rows: tuple[str, ...] = ()
+    grid_whole: tuple[str, ...] = ()
+    grid_scale: str | None = None
     layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
     canonical: str | None = None  # for a layout variant: the format it re-lays out
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
 
     # ------------------------------------------------------------------ derived facts
     @property

@@ -20,7 +20,8 @@ def _norm(x, w):
 
 
 def timesteps(sigma):
-    s = max(sigma, 1e-6)
+    # the sampler hands the model timestep = fp32(sigma) * 1000; the model divides back (fp32)
+    s = float(((torch.tensor([float(sigma)], dtype=torch.float32) * 1000) / 1000).clamp(min=1e-6))
     u = s / (12.0 + s * (1 - 12.0))
     shifted = 3.0 * u / (1 + 2.0 * u)
     tv, ta = 1 - s, 1 - shifted

@@ -23,10 +23,7 @@ Rules (what a user can rely on):
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -37,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3quant.errors import OutputError
+from h3quant.formats.container.platform import open_fd, rename_noreplace, set_mode, try_lock
 from h3quant.formats.container.signals import (  # noqa: F401 (Terminated, terminate_on_signals: re-exported)
     Terminated,
     deferred_signals,
@@ -50,47 +48,6 @@ _UNLOCKED_SUFFIX = ".new"  # a staging directory before its lock is held (never 
 LOCK_NAME = ".lock"
 MANIFEST_NAME = ".h3quant-output.json"
 MANIFEST_KIND = "h3quant-output"
-
-
-# --------------------------------------------------------------------------------------------
-# no-clobber rename
-# --------------------------------------------------------------------------------------------
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-_libc = None
-
-
-def _renameat2():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            _libc = False
-    return getattr(_libc, "renameat2", None) if _libc else None
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; ``FileExistsError`` if ``dst`` exists, checked atomically."""
-    fn = _renameat2()
-    if fn is not None:
-        rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(dst))
-    # Fallback for file systems without RENAME_NOREPLACE: claim the name atomically first.
-    if src.is_dir() and not src.is_symlink():
-        os.mkdir(dst)  # FileExistsError if taken; then rename onto our own empty directory
-        try:
-            os.rename(src, dst)
-        except BaseException:
-            os.rmdir(dst)
-            raise
-    else:
-        os.link(src, dst)  # FileExistsError if taken
-        os.unlink(src)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,26 +122,11 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
         raise OutputError(f"the {what}'s directory does not exist", path=path)
     if path.name in ("", ".", ".."):
         raise OutputError(f"the {what} must name a file", path=path)
-    st = _stat(path)
-    inputs = [Path(p) for p in inputs]
-    for inp in inputs:
-        inp = Path(inp)
-        ist = _stat(inp)
-        if os.path.abspath(inp) == os.path.abspath(path) or (
-                st is not None and ist is not None and _same_inode(st, ist)):
-            raise OutputError(f"the {what} is the input {inp} (same file); choose another path",
-                              path=path)
-        if directory and ist is not None:
-            try:
-                Path(inp).resolve().relative_to(path.resolve())
-                raise OutputError(f"the {what} directory contains the input {inp}; "
-                                  "choose another path", path=path)
-            except ValueError:
-                pass
-    for folder in input_dirs(inputs):
-        if _is_within(path, folder):
-            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
-                              "live there); choose a path outside it", path=path)
+    if is_staging_name(path.name):
+        raise OutputError(f"the {what}'s name is reserved for h3quant's temporary staging "
+                          f"directories ({STAGING_PREFIX}*{STAGING_SUFFIX}), which a later run "
+                          "may remove; choose another name", path=path)
+    check_not_input(path, inputs, directory=directory, what=what)
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -210,6 +152,40 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
 
 
 INDEX_SUFFIX = ".index.json"
+
+
+def check_not_input(path: Path, inputs: Iterable[Path], *, directory: bool = False,
+                    what: str = "output", names: Callable[[Path], str] | None = None) -> None:
+    """Refuse an output that is an input (same path, a link to it, the same inode), or a
+    directory output holding an input, or an output inside an input directory."""
+    path = Path(path)
+    st = _stat(path)
+    inputs = [Path(p) for p in inputs]
+    for inp in inputs:
+        ist = _stat(inp)
+        same = os.path.abspath(inp) == os.path.abspath(path) or (
+            st is not None and ist is not None and _same_inode(st, ist))
+        if not same and st is not None and ist is not None:
+            try:
+                same = path.resolve() == inp.resolve()
+            except (OSError, RuntimeError):
+                pass
+        if same:
+            kind = names(inp) if names else "input"
+            kind = "" if kind == "input" else f"the {kind}, "
+            raise OutputError(f"the {what} is the input {inp} ({kind}a file this command "
+                              "reads); choose another path", path=path)
+        if directory and ist is not None:
+            try:
+                Path(inp).resolve().relative_to(path.resolve())
+                raise OutputError(f"the {what} directory contains the input {inp}; "
+                                  "choose another path", path=path)
+            except ValueError:
+                pass
+    for folder in input_dirs(inputs):
+        if _is_within(path, folder):
+            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
+                              "live there); choose a path outside it", path=path)
 
 
 def input_dirs(inputs: Iterable[Path]) -> list[Path]:
@@ -291,12 +267,10 @@ _LEGACY_BACKUP = ".old-"  # older releases kept the previous output at <stage>/.
 def _try_lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if not try_lock(fd):
         os.close(fd)
         return None
     return fd
@@ -329,7 +303,7 @@ def _read_journal(stage: Path) -> list[dict] | None:
 
 
 def _write_small(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -397,6 +371,19 @@ def recover(stage: Path, parent: Path, log: Callable[[str], None] | None = None)
     return safe
 
 
+def is_staging_name(name: str) -> bool:
+    """True for names h3quant gives its staging directories (never allowed as an output)."""
+    return name.startswith(STAGING_PREFIX) and (name.endswith(STAGING_SUFFIX)
+                                                or name.endswith(_UNLOCKED_SUFFIX))
+
+
+def _looks_like_stage(stage: Path) -> bool:
+    """Not an output directory (one holding h3quant's output manifest, as an OUT named like a
+    staging directory by an older release would): such a directory is the user's, never
+    removed."""
+    return not os.path.lexists(stage / MANIFEST_NAME)
+
+
 def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
     """Resolve and remove staging directories left by killed runs (their lock is free).
 
@@ -411,8 +398,8 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
         if not (name.startswith(STAGING_PREFIX) and name.endswith(STAGING_SUFFIX)):
             continue
         stage = Path(directory) / name
-        if stage.is_symlink() or not stage.is_dir():
-            continue
+        if stage.is_symlink() or not stage.is_dir() or not _looks_like_stage(stage):
+            continue  # named like one, but not h3quant's: never touched
         fd = _try_lock(stage / LOCK_NAME)
         if fd is None:
             continue  # a live run holds it
@@ -501,12 +488,20 @@ class Outputs:
     """
 
     def __init__(self, *, inputs: Iterable[Path] = (), overwrite: bool = False,
-                 log: Callable[[str], None] | None = None):
-        self.inputs = [Path(p) for p in inputs]
+                 log: Callable[[str], None] | None = None, files=None):
+        # ``files``: the command's ``iofiles.CommandFiles``; its inputs (also those registered
+        # later) are checked with ``inputs`` at staging and at the final move
+        self._given_inputs = [Path(p) for p in inputs]
+        self.files = files
         self.overwrite = overwrite
         self.log = log
         self._items: list[_Item] = []
         self._stages: dict[Path, _Stage] = {}
+
+    @property
+    def inputs(self) -> list[Path]:
+        extra = self.files.input_paths if self.files is not None else []
+        return self._given_inputs + [p for p in extra if p not in self._given_inputs]
 
     def check(self, target: str | os.PathLike, *, directory: bool = False,
               what: str = "output") -> Path:
@@ -637,7 +632,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True,
 
 def write_file(path: Path, data: bytes) -> None:
     """Write and fsync ``data`` to a new file at ``path`` (a staged path)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, default_mode())
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, default_mode())
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -653,7 +648,7 @@ def open_temp(path: Path) -> tuple[int, Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=STAGING_SUFFIX,
                                dir=path.parent)
     try:
-        os.fchmod(fd, default_mode())
+        set_mode(fd, tmp, default_mode())
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -676,8 +671,8 @@ def default_mode(directory: bool = False) -> int:
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename into it is durable (best effort: some filesystems refuse)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_fd(path, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory
         return
     try:
         os.fsync(fd)

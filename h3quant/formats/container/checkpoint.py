@@ -24,14 +24,39 @@ INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20  # a 50 000-tensor index is ~4 MB
 
 
-def _inside(root: Path, fname: str) -> bool:
-    """A shard name from an index: one plain path component, resolving inside ``root``."""
+def _cache_repo(folder: Path) -> Path | None:
+    """The Hugging Face cache repository folder (``models--ORG--NAME``, ``datasets--*``, ...)
+    holding ``folder``, found on the path as given (before links are followed), or None."""
+    for parent in (folder, *folder.parents):
+        if parent.name.startswith(("models--", "datasets--", "spaces--")):
+            return parent
+    return None
+
+
+def _inside(root: Path, fname: str, folder: Path | None = None) -> str | None:
+    """Why a shard name from an index is refused, or None when it is accepted: one plain path
+    component naming a file inside ``root`` (the index's resolved directory). A symbolic link
+    is followed only inside a Hugging Face cache repository folder (``snapshots/<rev>/`` ->
+    ``../../blobs/``): it must resolve inside that same ``models--*`` folder."""
     if not fname or "\0" in fname or "/" in fname or "\\" in fname or fname in (".", ".."):
-        return False
+        return "which is not a plain file name"
     try:
-        return (root / fname).resolve().parent == root
+        candidate = root / fname
+        if candidate.is_symlink():
+            target = candidate.resolve()
+            repo = _cache_repo(folder if folder is not None else root)
+            if repo is not None and target.is_relative_to(repo.resolve()):
+                return None
+            if repo is None:
+                return (f"a symbolic link to {target}; shards may be symbolic links only inside "
+                        "a Hugging Face cache repository folder (models--ORG--NAME)")
+            return (f"a symbolic link to {target}, outside its Hugging Face cache repository "
+                    f"folder {repo}")
+        if candidate.resolve().parent == root:
+            return None
     except (OSError, RuntimeError, ValueError):
-        return False
+        pass
+    return "which is not a file inside the index's directory"
 
 
 def _resolve(path: Path) -> tuple[list[Path], Path | None]:
@@ -84,7 +109,8 @@ class Checkpoint:
     # -- construction ---------------------------------------------------------------------------
     def _load_index(self, index: Path) -> dict[str, str] | None:
         """The index's weight_map. The index is untrusted: bounded size, sane JSON, and every
-        shard it names is a plain file name inside the index's directory (S106)."""
+        shard it names is a plain file name inside the index's directory, or a symbolic link
+        within the same Hugging Face cache repository folder (S106)."""
         with open_input(index, what="shard index") as fh:
             raw = fh.read(MAX_INDEX_BYTES + 1)
         if len(raw) > MAX_INDEX_BYTES:
@@ -109,11 +135,11 @@ class Checkpoint:
         for name, fname in wm.items():
             if fname in refused:
                 continue
-            if not _inside(root, fname):
+            why = _inside(root, fname, index.parent.absolute())
+            if why is not None:
                 refused.add(fname)
                 self.findings.append(Finding(
-                    "S106", f"index names shard {fname!r}, which is not a file inside the "
-                    "index's directory; not opened", file=str(index)))
+                    "S106", f"index names shard {fname!r}, {why}; not opened", file=str(index)))
                 continue
             safe[name] = fname
         return safe

@@ -22,6 +22,7 @@ from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
 from h3quant.formats.container import jsonsafe
 from h3quant.formats.container.dtypes import DTYPES, itemsize, to_torch
+from h3quant.formats.container.platform import open_fd
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,12 @@ class ParsedHeader:
     findings: list[Finding] = field(default_factory=list)
 
 
+def _looks_like_text(raw: bytes) -> bool:
+    """Eight bytes of printable ASCII (a JSON, YAML or text file): never a real header length,
+    whose top bytes are zero for any header under ``MAX_HEADER_BYTES``."""
+    return len(raw) == 8 and all(32 <= b < 127 or b in (9, 10, 13) for b in raw)
+
+
 def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> ParsedHeader:
     """Check and parse a header. ``read_header(n)`` returns the ``n`` header bytes."""
     name = str(path)
@@ -84,6 +91,12 @@ def parse_header(raw_len: bytes, read_header, file_size: int, path: Path) -> Par
     if len(raw_len) < 8:
         return fail("C101", f"file is {file_size} bytes, too short to hold the 8-byte header length")
     (n,) = struct.unpack("<Q", raw_len)
+    if (n > MAX_HEADER_BYTES or 8 + n > file_size) and _looks_like_text(raw_len):
+        return fail("C101", f"not a safetensors file: it begins with text "
+                    f"({raw_len.decode('ascii')!r}), where a safetensors file begins with its "
+                    "8-byte header length" + (
+                        "; it looks like JSON (a shard index is read through its directory or "
+                        "its *.safetensors.index.json name)" if raw_len[:1] in b"{[" else ""))
     if n > MAX_HEADER_BYTES:
         return fail("C101", f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte bound")
     if 8 + n > file_size:
@@ -183,7 +196,7 @@ def open_input(path: Path, *, what: str = "input"):
     block (``O_NONBLOCK``); the type is checked on the opened descriptor, so a path swapped
     between the check and the read is still refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = open_fd(path, os.O_RDONLY, nonblocking=True)
     except OSError as exc:
         raise ContainerError(f"cannot open: {exc.strerror}", path=path, code="C112") from None
     try:
@@ -195,7 +208,6 @@ def open_input(path: Path, *, what: str = "input"):
                     else "not a regular file")
             raise ContainerError(f"the {what} is {kind}, not a regular file; refused before "
                                  "reading", path=path, code="C112")
-        os.set_blocking(fd, True)
         return open(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)

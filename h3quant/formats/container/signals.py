@@ -1,4 +1,4 @@
-"""Signals while a command writes: SIGTERM and SIGHUP unwind like Ctrl-C, and the few moments
+"""Signals while a command writes: SIGTERM and SIGHUP (SIGBREAK on Windows) unwind like Ctrl-C, and the few moments
 that must not be cut in two (loading torch, the final move of the outputs) defer them.
 
 * ``terminate_on_signals()``: while active (main thread only), SIGTERM and SIGHUP raise
@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-_DEFERRED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+from h3quant.formats.container.platform import DEFERRED_SIGNALS, TERMINATION_SIGNALS
+
+_DEFERRED = DEFERRED_SIGNALS
 _committed: list[Path] = []
 
 
@@ -67,7 +69,7 @@ def terminate_on_signals() -> Iterator[None]:
     def handler(signum, frame):
         raise Terminated(signum)
 
-    with _handling((signal.SIGTERM, signal.SIGHUP), handler):
+    with _handling(TERMINATION_SIGNALS, handler):
         yield
 
 

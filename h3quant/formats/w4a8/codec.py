@@ -54,6 +54,15 @@ class W4A8Codec(Codec):
                              codebook=tensors.get("weight_codebook"))
         return q, tensors["weight_s_channel"].to(torch.float32).reshape(-1)
 
+    def grid_rows(self, rows, whole, fields):
+        import torch
+
+        from h3quant.formats.w4a8.tensors import decode_w4a8_int8
+
+        return decode_w4a8_int8(rows["weight"].view(torch.int8), rows["weight_s_rel"],
+                                group_size=int(fields.get("group_size", GROUP)),
+                                codebook=whole.get("weight_codebook"))
+
     def row_range(self, tensors, th):
         """The decoded grid of a well-encoded row peaks near 127 (``th.w4a8_row_peak_min``)."""
         low = th.w4a8_row_peak_min

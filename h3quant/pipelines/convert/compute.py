@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,6 +82,8 @@ class SourceRows:
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
         self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
+        self._views = self.codec.row_views(self._whole, self.f)
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -99,9 +102,12 @@ class SourceRows:
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)``: the stored float rows (no copy) or the dequantized fp32 rows."""
-        rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
+        rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
+        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+            rows["_row0"] = r0
+        rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
@@ -221,6 +227,8 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     unrowed = opts.codec.unrowed_outputs
     samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
     samples.extra = {s: v for s, v in out.items() if s in unrowed}
+    if samples.idx is not None and (unrowed or getattr(opts.codec, "needs_row0", False)):
+        samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))

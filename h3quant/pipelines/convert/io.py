@@ -25,6 +25,7 @@ from h3quant.errors import ContainerError
 from h3quant.formats.container.atomic import open_temp, publish
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import itemsize, to_torch
+from h3quant.formats.container.platform import datasync, pwrite
 from h3quant.formats.container.writer import Layout, tensor_bytes
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class OffsetWriter:
         fd = self._fd
         try:
             os.ftruncate(fd, self.layout.file_bytes)
-            os.pwrite(fd, self.layout.header, 0)
+            pwrite(fd, self.layout.header, 0)
         except BaseException:
             self._abort()
             raise
@@ -86,7 +87,7 @@ class OffsetWriter:
             except ContainerError:
                 return
             try:
-                os.fdatasync(fd)
+                datasync(fd)
             except OSError:
                 return  # the final fsync reports real errors
             finally:
@@ -118,7 +119,7 @@ class OffsetWriter:
         fd = self._enter_fd()
         try:
             while mv.nbytes:
-                n = os.pwrite(fd, mv, pos)
+                n = pwrite(fd, mv, pos)
                 mv, pos = mv[n:], pos + n
                 self._account(name, n)
         finally:

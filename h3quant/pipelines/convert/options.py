@@ -12,6 +12,7 @@ from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.patterns import compile_pattern
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
@@ -19,6 +20,17 @@ MAX_GROUP_SIZE = 1024  # the rotation is g x g: larger groups would only cost me
 REPORT_ROWS = 256  # rows sampled per layer for the error report
 REPORT_TOKENS = 64  # tokens of the seeded random activation
 REPORT_SEED = 0
+
+
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """``FILE[:STRENGTH]`` -> (path, strength); strength defaults to 1.0 and may be negative."""
+    path, sep, tail = spec.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
 
 
 # int8 ConvRot rotation: "exact" reproduces comfy-kitchen's fp32 summation order (bit-identical
@@ -68,6 +80,9 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal:
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
@@ -89,12 +104,8 @@ class ConvertOptions:
         compiled = []
         for flag, pats in (("--include", self.include), ("--exclude", self.exclude)):
             out = []
-            for pat in pats:
-                try:
-                    out.append(re.compile(pat))
-                except re.error as exc:
-                    raise ConvertError(f"{flag} {pat!r} is not a valid regular expression: {exc}") \
-                        from None
+            for pat in pats:  # bounded matching time (h3quant.patterns), or a usage error
+                out.append(compile_pattern(pat, f"{flag} {pat!r}", ConvertError))
             compiled.append(tuple(out))
         object.__setattr__(self, "_patterns", tuple(compiled))
         self._compile_rules()
@@ -118,7 +129,9 @@ class ConvertOptions:
                                       else self.layout))
                 except ConvertError as exc:
                     raise ConvertError(f"rule {i} {rule.text!r}: {exc.reason}") from None
-            out.append((re.compile(rule.pattern), sub))
+            out.append((re.compile(rule.pattern) if rule.internal else
+                        compile_pattern(rule.pattern, f"rule {i} {rule.text!r}", ConvertError),
+                        sub))
         object.__setattr__(self, "_rules", tuple(out))
 
     def for_layer(self, layer: str) -> tuple[int | None, "ConvertOptions | None"]:
@@ -160,9 +173,8 @@ class ConvertOptions:
         if self.layout != "canonical":
             body["layout"] = self.layout
         if self.loras:  # baked LoRAs change the bytes: file names and strengths
-            from h3quant.pipelines.convert.lora import parse_spec
 
-            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
+            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_lora_spec, self.loras)]
         if self.layers:
             body["layers"] = [r.text for r in self.layers]
         return json.dumps(body, sort_keys=True)
@@ -185,6 +197,17 @@ def is_h3(tensors: dict) -> bool:
         return detect(tensors) is not None
     except H3QuantError:
         return False
+
+
+def wide_rules(options: "ConvertOptions", preset: str, weights: dict[str, tuple[int, ...]]
+               ) -> frozenset[int]:
+    """The rules (indices) that name no layer the preset picks: those apply to any linear of
+    the input (``--layer 'token_refiner\\.=bf16'``); every other rule keeps to the preset's
+    layers. ``weights``: layer name -> weight shape."""
+    picked = [n for n, shape in weights.items() if options.filtered(n)
+              and preset_selects(preset, n, "F32", len(shape), True)]
+    return frozenset(i for i, (pat, _) in enumerate(options._rules)
+                     if not any(pat.search(n) for n in picked))
 
 
 def preset_selects(preset: str, layer: str, weight_dtype: str, weight_rank: int,

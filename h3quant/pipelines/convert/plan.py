@@ -15,6 +15,7 @@ from h3quant.errors import ConvertError, MarkerError
 from h3quant.formats import registry
 from h3quant.formats.container.atomic import check_output
 from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.h3 import provenance as origin
 from h3quant.h3.topology import refuse_beyond_limit
 from h3quant.formats.layers import Layer, group_tensors
@@ -37,7 +38,7 @@ from h3quant.pipelines.convert.layers import (
     same_target,
     skip_reason,
 )
-from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects
+from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects, wide_rules
 from h3quant.pipelines.convert.recipe import check_rules
 from h3quant.pipelines.convert.relayout import conversion_via, describe_via
 
@@ -156,8 +157,10 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
     plans: list[LayerPlan] = []
     dropped: list[str] = []
     candidates: list[str] = []  # layers a --layer / --recipe rule may decide
+    wide = wide_rules(options, preset, {n: tuple(lay.weight.shape) for n, lay in layers.items()
+                                        if lay.weight is not None}) if options.layers else ()
     for layer in layers.values():
-        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates)
+        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates, wide)
         if lp is None:  # plain layer, not converted: copied as is
             copies += [CopyItem(t.name, t, Entry(t.name, t.dtype, t.shape))
                        for t in layer.tensors.values()]
@@ -191,24 +194,33 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
 
 
 def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str,
-                candidates: list[str] | None = None):
+                candidates: list[str] | None = None, wide=()):
     res = resolve_marker(layer, header, read_bytes)
     w = layer.weight
     if w is None:
         return None  # a stray bias etc.: plain copy
     quantized = res.fields is not None
     rule, lopts = opts.for_layer(layer.name)  # a --layer / --recipe rule, or the --to options
-    if candidates is not None and opts.layers and opts.filtered(layer.name) and (
-            quantized or preset_selects(preset, layer.name, w.dtype, len(w.shape), False)):
-        candidates.append(layer.name)
+    # a rule naming no layer the preset picks (``wide``) may name any linear the input has
+    # (2-D float or quantized weight): `--layer 'token_refiner\.=bf16'`
+    linear = quantized or (len(w.shape) == 2 and w.dtype in FLOAT_DTYPES)
+    by_rule = False  # picked only because a rule names it (the preset leaves it alone)
     if lopts is None:  # keep: written as it is in the input
         selected = False
         lopts = opts
-    elif not lopts.codec.quantized:  # dequantizing: only quantized layers are candidates
-        selected = quantized and opts.filtered(layer.name)
+    elif not lopts.codec.quantized:  # dequantizing: quantized layers, and named wider floats
+        by_rule = not quantized and rule in wide and linear and w.dtype != "BF16"
+        selected = opts.filtered(layer.name) and (quantized or by_rule)
     else:
-        selected = (preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
-                    and opts.filtered(layer.name))
+        preset_pick = preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
+        by_rule = not preset_pick and rule in wide and linear
+        selected = opts.filtered(layer.name) and (preset_pick or by_rule)
+    if selected and by_rule and lopts.codec.quantized and skip_reason(layer, res.fields, lopts):
+        selected = False  # a broad rule meets a layer its format cannot take: left as it is
+    if candidates is not None and opts.layers and opts.filtered(layer.name) and (
+            quantized or preset_selects(preset, layer.name, w.dtype, len(w.shape), False)
+            or (by_rule and selected)):
+        candidates.append(layer.name)
     base, opts = opts, lopts
     if not selected and not quantized:
         return None

@@ -17,6 +17,7 @@ import torch
 
 from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FindingError, FormatError, H3QuantError
+from h3quant.findings import Severity, rule
 from h3quant.formats import check as rules
 from h3quant.formats import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
@@ -45,6 +46,16 @@ def check_source_scales(lp, reader) -> None:
         for v in rules.scale_violations(values):
             raise FormatError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
                               tensor=info.name, code=v.code)
+
+    def read(info, dtype=None):
+        t = reader.whole(info).contiguous().reshape(-1)
+        return t.view(dtype) if dtype is not None else t
+
+    for v in codec.layer_data_violations(lp.inputs, read, lp.src_fields or {}):
+        if rule(v.code).severity is Severity.ERROR:  # nvfp4 block scales against codes ...
+            info = lp.inputs.get(v.suffix)
+            raise FormatError(f"[{v.code}] source {v.suffix}: {v.message}; nothing written",
+                              tensor=info.name if info is not None else lp.name, code=v.code)
 
 
 def check_source_codebook(lp, reader) -> None:
@@ -152,7 +163,9 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
     except H3QuantError as exc:
-        entry["error"] = exc.reason
-        failures.append({"name": lp.name, "error": exc.reason})
+        why = (f"[{exc.code}] {exc.reason}" if exc.code and f"[{exc.code}]" not in exc.reason
+               else exc.reason)  # the rule's code, as validate names it
+        entry["error"] = why
+        failures.append({"name": lp.name, "error": why})
     progress(total)
     results[lp.name] = entry

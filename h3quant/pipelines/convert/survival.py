@@ -105,14 +105,25 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
             "codes_changed": round(changed / max(total, 1), 4), "rows": sampled}
 
 
-def measure(view, loras, plan, options, log) -> dict:
+def measure(view, loras, plan, options, log, progress: bool = False) -> dict:
     """The survival of every LoRA layer of ``view`` (a ``SourceView`` with ``loras``); only the
     summary without ``options.report``."""
     if not options.report:
         return summary(loras)
     by_layer = {lp.name: lp for lp in plan.layers if lp.action == "convert"}
     rows, warnings = [], []
-    for layer in sorted(loras.layers):
+    layers = sorted(loras.layers)
+    bar = None
+    if progress and layers:
+        import sys
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(layers), unit="layer", desc="LoRA survival", file=sys.stderr,
+                   leave=False)
+    for layer in layers:
+        if bar is not None:
+            bar.update(1)
         lp = by_layer.get(layer)
         row = _layer(view, loras, layer, lp, options)
         rows.append(row)
@@ -120,6 +131,16 @@ def measure(view, loras, plan, options, log) -> dict:
             warnings.append(f"{layer}: only {row['kept']:.0%} of the LoRA delta survives "
                             f"{row['format']} ({row['codes_changed']:.1%} of codes changed); "
                             "--lora-promote int8-convrot writes the layers a LoRA touches int8")
-    for w in warnings:
-        log(f"warning: {w}")
+    if bar is not None:
+        bar.close()
+    if len(warnings) == 1:
+        log(f"warning: {warnings[0]}")
+    elif warnings:  # one line for all: the layers of one format behave alike
+        low = sorted((r for r in rows if r["layer"] in {w.split(":")[0] for w in warnings}),
+                     key=lambda r: r["kept"])
+        fmts = sorted({r["format"] for r in low})
+        log(f"warning: {len(low)} layers keep less than {options.lora_warn:.0%} of the LoRA "
+            f"delta after {', '.join(fmts)} encoding (from {low[0]['kept']:.0%} in "
+            f"{low[0]['layer']} to {low[-1]['kept']:.0%}; each layer in the report); "
+            "--lora-promote int8-convrot writes the layers a LoRA touches int8")
     return {**summary(loras), "survival": rows, "warnings": warnings}

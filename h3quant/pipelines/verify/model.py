@@ -129,9 +129,15 @@ class ModelVerifyResult(Verdict):
 
 
 def _formats(model) -> list[str]:
+    from h3quant.runtime.loader import has_scaled_fp8_marker
+
     p = model.prefix + "blocks."
-    return sorted({lay.fields["format"] for n, lay in model.scan.layers.items()
-                   if n.startswith(p) and lay.fields is not None})
+    found = {lay.fields["format"] for n, lay in model.scan.layers.items()
+             if n.startswith(p) and lay.fields is not None}
+    if has_scaled_fp8_marker(model.ckpt) and any(  # legacy scaled fp8 loads as float8_e4m3fn
+            n.startswith(p) and f"{n}.scale_weight" in model.ckpt.tensors for n in model.scan.layers):
+        found.add("float8_e4m3fn")
+    return sorted(found)
 
 
 def _backends(block) -> dict[str, int]:
@@ -172,7 +178,8 @@ def verify_model(
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     with H3Model.open(path, dev, mmap=mmap, backend=backend, probe=probe) as model, \
             H3Model.open(reference or path, "cpu", mmap=mmap,
-                         linear="runtime" if reference else "reference") as ref:
+                         linear="runtime" if reference else "reference",
+                         any_layout=bool(reference)) as ref:
         formats = _formats(model)
         if not formats:
             raise VerifyError("the checkpoint's blocks hold no quantized layer; nothing to "

@@ -8,8 +8,6 @@ seeded inputs; rank 0 then runs the single-device reference and compares (bit-id
 from __future__ import annotations
 
 import gc
-import resource
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch
 
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.platform import max_rss_bytes
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.pipelines.verify import blocks as verify
 from h3quant.pipelines.metrics import error_metrics
@@ -356,8 +355,7 @@ def _append_check(result: TpResult, i: int, what: str, parallel: str, strategy: 
 
 
 def _peak_rss() -> int:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kib) * (1 if sys.platform == "darwin" else 1024)
+    return max_rss_bytes() or 0  # 0 where the platform does not say (Windows)
 
 
 # ------------------------------------------------------------------------------ entry point

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 
-from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.source_view import open_as_comfy
 
 
 def precheck_reference(reference: str | os.PathLike, mmap: bool = True) -> None:
     """Open the reference's header (and shards) once: a missing or malformed file fails here,
     in the caller, with the same error the single-device verify gives."""
-    with Checkpoint(reference, mmap=mmap):
-        pass
+    open_as_comfy(reference, mmap=mmap).close()  # any layout convert takes
 
 
 def reference_verdict(path, reference, *, device: str, blocks, tokens: int, seed: int,

@@ -295,6 +295,11 @@ def torch_device(device) -> torch.device:
 def reference_linear(layer: LoadedLayer, *, device=None) -> nn.Module:
     """The float reference of a layer: its stored float weight, or the float math of its
     quantized weights (``DequantLinear``)."""
+    if layer.decodes:  # fp8, mxfp8, ...: the codec's fp32 decode, float math
+        dev = None if device is None else torch_device(device)
+        w, bias = layer.dequantize(torch.float32), layer.bias
+        return FloatLinear(w.to(dev) if dev else w,
+                           None if bias is None else (bias.to(dev) if dev else bias))
     if layer.is_quantized:
         return DequantLinear(layer, device=device)
     bias = layer.bias
@@ -314,6 +319,11 @@ def quantized_linear(layer: LoadedLayer, *, device, backend: str | None = None,
         tdev = torch_device(device)
         bias = None if layer.bias is None else layer.bias.to(tdev)
         return FloatLinear(layer.weight.to(tdev), bias)
+    if layer.decodes:  # ComfyUI's path without a kernel: decode to the compute dtype, matmul
+        from h3quant.runtime.decoded import DecodedLinear
+
+        return DecodedLinear.from_layer(layer, device=device, probe=probe,
+                                        compute_dtype=compute_dtype)
     from h3quant.runtime.backends import LinearOptions
     from h3quant.runtime.linear import QuantizedLinear
     q, s = layer.runtime_tensors()

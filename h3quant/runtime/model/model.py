@@ -56,7 +56,7 @@ from h3quant.runtime.model.embed import (
 )
 from h3quant.runtime.model.layout import PackedLayout, Timesteps
 from h3quant.runtime.model.ops import RopeTable, rms_norm, rope_angles
-from h3quant.runtime.model.schedule import HeadSpan, check_schedule, head_span
+from h3quant.runtime.model.schedule import HeadSpan, check_schedule, head_span, model_sigma
 
 LINEAR_KINDS = ("runtime", "reference")
 
@@ -166,9 +166,17 @@ class H3Model:
 
     @classmethod
     def open(cls, path: str | os.PathLike, device="cpu", *, mmap: bool = True,
-             linear: str = "runtime", backend: str | None = None, probe=None) -> "H3Model":
-        """Open a checkpoint (file, shard index or directory) for the forward on ``device``."""
-        ckpt = Checkpoint(path, mmap=mmap)
+             linear: str = "runtime", backend: str | None = None, probe=None,
+             any_layout: bool = False) -> "H3Model":
+        """Open a checkpoint (file, shard index or directory) for the forward on ``device``.
+        ``any_layout``: a float source or reference in any layout ``convert`` takes (official,
+        diffusers, fp8), read as ComfyUI's single file (``h3quant.source_view``)."""
+        if any_layout:
+            from h3quant.source_view import open_as_comfy
+
+            ckpt = open_as_comfy(path, mmap=mmap)
+        else:
+            ckpt = Checkpoint(path, mmap=mmap)
         try:
             return cls(ckpt, device=device, linear=linear, backend=backend, probe=probe,
                        owns=True)
@@ -316,7 +324,8 @@ class H3Model:
         sampler's schedule (needed by a bank of output heads)."""
         self._check_open()
         self._check_inputs(video, audio, text)
-        ts = Timesteps.from_sigma(sigma)
+        Timesteps.from_sigma(sigma)  # checks the sampler's sigma (0 < sigma <= 1)
+        ts = Timesteps.from_sigma(model_sigma(sigma))  # the sigma as the model sees it
         head = self.head_for(sigma, sigmas)
         dtype = text.dtype
         with torch.no_grad():

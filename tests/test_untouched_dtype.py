@@ -1,0 +1,64 @@
+"""Untouched layers keep their width: an fp8 source's linears that convert copies rather than
+re-encodes are not widened to F32 (BF16, rounded once from code x scale), and ``--layer`` can
+name any linear of the input, also those the preset leaves alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.forge import cli
+
+from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.synth import synth_checkpoint
+from h3quant.synth_layouts import write_layout
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("untouched")
+    comfy = root / "h3.safetensors"
+    synth_checkpoint(comfy, preset="tiny", seed=1)
+    write_layout(comfy, root / "fp8.safetensors", "comfy", fp8=True)
+    return {"bf16": comfy, "fp8": root / "fp8.safetensors"}
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    with Checkpoint(path) as ck:
+        return {n: ck.read(n) for n in ck.tensors}
+
+
+def test_fp8_untouched_linears_are_not_widened(files, tmp_path):
+    out, ref = tmp_path / "fp8_int8.safetensors", tmp_path / "bf16_int8.safetensors"
+    assert cli("convert", files["fp8"], out, "-q").exit_code == 0
+    assert cli("convert", files["bf16"], ref, "-q").exit_code == 0
+    src, got = _read(files["fp8"]), _read(out)
+    refiner = [n for n in src if n.startswith("token_refiner.") and n.endswith(".weight")
+               and src[n].dtype == torch.float8_e4m3fn]
+    assert refiner
+    for n in refiner:  # code x scale in fp32, rounded once to BF16 (computed here)
+        scale = src[n[: -len(".weight")] + ".scale_weight"].float()
+        assert got[n].dtype == torch.bfloat16
+        assert torch.equal(got[n], (src[n].float() * scale).to(torch.bfloat16)), n
+    widened = [n for n in got if n in src and src[n].dtype == torch.float8_e4m3fn
+               and got[n].dtype == torch.float32]
+    assert not widened
+    assert out.stat().st_size <= ref.stat().st_size + 4096
+
+
+def test_layer_rule_names_a_layer_the_preset_leaves(files, tmp_path):
+    out = tmp_path / "o.safetensors"
+    res = cli("convert", files["fp8"], out, "--layer", r"token_refiner\.=bf16", "-q")
+    assert res.exit_code == 0, res.output
+    got, src = _read(out), _read(files["fp8"])
+    n = "token_refiner.blocks.0.attn.qkv_proj.weight"
+    assert got[n].dtype == torch.bfloat16
+    scale = src[n[: -len(".weight")] + ".scale_weight"].float()
+    assert torch.equal(got[n], (src[n].float() * scale).to(torch.bfloat16))
+
+    out2 = tmp_path / "o2.safetensors"
+    res = cli("convert", files["bf16"], out2, "--layer", r"token_refiner\.=int8-convrot", "-q")
+    assert res.exit_code == 0, res.output
+    got = _read(out2)
+    assert got[n].dtype == torch.int8 and got["blocks.0.attn.qkv_proj.weight"].dtype == torch.int8
