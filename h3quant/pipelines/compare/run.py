@@ -18,6 +18,7 @@ from h3quant.pipelines.compare.sampler import euler
 from h3quant.pipelines.compare.sources import forward_path
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.model import ModelInputs
+from h3quant.runtime.probe import Probe
 
 MAX_FILES = 256
 
@@ -41,7 +42,7 @@ class CompareOptions:
     device: str = "auto"
     mmap: bool = True
     backend: str | None = None
-    probe: object = None
+    probe: Probe | None = None
 
 
 def metric(got: torch.Tensor, want: torch.Tensor, psnr: bool = False) -> Metric:
