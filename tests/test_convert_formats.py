@@ -187,6 +187,7 @@ def test_fp8_input_layer_is_decoded_then_converted(tmp_path):
 W4A8_SET = {"weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "comfy_quant"}
 
 
+@pytest.mark.slow
 def test_w4a8_output_tensor_set_and_error(tmp_path):
     from h3quant.formats.w4a8.tensors import decode_w4a8
     from h3quant.formats.w4a8.codec import w4a8_marker
@@ -218,6 +219,7 @@ def test_w4a8_output_tensor_set_and_error(tmp_path):
     assert sha(out1) == sha(out)
 
 
+@pytest.mark.slow
 def test_w4a8_layer_row_chunks_run_on_the_workers(tmp_path, monkeypatch):
     """One W4A8 layer at a time, its row chunks spread over the workers (after the codebook
     choice): several threads encode, and the bytes equal a one-thread run."""
@@ -247,6 +249,7 @@ def test_w4a8_layer_row_chunks_run_on_the_workers(tmp_path, monkeypatch):
     assert sha(par) == sha(one)
 
 
+@pytest.mark.slow
 def test_int8_to_w4a8_and_back_through_the_int8_grid(int8_file, tmp_path):
     """int8 -> W4A8 re-encodes; W4A8 -> int8 ConvRot (same group) takes the decoded int8 grid
     the runtime multiplies (codes w8, scale s_channel: FORMATS.md 9), no requantization."""

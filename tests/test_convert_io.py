@@ -40,6 +40,7 @@ def test_copied_tensors_go_through_the_kernel_and_match_the_memory_path(src, tmp
     assert kernel == memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("err", [errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP])
 def test_a_kernel_that_refuses_part_way_falls_back_with_the_same_bytes(src, tmp_path, monkeypatch,
                                                                       kernel_copy, err):

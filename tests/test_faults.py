@@ -148,6 +148,7 @@ def test_fifo_input_is_refused_before_any_read(tmp_path, cmd):
     assert names(tmp_path) == ["pipe.safetensors"]
 
 
+@pytest.mark.slow
 def test_device_input_and_fifo_index_are_refused(tmp_path):
     res = h3q("inspect", "/dev/zero", timeout=60)
     assert res.returncode == 2 and "device" in res.stderr

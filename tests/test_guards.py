@@ -117,6 +117,7 @@ def test_import_circle_detector_finds_a_planted_circle(tmp_path, monkeypatch):
     assert import_cycles("planted") == [["planted.a", "planted.b", "planted.c"]]
 
 
+@pytest.mark.slow
 def test_header_only_commands_do_not_import_torch(tmp_path):
     """inspect and validate (without --deep) read headers and markers only; importing their
     command modules and running them on a real quantized file leaves torch unimported."""
@@ -257,6 +258,7 @@ def _names(reqs) -> set[str]:
     return {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in reqs}
 
 
+@pytest.mark.slow
 def test_no_undeclared_runtime_dependency():
     """Every third-party module h3quant imports is a dependency, or an optional extra's (imported
     only where that feature is used: torch_npu for Ascend, matplotlib for plots); every

@@ -19,6 +19,8 @@ from h3quant.errors import VerifyError
 from h3quant.runtime.model import H3Model
 from h3quant.runtime.model.schedule import shifted_schedule
 
+pytestmark = pytest.mark.slow  # whole-model / verify runs on module-wide files: the slow subset
+
 N_HEADS = 4
 PV, PA = 96, 32
 
@@ -115,7 +117,6 @@ def test_schedule_and_spans_follow_the_rule():
     assert t_span(N_HEADS, 1.0, coarse)[1] - t_span(N_HEADS, 1.0, coarse)[0] > 1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("steps", [8, 2])
 def test_every_step_equals_the_independent_rule(bank_files, steps):
     src, _ = read_tensors(bank_files["bank"])
@@ -210,7 +211,6 @@ def test_synth_inspect_and_validate_report_the_bank(bank_files, tmp_path):
     assert r.exit_code == 2
 
 
-@pytest.mark.slow
 def test_verify_model_checks_every_step(bank_files):
     small = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "4",
              "--text-tokens", "8"]

@@ -74,6 +74,7 @@ def test_kohya_names_include_refiner(tmp_path):
     assert np.array_equal(got["blocks.1.mlp.fc2"], w["blocks.1.mlp.fc2"])
 
 
+@pytest.mark.slow
 def test_diffusers_split_qkv_and_swiglu_order(tmp_path):
     rng = np.random.default_rng(2)
     t = {}

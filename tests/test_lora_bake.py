@@ -95,6 +95,7 @@ def _expected_bf16(base_t, deltas_list):
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["comfyui", "kohya", "diffusers"])
 def test_bf16_bake_equals_the_independent_merge(base, tmp_path, style):
     lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, style, rank=4, scale=0.05, seed=2)
@@ -109,6 +110,7 @@ def test_bf16_bake_equals_the_independent_merge(base, tmp_path, style):
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 def test_several_loras_and_negative_strength(base, tmp_path):
     a = write_lora(str(tmp_path / "a.safetensors"), CFG, "comfyui", rank=2, scale=0.05, seed=3)
     b = write_lora(str(tmp_path / "b.safetensors"), CFG, "diffusers", rank=3, scale=0.05, seed=4)
@@ -146,6 +148,7 @@ def test_quantized_bake_equals_converting_the_baked_bf16_file(base, tmp_path, ta
     assert opts["lora"] == [["l.safetensors", 1.0]]
 
 
+@pytest.mark.slow
 def test_lora_onto_official_shards(base, tmp_path):
     """A diffusers LoRA onto the official release's shards: same bytes as onto ComfyUI's file."""
     lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=4, scale=0.05)
@@ -301,6 +304,7 @@ def test_bake_is_deterministic_and_leaves_inputs_alone(base, tmp_path):
     assert (base.read_bytes(), (tmp_path / "l.safetensors").read_bytes()) == before
 
 
+@pytest.mark.slow
 def test_lora_onto_fp8_merges_into_the_exact_decode(tmp_path):
     """A scaled-fp8 base: code x scale in fp32 (as the loader multiplies it) + the delta in
     float64, rounded once to BF16 (not the BF16-rounded decode plus the delta)."""

@@ -19,6 +19,8 @@ from h3quant.runtime.model import H3Model
 from h3quant.runtime.model.layout import PackedLayout
 from h3quant.runtime.model.ops import RopeTable, qk_norm_rope, rope_angles
 
+pytestmark = pytest.mark.slow  # whole-model / verify runs on module-wide files: the slow subset
+
 SIGMA = 0.45
 
 
@@ -74,7 +76,6 @@ def test_norm_and_rope_equal_comfy_kitchen_split_half():
     assert torch.equal(ours[0][..., 96:], F.rms_norm(q, (128,), qw, 1e-5)[..., 96:])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", ["pruned", "full"])
 def test_float_model_equals_an_independent_implementation(mfiles, form):
     src, _ = read_tensors(mfiles[form])
@@ -149,7 +150,6 @@ def _sim_run(path, sim, kind):
     return [o.float().cpu() for o in out]
 
 
-@pytest.mark.slow
 def test_simulated_npu_runs_the_whole_model_on_the_npu(mfiles):
     from h3quant.testing.sim_npu import simulated_npu
 
@@ -165,7 +165,6 @@ def test_simulated_npu_runs_the_whole_model_on_the_npu(mfiles):
         assert error_metrics(g, c)[1] > 20  # bf16 on the device vs fp32 on the CPU
 
 
-@pytest.mark.slow
 def test_simulated_mps_dequantizes_on_the_device(mfiles):
     from h3quant.testing.simdevice import simulated_mps
 
@@ -189,7 +188,6 @@ def _cli(*args):
 SMALL = ("--frames", 1, "--height", 4, "--width", 4, "--audio-frames", 4, "--text-tokens", 6)
 
 
-@pytest.mark.slow
 def test_cli_verify_model_passes_and_reports_drift(mfiles):
     r = _cli(mfiles["int8"], "--reference", mfiles["pruned"], "--model", *SMALL, "--json")
     assert r.exit_code == 0, r.output
@@ -202,7 +200,6 @@ def test_cli_verify_model_passes_and_reports_drift(mfiles):
     assert any("computed once" in n for n in doc["notes"])  # identical float refiner tensors
 
 
-@pytest.mark.slow
 def test_cli_verify_model_depth_and_own_weights(mfiles):
     r = _cli(mfiles["w4a8"], "--model", "--depth", 1, *SMALL)
     assert r.exit_code == 0, r.output
@@ -210,7 +207,6 @@ def test_cli_verify_model_depth_and_own_weights(mfiles):
     assert "dequantized" in r.stdout.splitlines()[1]
 
 
-@pytest.mark.slow
 def test_cli_verify_model_fails_on_wrong_scales(mfiles, tmp_path):
     def x4(layer, parts, w):
         if layer == "blocks.1.mlp.fc1":

@@ -157,6 +157,7 @@ def test_bf16_relayout_is_bit_exact(comfy, tmp_path, kind):
     assert not list(tmp_path.glob(".*staging*"))  # the staging directory is gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["official", "diffusers"])
 def test_int8_convrot_equals_the_comfy_source_conversion(comfy, tmp_path, kind):
     src = _official(comfy) if kind == "official" else _diffusers(comfy)
@@ -323,6 +324,7 @@ def test_block_scaled_fp8_layer_is_not_decoded_as_scaled_fp8(comfy, tmp_path):
                        t["blocks.0.mlp.fc2.weight"].float())
 
 
+@pytest.mark.slow
 def test_each_computed_tensor_is_built_once(comfy, tmp_path, monkeypatch):
     """fp8 input (every DiT and refiner linear decoded): copies and the layer being encoded do
     not evict each other, so every tensor is computed once, not once per chunk."""

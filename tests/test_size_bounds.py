@@ -68,6 +68,7 @@ def test_absurd_block_index_is_a_finding_everywhere(tmp_path, index):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_absurd_block_index_in_a_file_that_is_not_h3_is_one_verdict(tmp_path):
     """No H3 detected (only the absurd block): validate still reports T106, as convert refuses."""
     src = write(tmp_path / "in.safetensors",

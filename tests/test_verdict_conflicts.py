@@ -13,6 +13,8 @@ from helpers.h3files import read_all, resave, sha
 from h3quant.errors import FindingError
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
+pytestmark = pytest.mark.slow  # whole-model / verify runs on module-wide files: the slow subset
+
 
 def cli(*args):
     from click.testing import CliRunner
@@ -98,13 +100,11 @@ def _assert_refused_everywhere(bad: Path, code: str, tensor: str, tmp_path: Path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
 
 
-@pytest.mark.slow
 def test_marker_and_header_disagreement_is_one_verdict(files, tmp_path):
     bad, victim = _disagreeing(files, tmp_path)
     _assert_refused_everywhere(bad, "M110", victim, tmp_path, ["int8-convrot", "bf16"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["unsorted", "nan", "range"])
 def test_broken_w4a8_codebook_is_one_verdict(files, tmp_path, how):
     bad, victim = _broken_codebook(files, tmp_path, how)

@@ -14,6 +14,8 @@ from h3quant.pipelines.verify.blocks import Thresholds, data_checks, verify_chec
 from h3quant.runtime.loader import load_blocks
 from helpers.h3files import quantize_file, rewrite, set_header_layer
 
+pytestmark = pytest.mark.slow  # whole-model / verify runs on module-wide files: the slow subset
+
 TOKENS = 16
 
 
@@ -67,7 +69,6 @@ def cpu_int8(files):
     return run(files["int8"])
 
 
-@pytest.mark.slow
 def test_int8_passes_on_cpu_against_its_dequantized_weights(cpu_int8):
     r = cpu_int8
     assert r.passed and r.reference == "dequantized" and r.blocks == [0]
@@ -121,7 +122,6 @@ def test_wrong_hadamard_is_invisible_without_a_reference(files):
     assert any("--reference" in n for n in r.notes)
 
 
-@pytest.mark.slow
 def test_mixed_w4a8_block_passes_with_its_own_thresholds(files):
     r = run(files["w4a8"], reference=files["bf16"])
     assert r.passed, r.failures
@@ -195,7 +195,6 @@ def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_p
 # ------------------------------------------------------------------- simulated NPU and MPS
 
 
-@pytest.mark.slow
 def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
     from h3quant.cli.verify_view import render_blocks as render
     from h3quant.testing.sim_npu import simulated_npu
@@ -213,7 +212,6 @@ def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
     assert "npu" in render(r).split("blocks.0.mlp.fc2 [swiglu]")[1].splitlines()[0]
 
 
-@pytest.mark.slow
 def test_simulated_mps_dequantizes_on_the_device(files, cpu_int8):
     from h3quant.testing.simdevice import simulated_mps
 
@@ -247,7 +245,6 @@ def test_result_json_document(cpu_int8):
     assert doc["layers"][0]["backend"] == "torch-int8" and doc["device"] == "cpu"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_cli_verify_exits_1_on_scales_x4(files, with_ref):
     extra = ["--reference", files["bf16"]] if with_ref else []

@@ -201,6 +201,7 @@ def test_zero_rows_and_groups_stay_finite_and_decode_to_zero():
     assert torch.equal(decode_w4a8(z), torch.zeros(4, 256))
 
 
+@pytest.mark.slow
 def test_encode_does_not_depend_on_chunking(monkeypatch):
     w = _outlier_cols(n=64, k=512)
     whole = encode_w4a8(w)

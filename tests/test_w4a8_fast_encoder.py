@@ -116,6 +116,7 @@ def test_decoded_levels_table_is_the_nearest_decoded_level():
             assert torch.equal(dec[got_c.long()], got_v)  # the code decodes to that value
 
 
+@pytest.mark.slow
 def test_encoder_matches_reference_error_on_a_layer(monkeypatch):
     w = _weights(11, n=32, k=1024)
     t = encode_w4a8(w, codebook="frozen")
@@ -247,6 +248,7 @@ def test_second_round_past_the_reach_takes_the_clamped_lookup(monkeypatch):
     assert torch.equal(s_rel.view(torch.uint8), ref_s.view(torch.uint8))
 
 
+@pytest.mark.slow
 def test_one_pass_squared_differences_match_the_two_pass_ones(monkeypatch):
     """mse_loss's unreduced kernel is used only after a self-check; with it refused, the plain
     subtraction and square give the same bytes."""
