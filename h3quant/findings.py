@@ -98,12 +98,33 @@ _r("Q110", "kn-nz-ineligible", I, "int8_tensorwise_kn: K % 16 == 0 and N % 32 ==
 _r("Q111", "kn-npu-n-limit", W, "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
    "limit), else the layer needs tensor parallelism")
 # Data rules (--deep).
+_r("Q130", "mxfp8-shape", E, "mxfp8: weight dims are multiples of 32 and weight_scale is the "
+   "blocked [roundup(N, 128), roundup(K/32, 4)] of that weight")
+_r("Q131", "scaled-fp8-marker", W, "ComfyUI's legacy scaled_fp8 marker is present exactly when the "
+   "file holds scale_weight fp8 layers (without it ComfyUI loads the codes unscaled)")
+_r("Q120", "fp4-padded-shape", E, "nvfp4: the stored weight [Np, Kp/2] has Np and Kp multiples "
+   "of 16 (the padded logical shape)")
+_r("Q121", "int4-quant-group", E, "convrot_w4a4: K is a multiple of the int4 kernel's group size "
+   "64, and quant_group_size (when present) is 64")
+_r("Q122", "linear-dtype", E, "convrot_w4a4: linear_dtype is 'int4' or 'int8'")
+_r("Q123", "awq-group", E, "awq_w4a16: group_size divides K; weight_scale and weight_zeros share "
+   "one dtype")
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")
 _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but never produced)")
 _r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
 _r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
 _r("D106", "weight-nonfinite", E, "float weights are finite")
+_r("D130", "fp8-code-nonfinite", E, "fp8 codes decode to finite values (no NaN / inf codes)")
+_r("D131", "e8m0-scale-nan", E, "mxfp8 e8m0 block scales are not 0xFF (NaN)")
+_r("D120", "block-scale-value", E, "nvfp4: e4m3 block scales are finite and >= 0, and a zero "
+   "block scale covers only zero codes")
+_r("D121", "block-scale-layout", E, "nvfp4: block scales are stored in cuBLAS's blocked 128 x 4 "
+   "layout (zeros in its padding); a row-major grid decodes blocks with other blocks' scales")
+_r("D122", "int4-range", W, "signed int4 codes stay in [-7, 7] (-8 is legal but never produced)")
+_r("D107", "kn-orientation", E, "int8_tensorwise_kn: the [K, N] weight is not canonical [N, K] "
+   "codes under the kn name (every row peaking at |q| = 127 while output channels do not; a "
+   "square layer's shape cannot tell)")
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")
@@ -111,6 +132,12 @@ _r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuratio
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
 _r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
 _r("T106", "h3-block-index-limit", E, "block indices stay below 1000 (H3 has 50)")
+# GGUF files (read through the gguf package): FORMATS.md, GGUF.
+_r("G101", "gguf-header", E, "a GGUF file has the GGUF magic and a header the gguf package reads, with "
+   "unique tensor names and shapes within the limits")
+_r("G102", "gguf-type", E, "every tensor type is one the gguf package dequantizes")
+_r("G103", "gguf-not-h3", W, "the tensors carry ComfyUI's H3 names (ComfyUI-GGUF's layout)")
+_r("G104", "gguf-non-finite", E, "every tensor is finite once dequantized (validate --deep)")
 # A check that could not run.
 _r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
    "the input is malformed in a way h3quant does not anticipate)")

@@ -8,10 +8,26 @@ no value can make a command allocate without bound. ``--help`` of each command s
 * ``MAX_TOKENS`` (16384): per-block verify's ``--tokens``, and ``--text-tokens``.
 * ``MAX_MODEL_ROWS`` (16384): the packed sequence of ``verify --model``: text tokens + 2 x audio
   frames + video tokens (frames x ceil(height / 2) x ceil(width / 2)). Attention runs in bounded
-  score blocks, so memory grows with rows x width, never rows squared.
+  score blocks, so memory grows with rows x width, never rows squared. At the limit a run is
+  the costliest a user can ask for: about 60 s and 2.3 GB on the tiny synthetic model on a
+  quiet machine (more at full width).
 * ``MAX_AUDIO_FRAMES`` (8192): ``--audio-frames`` (2 rows each).
 * ``MAX_WORKERS`` (64): convert's ``--workers``. W4A8 encodes at most 16 row chunks at once
   whatever the count, so its working memory does not grow with more workers.
+* ``MAX_JSON_BYTES`` (16 MiB): a JSON file a command reads (``convert --recipe``, ``plan
+  --from``, a card or calibration statistics). Only a regular file is read (a FIFO or a device
+  such as ``/dev/zero`` is refused from ``stat``), and never more than this.
+* ``MAX_LORA_RANK`` (1024): the rank of one LoRA adapter (``convert --lora``), checked from the
+  file's header before any tensor is read. Every adapter tensor must also fit its layer, so a
+  LoRA's data read is bounded by (rows + columns) x rank per layer; tensors of a LoRA file that
+  are no part of an adapter are never read.
+* ``MAX_PATTERN_CHARS`` (65536): a user-written regular expression (``--layer``,
+  ``--include``, ``--exclude``, a recipe rule; a planner's per-layer recipe for the whole model
+  is about 10,000). Backreferences, lookarounds and inline flags are refused as usage errors
+  naming the rule; every other pattern is matched in time linear in the name's length
+  (``h3quant.patterns``), so ``(.|.|.|.)*Z$`` takes microseconds.
+* ``MAX_SQNR_DB`` (300): a quality target in dB (``plan --target-sqnr``, ``--targets``): fp32
+  rounding itself is about 150 dB; the range is [-300, 300].
 """
 
 from __future__ import annotations
@@ -23,6 +39,10 @@ MAX_TOKENS = 16384
 MAX_MODEL_ROWS = 16384
 MAX_AUDIO_FRAMES = MAX_MODEL_ROWS // 2
 MAX_WORKERS = 64
+MAX_JSON_BYTES = 16 << 20
+MAX_LORA_RANK = 1024
+MAX_PATTERN_CHARS = 65536
+MAX_SQNR_DB = 300.0
 
 
 def model_rows(frames: int, height: int, width: int, audio_frames: int, text_tokens: int) -> int:

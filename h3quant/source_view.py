@@ -27,6 +27,7 @@ from pathlib import Path
 
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.h3 import naming
 from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
@@ -43,6 +44,20 @@ from h3quant.h3.naming import (
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
+
+
+def header_layers(ckpt: Checkpoint) -> set[str]:
+    """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
+    the marker rules report that)."""
+    try:
+        return set(parse_header_metadata(ckpt.metadata) or ())
+    except MarkerError:
+        return set()
+
+
+def headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's (dtype, shape), the layers the header marks taken into account."""
+    return naming.header_tensors(ckpt.tensors, header_layers(ckpt))
 
 
 def has_config(ckpt: Checkpoint) -> bool:
@@ -62,7 +77,7 @@ def check_scale(scale, name: str, note: str = "") -> None:
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
     """The input's naming (detected, or ``naming``) and its map onto ComfyUI's names."""
-    tensors = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
+    tensors = headers(ckpt)
     det = detect(tensors, [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None,
                  has_config(ckpt))
     if naming != "auto":
@@ -77,14 +92,23 @@ def decode_fp8(ckpt: Checkpoint, src):
     per row) multiplied in."""
     import torch
 
-    w = ckpt.read(src.name).to(torch.float32)
-    if src.scale is None:
-        return w
-    s = ckpt.read(src.scale).to(torch.float32)
-    check_scale(s, src.scale, "; nothing written")
-    if s.numel() == 1:
-        return w.mul_(s.reshape(()))  # in place: one fp32 copy of the weight, not two
-    return w.mul_(s.reshape((-1,) + (1,) * (w.dim() - 1)))
+    from h3quant.errors import FindingError
+    from h3quant.formats.check import fp8_weight_violation
+    from h3quant.formats.fp8.tensors import decode_fp8 as decode
+
+    codes = ckpt.read(src.name)
+    s = None if src.scale is None else ckpt.read(src.scale).to(torch.float32)
+    if s is not None:
+        check_scale(s, src.scale, "; nothing written")
+    # the one rule validate --deep applies: decoded as ComfyUI decodes it, every value finite
+    v = fp8_weight_violation(codes, s)
+    if v is not None:
+        raise FindingError(f"source weight decoded from fp8: {v.message}; nothing "
+                           "written", tensor=src.name, code=v.code)
+    if s is None:
+        return codes.to(torch.float32)
+    s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (codes.dim() - 1))
+    return decode(codes, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
 
 
 def _read(ckpt: Checkpoint, src):

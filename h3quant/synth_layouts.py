@@ -9,7 +9,9 @@
   diffusers names, split ``to_q`` / ``to_k`` / ``to_v``, ``ff.net.0.proj`` as ``[value; gate]``
   (``rope.inv_freq`` is kept, as a persistent buffer);
 - with ``fp8``, every 2-D BF16 linear of the DiT and refiner blocks as ``float8_e4m3fn`` codes
-  with one F32 ``scale_weight`` ``[1]`` per tensor (amax / 448), ComfyUI's scaled-fp8 form.
+  with one F32 ``scale_weight`` ``[1]`` per tensor (amax / 448), and the empty ``F8_E4M3``
+  ``scaled_fp8`` marker tensor that tells ComfyUI's loader (``comfy/utils.py``
+  ``convert_old_quants``) to multiply the scales in: ComfyUI's scaled-fp8 form, as released.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from h3quant.errors import UnsupportedError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import to_torch
+from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
 from h3quant.formats.container.writer import Entry, StreamingWriter, entry_for, plan_layout
 from h3quant.h3 import layouts
 
@@ -79,7 +82,8 @@ def _diffusers(name: str, x: torch.Tensor, head_dim: int):
 
 
 # One writer per source layout of the registry (the inverse of its mapping onto ComfyUI's names).
-_WRITERS = {"comfy": _comfy, "official": _official, "diffusers": _diffusers}
+_WRITERS = {layouts.Comfy.name: _comfy, layouts.Official.name: _official,
+            layouts.Diffusers.name: _diffusers}
 if set(_WRITERS) != set(LAYOUTS):
     raise ImportError("every source layout needs a synth writer")
 
@@ -99,7 +103,15 @@ def _fp8(name: str, x: torch.Tensor):
     yield name[: -len(".weight")] + ".scale_weight", scale
 
 
+def _marker() -> torch.Tensor:
+    """ComfyUI's scaled-fp8 marker as its own writer stores it: an empty fp8 tensor."""
+    return torch.empty(0, dtype=torch.float8_e4m3fn)
+
+
 def _converted(ckpt: Checkpoint, name: str, layout: str, fp8: bool, head_dim: int):
+    if name == SCALED_FP8_MARKER:
+        yield name, _marker()
+        return
     for n, x in _tensors_of(name, ckpt.read(name), layout, head_dim):
         yield from (_fp8(n, x.contiguous()) if fp8 else [(n, x.contiguous())])
 
@@ -118,9 +130,11 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
             plan[name] = [Entry(n, e.dtype, e.shape) for n, e in
                           ((n, entry_for(n, t)) for n, t in _meta_pairs(name, meta, layout,
                                                                         fp8, head_dim))]
-        meta = dict(ckpt.metadata)
+        if fp8:
+            plan[SCALED_FP8_MARKER] = [entry_for(SCALED_FP8_MARKER, _marker())]
+        metadata = dict(ckpt.metadata)
         if layouts.get(layout).shard_stem is None:  # a single file
-            layout_ = plan_layout([e for es in plan.values() for e in es], meta)
+            layout_ = plan_layout([e for es in plan.values() for e in es], metadata)
             return _write(ckpt, out, layout_, list(plan), plan, layout, fp8, head_dim)
         out.mkdir(exist_ok=True)
         stem = layouts.get(layout).shard_stem
@@ -129,7 +143,7 @@ def write_layout(comfy: Path, out: Path, layout: str, *, fp8: bool = False) -> i
         weight_map, total = {}, 0
         for i, part in enumerate(parts, 1):
             fname = f"{stem}-{i:05d}-of-{SHARDS:05d}.safetensors"
-            lay = plan_layout([e for n in part for e in plan[n]], meta)
+            lay = plan_layout([e for n in part for e in plan[n]], metadata)
             total += _write(ckpt, out / fname, lay, part, plan, layout, fp8, head_dim)
             weight_map.update({e.name: fname for n in part for e in plan[n]})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

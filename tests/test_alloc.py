@@ -43,6 +43,7 @@ def _mapped(tuned: bool) -> int:
 
 @pytest.mark.skipif(not GLIBC or tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 33),
                     reason="glibc's thresholds, read through mallinfo2 (glibc >= 2.33)")
+@pytest.mark.slow
 def test_chunk_sized_blocks_come_from_the_heap():
     """Below the threshold a freed block stays in the heap for the next chunk (measured effect:
     ``bench/bench_w4a8.py``'s system seconds); without the settings it is mapped."""
@@ -68,7 +69,7 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
 
 def test_convert_applies_it_before_encoding(tmp_path, monkeypatch):
     from h3quant.pipelines.convert import ConvertOptions, convert, run
-    from tests.test_convert import small_h3, write
+    from helpers.h3files import small_h3, write
 
     seen = []
     monkeypatch.setattr(run, "keep_freed_memory", lambda: seen.append(True) or True)

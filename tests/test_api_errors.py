@@ -4,7 +4,6 @@ or checkpoint says so instead of failing inside torch or the file layer."""
 import pytest
 import torch
 from click.testing import CliRunner
-from tp_util import tp_files
 
 from h3quant.errors import ClosedError, ContainerError, DeviceError, H3QuantError, VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
@@ -15,8 +14,8 @@ from h3quant.runtime.model.model import H3Model
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
 def _cli_error(*args) -> str:

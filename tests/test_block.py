@@ -1,17 +1,8 @@
-"""Loader (exact quantized data, marker resolution, refusals of what cannot run as stored) and the minimal H3 block.
-
-The helpers here (``quantize_file``, ``rewrite``, ``read_all``) are shared with test_verify.py.
-"""
+"""Loader (exact quantized data, marker resolution, refusals of what cannot run as stored) and the minimal H3 block."""
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
-import re
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,93 +10,16 @@ import torch.nn.functional as F
 
 from h3quant.errors import FormatError, MarkerError, UnsupportedError, VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
+from h3quant.formats.markers import HEADER_KEY, marker_tensor
 from h3quant.formats.container.writer import save_tensors
 from h3quant.runtime.model.block import attention, reference_block, rms_norm, runtime_block
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, load_blocks, load_layer
-
-_LINEAR_RE = re.compile(r"^(?:.*\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-def read_all(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with Checkpoint(path) as ck:
-        return {n: ck.read(n).clone() for n in ck.tensors}, dict(ck.metadata)
-
-
-def quantize_file(src, dst, *, fmt: str | dict = "int8", header: bool = True,
-                  tensor_markers: bool = True, mutate=None) -> Path:
-    """Quantize the DiT block linears of ``src`` (token_refiner stays BF16) with the codecs.
-
-    ``fmt``: "int8", "w4a8", or {block linear role: format} (others int8). ``mutate(layer,
-    parts, w)`` may return altered tensors (to forge defects)."""
-    from h3quant.formats.int8.tensors import encode_int8
-    from h3quant.formats.int8.codec import int8_marker
-    from h3quant.formats.w4a8.tensors import encode_w4a8
-    from h3quant.formats.w4a8.codec import w4a8_marker
-
-    tensors, meta = read_all(src)
-    out, layers = {}, {}
-    for name, t in tensors.items():
-        layer = name[: -len(".weight")] if name.endswith(".weight") else None
-        if layer is None or not _LINEAR_RE.match(layer) or "token_refiner" in layer:
-            out[name] = t
-            continue
-        role = layer.split(".", 2)[-1]
-        kind = fmt.get(role, "int8") if isinstance(fmt, dict) else fmt
-        if kind == "int8":
-            q, s = encode_int8(t, convrot=True, group_size=256, per_row=True, method="dense")
-            parts, marker = {"weight": q, "weight_scale": s}, int8_marker(convrot=True, group_size=256)
-        else:
-            parts, marker = dict(encode_w4a8(t, codebook="frozen")), w4a8_marker()
-        if mutate is not None:
-            parts = mutate(layer, parts, t)
-        out.update({f"{layer}.{k}": v for k, v in parts.items()})
-        if tensor_markers:
-            out[layer + ".comfy_quant"] = marker_tensor(marker)
-        layers[layer] = marker
-    if header:
-        meta[HEADER_KEY] = header_metadata_value(layers)
-    save_tensors(dst, out, meta)
-    return Path(dst)
-
-
-def rewrite(src, dst, fn) -> Path:
-    """Copy ``src`` to ``dst`` after ``fn(tensors, metadata)`` edits the dicts in place."""
-    tensors, meta = read_all(src)
-    fn(tensors, meta)
-    save_tensors(dst, tensors, meta)
-    return Path(dst)
-
-
-def set_header_layer(meta: dict, layer: str, fields: dict | None) -> None:
-    obj = json.loads(meta[HEADER_KEY])
-    if fields is None:
-        obj["layers"].pop(layer, None)
-    else:
-        obj["layers"][layer] = fields
-    meta[HEADER_KEY] = json.dumps(obj)
-
-
-@functools.lru_cache(maxsize=1)
-def tiny_files() -> dict[str, Path]:
-    """The synthetic tiny H3 (1 block, BF16) and its int8 ConvRot version, made once per test run
-    for both test modules (a temp dir removed at exit)."""
-    from h3quant.synth import synth_checkpoint
-
-    d = Path(tempfile.mkdtemp(prefix="h3q-verify-"))
-    atexit.register(shutil.rmtree, d, True)
-    bf16 = d / "bf16.safetensors"
-    synth_checkpoint(bf16, preset="tiny", blocks=1)
-    return {"dir": d, "bf16": bf16, "int8": quantize_file(bf16, d / "int8.safetensors")}
-
+from helpers.h3files import read_tensors, rewrite, set_header_layer
 
 @pytest.fixture(scope="module")
-def files():
-    return tiny_files()
+def files(tiny_files):
+    return tiny_files
 
 
 QKV = "blocks.0.attn.qkv_proj"
@@ -290,7 +204,7 @@ def test_missing_block_is_a_verify_error(files):
 def _inputs(path, rows: int, sigma: float, seed: int):
     """Seeded hidden states, the runtime's conditioning and the independent implementation's
     (time embedding, per-row adaLN row, positions) for a small packed layout."""
-    import independent_h3 as ind
+    from helpers import independent_h3 as ind
 
     from h3quant.runtime.model.layout import Timesteps, layout_for_rows
     from h3quant.runtime.model.model import load_time_embedding, make_conditioning, read_float
@@ -299,7 +213,7 @@ def _inputs(path, rows: int, sigma: float, seed: int):
     with Checkpoint(path) as ck:
         cond = make_conditioning(lay, Timesteps.from_sigma(sigma), load_time_embedding(ck),
                                  read_float(ck, "rope.inv_freq").clone(), torch.float32, "cpu")
-    src, _ = read_all(path)
+    src, _ = read_tensors(path)
     tv, ta, values = ind.timesteps(sigma)
     temb, silu = ind.time_embedding(src, values)
     iv, ia = values.index(tv), values.index(ta)
@@ -312,7 +226,7 @@ def _inputs(path, rows: int, sigma: float, seed: int):
 
 
 def test_float_block_matches_an_independent_implementation(files):
-    import independent_h3 as ind
+    from helpers import independent_h3 as ind
 
     x, cond, (src, temb, silu, row, pos) = _inputs(files["bf16"], 24, 0.37, seed=3)
     assert len({r for r in row.tolist()}) == 3  # text, audio and video rows use different rows
@@ -346,7 +260,7 @@ def test_runtime_block_tracks_the_dequantized_reference(files):
 
 
 def test_reference_dequantization_matches_the_source_weights(files):
-    src, _ = read_all(files["bf16"])
+    src, _ = read_tensors(files["bf16"])
     blk = load_blocks(files["int8"], [0])[0]
     for sub in BLOCK_LINEARS:
         w = src[f"blocks.0.{sub}.weight"].float()

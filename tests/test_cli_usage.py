@@ -9,16 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_convert import small_h3, write
+from helpers.h3files import write
 
 from h3quant.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def src(tmp_path) -> Path:
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
 
 
 def cli(*args, env=None):
@@ -107,6 +102,7 @@ def test_control_characters_in_tensor_names_are_escaped(tmp_path):
     assert "\\x1b[2J" in res.output
 
 
+@pytest.mark.slow
 def test_progress_bar_only_on_a_terminal(src, tmp_path):
     res = subprocess.run([sys.executable, "-m", "h3quant", "convert", str(src),
                           str(tmp_path / "o.safetensors")], capture_output=True, text=True,
@@ -115,6 +111,7 @@ def test_progress_bar_only_on_a_terminal(src, tmp_path):
     assert "\r" not in res.stderr and "it/s" not in res.stderr and "B/s]" not in res.stderr
 
 
+@pytest.mark.slow
 def test_verify_model_has_no_progress_bar_on_a_pipe(tmp_path):
     ckpt = tmp_path / "h3.safetensors"
     made = subprocess.run([sys.executable, "-m", "h3quant", "synth", str(ckpt), "--blocks", "1"],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import cli, codes, expect_error, float_layer, layout, raw_file, save, simple, validate
+from helpers.forge import cli, codes, expect_error, float_layer, layout, raw_file, save, simple, validate
 from h3quant.formats.container.writer import save_tensors
 
 DATA = Path(__file__).parent / "data"

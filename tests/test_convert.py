@@ -2,80 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.markers import MARKER_SUFFIX, parse_header_metadata
-from h3quant.formats.container.writer import save_tensors
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
-
-H3_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-
-
-# ----------------------------------------------------------------------------- helpers
-def small_h3(blocks: int = 2, hidden: int = 256, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A miniature H3-named checkpoint (bf16 block linears, refiner, condition_proj, norms)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
-
-    t: dict[str, torch.Tensor] = {}
-    for i in range(blocks):
-        p = f"blocks.{i}."
-        t[p + "attn.qkv_proj.weight"] = w(3 * hidden, hidden)
-        t[p + "attn.out_proj.weight"] = w(hidden, hidden)
-        t[p + "mlp.fc1.weight"] = w(4 * hidden, hidden)
-        t[p + "mlp.fc2.weight"] = w(hidden, 2 * hidden)
-        t[p + "norm1.weight"] = w(hidden)
-        t[p + "norm2.weight"] = w(hidden)
-        t[p + "attn.q_norm.weight"] = w(128)
-        t[p + "adaln_proj.linear.weight"] = w(6 * hidden, 8)
-        t[p + "adaln_proj.linear.bias"] = w(6 * hidden)
-    t["token_refiner.blocks.0.attn.qkv_proj.weight"] = w(3 * hidden, hidden)
-    t["token_refiner.blocks.0.mlp.fc1.weight"] = w(4 * hidden, hidden)
-    t["condition_proj.weight"] = w(hidden, 64)
-    t["condition_proj.bias"] = w(hidden)
-    t["video_patch_proj.weight"] = w(hidden, 96, dtype=torch.float32)
-    t["video_patch_proj.bias"] = w(hidden, dtype=torch.float32)
-    t["final_layer.video_out.weight"] = w(96, hidden, dtype=torch.float32)
-    t["rope.inv_freq"] = torch.arange(16, dtype=torch.float32)
-    t["adaln_t_table"] = w(1025, 8, dtype=torch.float32)
-    return t
-
-
-def write(path: Path, tensors, metadata=None) -> Path:
-    save_tensors(path, tensors, metadata)
-    return path
-
-
-def sha(path: Path) -> str:
-    path = Path(path)
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            if path.is_dir():
-                h.update(str(f.relative_to(path)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def block_linears(blocks: int = 2) -> list[str]:
-    return [f"blocks.{i}.{s}" for i in range(blocks) for s in H3_LINEARS]
-
-
-def read_all(path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
-    with Checkpoint(path) as ck:
-        tensors = {n: ck.read(n).clone() for n in ck.tensors}
-        raw = {n: bytes(ck.read_bytes(n)) for n in ck.tensors}
-        return tensors, dict(ck.metadata), raw
-
+from helpers.h3files import block_linears, read_all, sha, small_h3, write
 
 @pytest.fixture
 def h3_file(tmp_path) -> Path:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import block_linears, read_all, sha, small_h3, write
 
 from h3quant.errors import FormatError, OutputError
 from h3quant.formats.container.atomic import MANIFEST_NAME
@@ -19,27 +18,10 @@ from h3quant.formats.markers import (
     marker_tensor,
     parse_header_metadata,
 )
-from h3quant.formats.container.writer import save_tensors
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
+from helpers.h3files import block_linears, make_sharded, read_all, resave, sha, small_h3, write
 
 CANON = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
-
-
-def make_sharded(d: Path, tensors: dict, parts: int = 2) -> Path:
-    """``tensors`` split by name into ``parts`` shard files plus an index."""
-    d.mkdir(parents=True)
-    names = sorted(tensors)
-    step = -(-len(names) // parts)
-    weight_map, total = {}, 0
-    for i in range(parts):
-        fname = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
-        chunk = {n: tensors[n] for n in names[i * step:(i + 1) * step]}
-        layout = save_tensors(d / fname, chunk, {"shard": str(i)})
-        total += layout.data_bytes
-        weight_map.update(dict.fromkeys(chunk, fname))
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total, "note": "kept"}, "weight_map": weight_map}))
-    return d
 
 
 @pytest.fixture
@@ -48,14 +30,6 @@ def int8_file(tmp_path) -> Path:
     out = tmp_path / "int8.safetensors"
     convert(src, out, ConvertOptions())
     return out
-
-
-def rewrite(src: Path, dst: Path, *, metadata=None, edit=None) -> Path:
-    tensors, meta, _ = read_all(src)
-    if edit:
-        edit(tensors, meta)
-    save_tensors(dst, tensors, meta if metadata is None else metadata)
-    return dst
 
 
 # ----------------------------------------------------------------------------- sharded
@@ -122,7 +96,7 @@ def test_canonical_int8_is_re_emitted_byte_for_byte(int8_file, tmp_path):
 
 def test_header_repair_missing_and_disagreeing(int8_file, tmp_path):
     _, meta, raw = read_all(int8_file)
-    missing = rewrite(int8_file, tmp_path / "nohdr.safetensors",
+    missing = resave(int8_file, tmp_path / "nohdr.safetensors",
                       metadata={k: v for k, v in meta.items() if k != HEADER_KEY})
     plan = plan_convert(missing, tmp_path / "o1.safetensors", ConvertOptions())
     assert any("missing" in r and HEADER_KEY in r for r in plan.repairs)
@@ -136,7 +110,7 @@ def test_header_repair_missing_and_disagreeing(int8_file, tmp_path):
 
     bad_layers = parse_header_metadata(meta)
     bad_layers["blocks.0.mlp.fc1"] = {"format": "int8_tensorwise", "convrot": False}
-    disagree = rewrite(int8_file, tmp_path / "dis.safetensors",
+    disagree = resave(int8_file, tmp_path / "dis.safetensors",
                        metadata=dict(meta, **{HEADER_KEY: header_metadata_value(bad_layers)}))
     out2 = tmp_path / "o2.safetensors"
     # a header that disagrees with the marker tensor is validate's M110: refused, not guessed
@@ -157,7 +131,7 @@ def test_markers_with_extra_fields_and_header_only_markers(int8_file, tmp_path):
             layers[n] = extra
         meta[HEADER_KEY] = header_metadata_value(layers)
 
-    src = rewrite(int8_file, tmp_path / "extra.safetensors", edit=add_extra)
+    src = resave(int8_file, tmp_path / "extra.safetensors", edit=add_extra)
     out = tmp_path / "o.safetensors"
     report = convert(src, out, ConvertOptions())
     assert report.counts["keep"] == 8 and not report.identity
@@ -173,7 +147,7 @@ def test_markers_with_extra_fields_and_header_only_markers(int8_file, tmp_path):
         for n in block_linears():
             del tensors[n + MARKER_SUFFIX]
 
-    header_only = rewrite(int8_file, tmp_path / "hdr.safetensors", edit=drop_markers)
+    header_only = resave(int8_file, tmp_path / "hdr.safetensors", edit=drop_markers)
     out2 = tmp_path / "o2.safetensors"
     report = convert(header_only, out2, ConvertOptions())
     assert any("written from header" in r for r in report.repairs)
@@ -185,7 +159,7 @@ def test_broken_marker_without_header_is_refused(int8_file, tmp_path):
     def nul(tensors, meta):
         tensors["blocks.0.mlp.fc2" + MARKER_SUFFIX] = torch.zeros(72, dtype=torch.uint8)
 
-    src = rewrite(int8_file, tmp_path / "nul.safetensors",
+    src = resave(int8_file, tmp_path / "nul.safetensors",
                   metadata={"x": "y"}, edit=nul)
     with pytest.raises(FormatError, match="no usable quantization marker") as info:
         plan_convert(src, tmp_path / "o.safetensors", ConvertOptions())

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from h3quant.cli import main
 from h3quant.errors import ContainerError, ConvertError, FormatError, OutputError
 from h3quant.pipelines.convert import ConvertOptions, LayerFailures, convert, plan_convert
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3, write
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_nan_weight_is_a_layer_failure(tmp_path):
 
 
 def test_crash_mid_sharded_run_leaves_nothing(tmp_path, monkeypatch):
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     d = make_sharded(tmp_path / "in", small_h3())
     before = sha(d)
@@ -208,6 +208,7 @@ SIGINT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, nap", [("1", 60), ("2", 60)])
 def test_sigint_mid_run_leaves_nothing(src, tmp_path, workers, nap):
     """SIGINT while a layer is being encoded (in the main thread, or in a worker thread that
@@ -250,7 +251,7 @@ def test_plan_reads_header_only(src, tmp_path, monkeypatch):
 
 
 def test_refuses_sharded_output_over_the_input_dir_or_its_parent(tmp_path):
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     d = make_sharded(tmp_path / "in", small_h3(blocks=1))
     with pytest.raises(OutputError, match="contains the input"):

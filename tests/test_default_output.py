@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from forge import cli
-from test_hf_cache import hf_cache_snapshot
+from helpers.forge import cli
+from helpers.hf_cache import hf_cache_snapshot
 
 from h3quant.synth import synth_checkpoint
 from h3quant.synth_layouts import write_layout

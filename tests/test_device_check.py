@@ -64,6 +64,7 @@ def test_pack_kitchen_drops_the_rocm_library(tmp_path):
     assert "comfy_kitchen/backends/hip/_C.abi3.so" not in names
 
 
+@pytest.mark.slow
 def test_the_checks_rehearsed_on_the_cpu():
     """bench/device_check.py with --device cpu: the same checks, CPU against CPU (and
     comfy-kitchen's eager backend), so the script's code paths run without a GPU."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3, write
 
 from h3quant.errors import ContainerError
 from h3quant.formats.container import atomic
@@ -43,11 +43,6 @@ def cli(*args):
 def no_traceback(res) -> None:
     assert "Traceback" not in res.stderr, res.stderr
     assert res.returncode in (0, 1, 2), (res.returncode, res.stderr)
-
-
-@pytest.fixture
-def src(tmp_path) -> Path:
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
 
 
 def names(d: Path) -> list[str]:
@@ -87,6 +82,7 @@ def _start_slow(src: Path, tmp_path: Path):
     return proc, dst, rep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_signal_mid_run_cleans_up_like_ctrl_c(src, tmp_path, sig):
     """SIGTERM (timeout, systemd, Docker, SLURM) and SIGHUP remove every temporary as SIGINT
@@ -107,6 +103,7 @@ def test_signal_mid_run_cleans_up_like_ctrl_c(src, tmp_path, sig):
     assert sha(src) == before
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_staging_that_the_next_run_removes(src, tmp_path):
     """SIGKILL cannot be caught: the staging directory stays, its lock dies with the process,
     and the next run writing there removes it and says so."""
@@ -121,6 +118,7 @@ def test_killed_run_leaves_staging_that_the_next_run_removes(src, tmp_path):
     assert names(tmp_path) == ["flag", "in.safetensors", "out.safetensors", "r.json"]
 
 
+@pytest.mark.slow
 def test_two_racing_converts_one_wins_the_other_fails_cleanly(src, tmp_path):
     dst = tmp_path / "out.safetensors"
     procs = [subprocess.Popen([sys.executable, "-m", "h3quant", "convert", str(src), str(dst),
@@ -138,6 +136,7 @@ def test_two_racing_converts_one_wins_the_other_fails_cleanly(src, tmp_path):
 
 
 # ------------------------------------------------------------------- non-regular inputs
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [["inspect"], ["validate"], ["convert", "OUT"], ["verify"]])
 def test_fifo_input_is_refused_before_any_read(tmp_path, cmd):
     fifo = tmp_path / "pipe.safetensors"
@@ -216,7 +215,7 @@ def test_truncated_input_in_a_subprocess_ends_without_bus_error(tmp_path):
 
 # ---------------------------------------------------------------------- shard index
 def _sharded(tmp_path: Path) -> Path:
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     return make_sharded(tmp_path / "ck", small_h3(blocks=1))
 
@@ -281,7 +280,7 @@ HOSTILE = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest.mark.parametrize("cmd", ["inspect", "validate", "convert"])
 def test_hostile_header_json_is_a_finding_or_clear_error(tmp_path, case, cmd):
-    from forge import raw_file
+    from helpers.forge import raw_file
 
     text = HOSTILE[case].encode("utf-8", "surrogatepass")
     f = raw_file(tmp_path / "h.safetensors", text + b" " * (-len(text) % 8), b"\0" * 4)
@@ -305,7 +304,7 @@ def test_hostile_index_json_is_a_finding(tmp_path, case):
 
 
 def test_hostile_marker_json_is_a_finding(tmp_path):
-    from forge import int8_layer, save
+    from helpers.forge import int8_layer, save
 
     t = int8_layer("blocks.0.mlp.fc1")
     deep = ("[" * 50_000).encode()

@@ -33,11 +33,12 @@ def test_import_contracts_are_kept():
     proc = _run("-c", "import sys; from importlinter.cli import lint_imports; "
                       "sys.exit(lint_imports(no_cache=True, no_logo=True))")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 broken" in proc.stdout and "9 kept" in proc.stdout, proc.stdout
+    assert "0 broken" in proc.stdout and "10 kept" in proc.stdout, proc.stdout
 
 
-def test_public_api_type_checks():
-    """mypy over the public API (the files listed in pyproject.toml's [tool.mypy])."""
+@pytest.mark.slow
+def test_package_type_checks():
+    """mypy over the whole h3quant package (pyproject.toml's [tool.mypy] names it)."""
     proc = _run("-m", "mypy", "--no-incremental")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Success: no issues found" in proc.stdout, proc.stdout
@@ -172,6 +173,27 @@ def test_private_import_detector_can_fail(tmp_path):
     bad.write_text("from h3quant.formats.markers import _x\nfrom h3quant.formats import markers\n"
                    "markers._y\n")
     assert len(_private_imports(bad)) == 2
+
+
+def _test_module_imports(path: Path) -> list[str]:
+    """Imports of a test module (``test_*``, ``tests.*``): shared helpers live in tests/helpers/
+    and tests/conftest.py, never in a test module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    return [f"{path.name} imports {n}" for n in names
+            if n.split(".")[0].startswith("test_") or n == "tests" or n.startswith("tests.")]
+
+
+def test_no_test_module_imports_another():
+    found = [hit for p in sorted((ROOT / "tests").rglob("*.py")) for hit in _test_module_imports(p)]
+    assert not found, "\n".join(found)
+
+
+def test_test_import_detector_can_fail(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("from test_convert import small_h3\nimport tests.test_block\nfrom helpers import forge\n")
+    assert len(_test_module_imports(bad)) == 2
 
 
 def test_block_linears_defined_once():

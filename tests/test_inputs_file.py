@@ -59,6 +59,7 @@ def test_sizes_come_from_the_header(files):
     assert torch.equal(v, files["lat"]["video"]) and torch.equal(t, files["lat"]["text"])
 
 
+@pytest.mark.slow
 def test_verify_on_the_file_equals_the_seeded_run_with_those_values(files):
     seeded = verify_model(files["q"], reference=files["src"], inputs=SEEDED)
     from_file = verify_model(files["q"], reference=files["src"],
@@ -69,6 +70,7 @@ def test_verify_on_the_file_equals_the_seeded_run_with_those_values(files):
     assert _sqnr(other)["video"] != _sqnr(seeded)["video"]  # other latents, other numbers
 
 
+@pytest.mark.slow
 def test_plan_measures_on_the_file(files):
     cands = (Candidate("w4a8"),)
     seeded = measure(files["src"], formats=cands, inputs=SEEDED)
@@ -77,6 +79,7 @@ def test_plan_measures_on_the_file(files):
     assert from_file.inputs["file"] == str(files["same"])
 
 
+@pytest.mark.slow
 def test_cli_verify_and_plan_take_inputs(files):
     r = CliRunner().invoke(main, ["verify", str(files["q"]), "--model", "--reference",
                                   str(files["src"]), "--inputs", str(files["same"]), "--json"])
@@ -151,6 +154,7 @@ def test_cli_usage_errors(files, cmd, why):
     assert why in r.output, r.output
 
 
+@pytest.mark.slow
 def test_plan_outputs_follow_the_output_rules_together(files, tmp_path):
     src = files["src"]
     before = src.read_bytes()

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from forge import cli, float_layer, int8_layer, quantized_synth, save, simple, w4a8_layer
+from helpers.forge import cli, float_layer, int8_layer, quantized_synth, save, simple, w4a8_layer
 from h3quant.cli.inspect_cmd import human_bytes
 from h3quant.formats.container import reader as container
 from h3quant.h3.topology import is_h3_block_linear

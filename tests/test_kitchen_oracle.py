@@ -22,6 +22,7 @@ def files(tmp_path_factory):
     return src, out
 
 
+@pytest.mark.slow
 def test_every_block_linear_equals_kitchen(files):
     src, out = files
     with Checkpoint(src) as a, Checkpoint(out) as b:
@@ -54,6 +55,7 @@ def test_markers_and_header_agree_canonically(files):
             assert bytes(b.read_bytes(name + ".comfy_quant")) == canonical
 
 
+@pytest.mark.slow
 def test_kitchen_written_w4a8_file_reads_validates_and_verifies(tmp_path):
     """A W4A8 file whose layers comfy-kitchen encoded (state_dict as ComfyUI saves it)."""
     from click.testing import CliRunner

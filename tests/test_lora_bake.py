@@ -134,6 +134,7 @@ def _tensor_bytes(path):
         return {n: bytes(ck.read_bytes(n)) for n in ck.tensors}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["int8-convrot", "w4a8"])
 def test_quantized_bake_equals_converting_the_baked_bf16_file(base, tmp_path, target):
     lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "kohya", rank=4, scale=0.05)
@@ -167,6 +168,7 @@ def test_lora_onto_official_shards(base, tmp_path):
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_small_delta_into_w4a8_warns_and_int8_keeps_it(base, tmp_path):
     """A bf16 base decoded from W4A8 (every weight on W4A8's grid, as when a user has only the
     4-bit file): a small delta flips almost no 4-bit code, and the warning says so; int8's finer
@@ -191,6 +193,7 @@ def test_small_delta_into_w4a8_warns_and_int8_keeps_it(base, tmp_path):
         assert 0 < s["codes_changed"] <= 1
 
 
+@pytest.mark.slow
 def test_survival_is_measured_not_assumed(base, tmp_path):
     """kept near 1 for a large delta into int8; the delta norm equals the float64 one here."""
     lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=4, scale=0.08)
@@ -203,6 +206,7 @@ def test_survival_is_measured_not_assumed(base, tmp_path):
         assert 0.8 < rows[layer]["kept"] < 1.2
 
 
+@pytest.mark.slow
 def test_unmatched_keys_are_an_error_unless_skipped(base, tmp_path):
     t = load_file(write_lora(str(tmp_path / "l.safetensors"), CFG, "comfyui", rank=2))
     t["diffusion_model.blocks.7.attn.qkv_proj.lora_down.weight"] = torch.zeros(2, CFG.hidden)
@@ -232,6 +236,7 @@ def test_bad_lora_files_exit_1_and_write_nothing(base, tmp_path, keys, needle):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_int8_base_gives_the_codes_of_quantizing_the_merged_decode(base, tmp_path):
     """An int8 ConvRot base (group size 64): each touched layer decoded (by comfy-kitchen, here),
     merged in float64, quantized again by comfy-kitchen; the baked file holds those codes, and
@@ -268,6 +273,7 @@ def test_int8_base_gives_the_codes_of_quantizing_the_merged_decode(base, tmp_pat
         assert torch.equal(got[name], qt[name]), name
 
 
+@pytest.mark.slow
 def test_w4a8_base_bakes_and_validates(base, tmp_path):
     w4 = tmp_path / "w4.safetensors"
     convert(base, w4, ConvertOptions(target="w4a8", report=False))
@@ -291,6 +297,7 @@ def test_dry_run_lists_the_lora_layers(base, tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_bake_is_deterministic_and_leaves_inputs_alone(base, tmp_path):
     lora_path = write_lora(str(tmp_path / "l.safetensors"), CFG, "diffusers", rank=4, scale=0.05)
     before = (base.read_bytes(), (tmp_path / "l.safetensors").read_bytes())
@@ -319,6 +326,7 @@ def test_lora_onto_fp8_merges_into_the_exact_decode(tmp_path):
         assert torch.equal(got[layer + ".weight"], want), layer
 
 
+@pytest.mark.slow
 def test_lora_promote_writes_the_touched_layers_int8(base, tmp_path):
     """W4A8 file, LoRA on block 0 only, --lora-promote int8-convrot: block 0's linears int8
     (the delta kept, no warning), block 1 W4A8; the markers say so."""

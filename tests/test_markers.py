@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from forge import INT8_CONVROT, codes, expect_error, float_layer, int8_layer, save, validate
+from helpers.forge import INT8_CONVROT, codes, expect_error, float_layer, int8_layer, save, validate
 from h3quant.formats.markers import HEADER_KEY
 
 

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from forge import cli
+from helpers.forge import cli
 
 from h3quant.synth import synth_checkpoint
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-import independent_h3 as ind
-from test_block import quantize_file, read_all
+from helpers import independent_h3 as ind
+from helpers.h3files import quantize_file, read_tensors
 
 from h3quant.cli import main
 from h3quant.pipelines.metrics import error_metrics
@@ -74,9 +74,10 @@ def test_norm_and_rope_equal_comfy_kitchen_split_half():
     assert torch.equal(ours[0][..., 96:], F.rms_norm(q, (128,), qw, 1e-5)[..., 96:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["pruned", "full"])
 def test_float_model_equals_an_independent_implementation(mfiles, form):
-    src, _ = read_all(mfiles[form])
+    src, _ = read_tensors(mfiles[form])
     v, a, t = _inputs()
     with H3Model.open(mfiles[form]) as m:
         got = m(v, a, t, SIGMA)
@@ -90,7 +91,7 @@ def test_float_model_equals_an_independent_implementation(mfiles, form):
 
 
 def test_text_at_hidden_width_skips_the_refiner_and_odd_sizes_are_padded(mfiles):
-    src, _ = read_all(mfiles["pruned"])
+    src, _ = read_tensors(mfiles["pruned"])
     v, a, t = _inputs(shape=(1, 5, 7), width=512)
     with H3Model.open(mfiles["pruned"]) as m:
         got = m(v, a, t, SIGMA)
@@ -101,7 +102,7 @@ def test_text_at_hidden_width_skips_the_refiner_and_odd_sizes_are_padded(mfiles)
 
 
 def test_hidden_states_per_block_and_depth(mfiles):
-    src, _ = read_all(mfiles["pruned"])
+    src, _ = read_tensors(mfiles["pruned"])
     v, a, t = _inputs()
     seen, want = [], []
     with H3Model.open(mfiles["pruned"]) as m:
@@ -148,6 +149,7 @@ def _sim_run(path, sim, kind):
     return [o.float().cpu() for o in out]
 
 
+@pytest.mark.slow
 def test_simulated_npu_runs_the_whole_model_on_the_npu(mfiles):
     from h3quant.testing.sim_npu import simulated_npu
 
@@ -163,6 +165,7 @@ def test_simulated_npu_runs_the_whole_model_on_the_npu(mfiles):
         assert error_metrics(g, c)[1] > 20  # bf16 on the device vs fp32 on the CPU
 
 
+@pytest.mark.slow
 def test_simulated_mps_dequantizes_on_the_device(mfiles):
     from h3quant.testing.simdevice import simulated_mps
 
@@ -186,6 +189,7 @@ def _cli(*args):
 SMALL = ("--frames", 1, "--height", 4, "--width", 4, "--audio-frames", 4, "--text-tokens", 6)
 
 
+@pytest.mark.slow
 def test_cli_verify_model_passes_and_reports_drift(mfiles):
     r = _cli(mfiles["int8"], "--reference", mfiles["pruned"], "--model", *SMALL, "--json")
     assert r.exit_code == 0, r.output
@@ -198,6 +202,7 @@ def test_cli_verify_model_passes_and_reports_drift(mfiles):
     assert any("computed once" in n for n in doc["notes"])  # identical float refiner tensors
 
 
+@pytest.mark.slow
 def test_cli_verify_model_depth_and_own_weights(mfiles):
     r = _cli(mfiles["w4a8"], "--model", "--depth", 1, *SMALL)
     assert r.exit_code == 0, r.output
@@ -205,6 +210,7 @@ def test_cli_verify_model_depth_and_own_weights(mfiles):
     assert "dequantized" in r.stdout.splitlines()[1]
 
 
+@pytest.mark.slow
 def test_cli_verify_model_fails_on_wrong_scales(mfiles, tmp_path):
     def x4(layer, parts, w):
         if layer == "blocks.1.mlp.fc1":
@@ -241,7 +247,7 @@ def test_cli_verify_model_plot(mfiles, tmp_path):
 
 
 def test_synth_writes_what_the_forward_reads(mfiles):
-    src, _ = read_all(mfiles["pruned"])
+    src, _ = read_tensors(mfiles["pruned"])
     fn = src["token_refiner.final_norm.weight"].float()
     assert fn.shape == (512,) and abs(fn.mean().item() - 1) < 0.02  # an RMSNorm weight, ~1
     assert src["condition_proj.weight"].shape == (512, 768)  # tiny text width != hidden
@@ -249,5 +255,5 @@ def test_synth_writes_what_the_forward_reads(mfiles):
     assert torch.allclose(inv, 10000.0 ** (-torch.arange(16, dtype=torch.float64) / 16))
     table = src["adaln_t_table"]
     assert table.shape == (1025, 8) and table.std(0).min() > 0.1  # varies with t
-    full, _ = read_all(mfiles["full"])
+    full, _ = read_tensors(mfiles["full"])
     assert full["time_embedder.proj_in.weight"].shape == (64, 256)

@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_convert import sha, small_h3, write
+from helpers.h3files import sha, small_h3
 
 from h3quant.cli import main
 from h3quant.errors import OutputError
 from h3quant.formats.container import platform
 from h3quant.formats.container import atomic
 from h3quant.pipelines.convert import ConvertOptions, convert
-
-
-@pytest.fixture
-def src(tmp_path) -> Path:
-    return write(tmp_path / "in.safetensors", small_h3(blocks=1))
 
 
 def cli(*args):
@@ -225,7 +220,7 @@ def test_two_threads_racing_for_one_output_one_wins(tmp_path):
 
 # ------------------------------------------------------------------ directories
 def test_sharded_output_dir_carries_a_manifest_and_only_own_dirs_are_replaced(tmp_path):
-    from test_convert_formats import make_sharded
+    from helpers.h3files import make_sharded
 
     d = make_sharded(tmp_path / "in", small_h3(blocks=1))
     out = tmp_path / "out"

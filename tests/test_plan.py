@@ -53,6 +53,7 @@ def test_candidates_parse():
             parse_candidates(bad)
 
 
+@pytest.mark.slow
 def test_one_measurement_per_block_and_format(sens):
     assert sens.blocks == BLOCKS and not sens.per_layer
     assert [(u.unit, u.format) for u in sens.units] == [
@@ -66,6 +67,7 @@ def test_one_measurement_per_block_and_format(sens):
     assert len(sens.seconds_per_block) == BLOCKS
 
 
+@pytest.mark.slow
 def test_a_measurement_equals_converting_that_block_alone_and_verifying(src, sens, tmp_path):
     """Independent path: convert's bytes for block 2 in W4A8 (everything else kept), loaded and
     run by verify --model against the float file on the same inputs."""
@@ -143,6 +145,7 @@ def test_planned_recipe_gives_each_block_its_format(src, sens, model, tmp_path):
     assert out.stat().st_size == planned_bytes(src, rules)
 
 
+@pytest.mark.slow
 def test_planner_file_between_w4a8_and_int8_meets_the_target_when_verified(src, sens, model):
     """The done-when check: a target between the all-W4A8 and all-int8 qualities (planned with
     the default 1 dB margin) gives a file smaller than all-int8 that verify --model measures at
@@ -158,6 +161,7 @@ def test_planner_file_between_w4a8_and_int8_meets_the_target_when_verified(src, 
     assert abs(min(got.values()) - pred.min_sqnr_db) < 2.0  # the additive model is close
 
 
+@pytest.mark.slow
 def test_frontier_points_predicted_and_measured(src, model):
     points = frontier(src, model, targets=[model.uniform("w4a8").min_sqnr_db + 2], margin=1.0)
     names = [p.name for p in points]
@@ -170,6 +174,7 @@ def test_frontier_points_predicted_and_measured(src, model):
         assert abs(p.measured_min - p.predicted_min) < 2.0, p.to_dict()
 
 
+@pytest.mark.slow
 def test_per_layer_pass(src):
     s = measure(src, formats=(Candidate("w4a8"),), per_layer=True, inputs=INPUTS, blocks=1)
     assert [u.unit for u in s.units] == [f"blocks.0.{lin}" for lin in

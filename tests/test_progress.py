@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from forge import cli
+from helpers.forge import cli
 
 from h3quant.cli import convert_cmd, validate_cmd, verify_cmd
 from h3quant.synth import synth_checkpoint

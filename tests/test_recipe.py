@@ -92,6 +92,7 @@ def test_recipe_file_parsing(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the mixed file
+@pytest.mark.slow
 def test_every_layer_has_its_rules_marker_and_the_header_matches(mixed):
     with Checkpoint(mixed) as ck:
         header = parse_header_metadata(ck.metadata)
@@ -116,6 +117,7 @@ def test_every_layer_has_its_rules_marker_and_the_header_matches(mixed):
         assert options["layers"] == RULES and options["target"] == "int8"
 
 
+@pytest.mark.slow
 def test_comfy_kitchen_dequantizes_every_layer_as_its_marker_says(src, mixed):
     """Each layer is rebuilt with kitchen's layout class for its marker's format and the
     marker's parameters; kitchen's dequantization is close to the source weight (within the
@@ -163,6 +165,7 @@ def test_comfy_kitchen_dequantizes_every_layer_as_its_marker_says(src, mixed):
     assert seen == {"bf16", "w4a8", ("int8", True, 256), ("int8", True, 64), ("int8", False, None)}
 
 
+@pytest.mark.slow
 def test_recipe_file_gives_the_same_bytes_as_the_flags(src, mixed, tmp_path):
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"rules": [

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from forge import cli
-from test_hf_cache import hf_cache_snapshot
+from helpers.forge import cli
+from helpers.hf_cache import hf_cache_snapshot
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.source_view import open_as_comfy

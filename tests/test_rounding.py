@@ -92,6 +92,7 @@ def _err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+@pytest.mark.slow
 def test_bf16_forward_equals_the_single_rounding_form_and_is_no_worse(float_file, monkeypatch):
     with H3Model.open(float_file) as m:
         fp32 = m(*_inputs(torch.float32), SIGMA)

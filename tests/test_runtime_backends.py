@@ -19,7 +19,7 @@ from h3quant.formats.int8.tensors import quantize_activation as _quantize_activa
 from h3quant.runtime.int8_math import quantize_activation as runtime_quantize_activation
 from h3quant.runtime.int8_math import scale_accumulator
 from h3quant.runtime.linear import QuantizedLinear
-from runtime_util import quantize_weight, rel
+from helpers.runtime import quantize_weight, rel
 
 TOL = {"torch-int8": 0.02, "dequant": 0.01, "reference": 0.005}
 

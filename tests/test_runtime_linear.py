@@ -9,7 +9,7 @@ from h3quant.errors import DeviceError
 from h3quant.runtime.backends import reference_linear
 from h3quant.runtime.capabilities import StaticProbe
 from h3quant.runtime.linear import QuantizedLinear
-from runtime_util import quantize_weight, rel
+from helpers.runtime import quantize_weight, rel
 
 
 class RecordOps(TorchDispatchMode):

@@ -25,7 +25,7 @@ from h3quant.runtime.devices import parse_device
 from h3quant.runtime.linear import QuantizedLinear
 from h3quant.testing.sim_npu import SimulatedTorchNpu, simulated_npu
 from h3quant.testing.simdevice import SimTensor, simulated_mps
-from runtime_util import quantize_weight, rel
+from helpers.runtime import quantize_weight, rel
 
 if importlib.util.find_spec("torch_npu") is not None:  # pragma: no cover
     pytest.skip("a real torch_npu is installed; the simulation would shadow it", allow_module_level=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tp_util import tp_files
+
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 5  # --tp-timeout of every case
@@ -26,8 +27,8 @@ TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MAS
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
 def _clean_env(**extra) -> dict:

@@ -5,7 +5,6 @@ from itertools import pairwise
 
 import pytest
 import torch
-from tp_util import tp_files
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
@@ -111,10 +110,11 @@ def test_shared_quantizer_equals_the_codec_on_one_rank():
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "w4a8", "kn"])
 @pytest.mark.parametrize("mmap", [True, False])
 def test_each_rank_reads_only_its_bytes_and_they_are_the_right_ones(files, fmt, mmap):

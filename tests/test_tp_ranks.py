@@ -16,18 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tp_util import tp_files
 
 from h3quant.pipelines.verify.tp import PER_RANK_TOLERANCE, verify_tp
 from h3quant.runtime.tp.launch import spawn_ranks
 from h3quant.runtime.tp.plan import TpError
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
 def _run(path, tp, mode="shared", **kw):

@@ -7,14 +7,15 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from tp_util import tp_files
 
 from h3quant.cli import main
 
+pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
+
 
 @pytest.fixture(scope="module")
-def files():
-    return tp_files()
+def files(tp_files):
+    return tp_files
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forge import cli
+from helpers.forge import cli
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint

@@ -7,7 +7,7 @@ import torch
 
 import h3quant.formats.deep as deep
 import h3quant.pipelines.validate as vmod
-from forge import (
+from helpers.forge import (
     cli,
     codes,
     expect_error,

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from h3quant.cli import main
 from h3quant.pipelines.verify.blocks import Thresholds, data_checks, verify_checkpoint
 from h3quant.runtime.loader import load_blocks
-from test_block import quantize_file, rewrite, tiny_files
+from helpers.h3files import quantize_file, rewrite, set_header_layer
 
 TOKENS = 16
 
@@ -36,9 +36,9 @@ W4A8_ROLES = {"attn.out_proj": "w4a8", "mlp.fc2": "w4a8"}
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_files):
     d = tmp_path_factory.mktemp("verify")
-    base = tiny_files()
+    base = tiny_files
     bf16, int8 = base["bf16"], base["int8"]
     return {
         "bf16": bf16, "int8": int8,
@@ -67,6 +67,7 @@ def cpu_int8(files):
     return run(files["int8"])
 
 
+@pytest.mark.slow
 def test_int8_passes_on_cpu_against_its_dequantized_weights(cpu_int8):
     r = cpu_int8
     assert r.passed and r.reference == "dequantized" and r.blocks == [0]
@@ -120,6 +121,7 @@ def test_wrong_hadamard_is_invisible_without_a_reference(files):
     assert any("--reference" in n for n in r.notes)
 
 
+@pytest.mark.slow
 def test_mixed_w4a8_block_passes_with_its_own_thresholds(files):
     r = run(files["w4a8"], reference=files["bf16"])
     assert r.passed, r.failures
@@ -193,6 +195,7 @@ def test_a_checkpoint_without_blocks_is_refused_by_per_block_and_tp_verify(tmp_p
 # ------------------------------------------------------------------- simulated NPU and MPS
 
 
+@pytest.mark.slow
 def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
     from h3quant.cli.verify_view import render_blocks as render
     from h3quant.testing.sim_npu import simulated_npu
@@ -210,6 +213,7 @@ def test_simulated_npu_runs_every_layer_on_the_npu_backend(files, cpu_int8):
     assert "npu" in render(r).split("blocks.0.mlp.fc2 [swiglu]")[1].splitlines()[0]
 
 
+@pytest.mark.slow
 def test_simulated_mps_dequantizes_on_the_device(files, cpu_int8):
     from h3quant.testing.simdevice import simulated_mps
 
@@ -243,6 +247,7 @@ def test_result_json_document(cpu_int8):
     assert doc["layers"][0]["backend"] == "torch-int8" and doc["device"] == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_cli_verify_exits_1_on_scales_x4(files, with_ref):
     extra = ["--reference", files["bf16"]] if with_ref else []
@@ -264,14 +269,17 @@ def test_cli_verify_usage_and_io_errors(files, tmp_path):
     assert res.exit_code == 2 and "invalid device" in res.output
 
     def fp8(t, meta):
-        from test_block import set_header_layer
         name = "blocks.0.mlp.fc1"
         t[name + ".weight"] = t[name + ".weight"].float().to(torch.float8_e4m3fn)
         t[name + ".comfy_quant"] = marker_tensor({"format": "float8_e4m3fn"})
         set_header_layer(meta, name, {"format": "float8_e4m3fn"})
     path = rewrite(files["int8"], tmp_path / "fp8.safetensors", fp8)
-    res = cli("verify", path, "--device", "cpu")
-    assert res.exit_code == 2 and "Q105" in res.output and "float8_e4m3fn" in res.output
+    res = cli("verify", path, "--device", "cpu", "--json")  # fp8 runs through its decode
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and "Q105" not in res.output, res.output
+    fc1 = [c for c in doc["layers"] if c["name"] == "blocks.0.mlp.fc1"]
+    assert fc1 and {c["format"] for c in fc1} == {"float8_e4m3fn"}
+    assert {c["backend"] for c in fc1} == {"dequant"}
     assert "--reference" in cli("verify", "--help").output
 
 

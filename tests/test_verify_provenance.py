@@ -83,6 +83,7 @@ def model(path, ref):
 # --------------------------------------------------------------------- converted from W4A8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["int8-convrot", "int8", "kn"])
 def test_int8_from_w4a8_passes_against_bf16_with_the_header_reason(files, layout):
     assert KEY in _meta(files[layout])
@@ -97,6 +98,7 @@ def test_int8_from_w4a8_passes_against_bf16_with_the_header_reason(files, layout
     assert max(c["rel_err"] for c in res["layers"]) > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["int8-convrot", "kn"])
 def test_without_the_header_record_the_grid_is_found_in_the_data(files, layout, tmp_path):
     bare = rewrite(files[layout], tmp_path / "bare.safetensors", drop_key=True)
@@ -116,6 +118,7 @@ def test_plain_int8_from_w4a8_needs_the_header_record(files, tmp_path):
     assert not res["passed"] and res["provenance"] == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["int8-convrot", "kn"])
 def test_model_mode_passes_at_the_w4a8_limit(files, layout, tmp_path):
     res = model(files[layout], files["bf16"])
@@ -144,6 +147,7 @@ def _permute_rows(t, meta):
         t[LAYER + ".weight"] = w[torch.randperm(w.shape[0], generator=g)].contiguous()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["int8-convrot", "int8", "kn"])
 @pytest.mark.parametrize("edit", [_scales_x4, _permute_rows], ids=["scales-x4", "rows-permuted"])
 @pytest.mark.parametrize("header", [True, False], ids=["header", "bare"])
@@ -167,6 +171,7 @@ def test_model_mode_fails_on_corrupted_scales(files, tmp_path):
 # ------------------------------------------------------------------ int8 made from floats
 
 
+@pytest.mark.slow
 def test_plain_int8_from_bf16_keeps_int8_limits(files, tmp_path):
     assert KEY not in _meta(files["direct"])
     res = per_layer(files["direct"], files["bf16"])
@@ -210,6 +215,7 @@ def _decode_here(t: dict) -> np.ndarray:
     return np.clip(np.rint(v), -127, 127).reshape(codes.shape).astype(np.int8)
 
 
+@pytest.mark.slow
 def test_the_int8_files_hold_the_w4a8_grid_decoded_here(files):
     w8 = _decode_here(load_file(str(files["w4a8"])))
     assert np.array_equal(load_file(str(files["int8-convrot"]))[LAYER + ".weight"].numpy(), w8)

@@ -150,6 +150,7 @@ def test_encode_tensor_names_dtypes_shapes():
     assert torch.isfinite(s).all() and (s > 0).all() and (t["weight_s_channel"] > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_round_trip_error(name):
     w = CASES[name]()
@@ -170,6 +171,7 @@ def test_each_weight_takes_the_nearest_decoded_level():
     assert torch.allclose((target - w8).abs(), best, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_auto_keeps_frozen_table_for_gaussian_and_fits_heavy_outliers():
     t = encode_w4a8(_gauss())
     assert torch.equal(t["weight_codebook"], FROZEN_CODEBOOK)
@@ -321,6 +323,7 @@ def _kitchen_tensor(t, shape, dtype=torch.float32):
     return QuantizedTensor(t["weight"], "AsymW4A8Int8Layout", params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gaussian", "gaussian_8_cols_x100"])
 def test_kitchen_dequantizes_our_tensors_like_we_do(name):
     w = CASES[name]()
@@ -344,6 +347,7 @@ def test_kitchen_linear_on_our_tensors_matches_dequantized_matmul():
     assert relative_l2(ref, y.float()) < 0.02  # kitchen quantizes x to int8 per token
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codebook", ["default", "custom"])
 def test_we_decode_kitchen_tensors_like_kitchen(codebook):
     _, QuantizedTensor, _ = _kitchen()
@@ -362,6 +366,7 @@ def test_we_decode_kitchen_tensors_like_kitchen(codebook):
     assert torch.equal(decode_w4a8(local), ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quality_not_worse_than_kitchen(name):
     _, QuantizedTensor, _ = _kitchen()

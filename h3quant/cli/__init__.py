@@ -17,8 +17,10 @@ _COMMANDS = {
     "inspect": "inspect_cmd",
     "validate": "validate_cmd",
     "convert": "convert_cmd",
+    "capture": "capture_cmd",
     "verify": "verify_cmd",
     "plan": "plan_cmd",
+    "compare": "compare_cmd",
     "backends": "backends_cmd",
     "demo": "demo_cmd",
 }
@@ -37,7 +39,7 @@ def _needs_torch(name: str) -> click.Command:
                         help="(needs PyTorch: pip install 'h3quant[torch]')",
                         params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
                         context_settings={"ignore_unknown_options": True})
-    cmd._h3quant_epilog = True
+    setattr(cmd, "_h3quant_epilog", True)
     return cmd
 
 
@@ -70,7 +72,7 @@ class _LazyGroup(click.Group):
             from h3quant.cli.common import EXIT_EPILOG
 
             cmd.epilog = f"{cmd.epilog}\n\n{EXIT_EPILOG}" if cmd.epilog else EXIT_EPILOG
-            cmd._h3quant_epilog = True
+            setattr(cmd, "_h3quant_epilog", True)
         return cmd
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -144,7 +146,7 @@ def run(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         main.main(args, prog_name="h3quant")
-        code = 0
+        code: str | int | None = 0
     except SystemExit as exc:
         code = exc.code
     if code in (0, None) and args[:1] and args[0] in _FAST_EXIT:

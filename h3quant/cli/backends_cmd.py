@@ -13,7 +13,10 @@ each unavailable one, every reason (missing device, missing op in this torch, mi
 Backends: reference (fp32 dequantized weight, the specification; only on request), torch-int8
 (aten::_int_mm), npu (torch_npu.npu_dynamic_quant + npu_quant_matmul), dequant (dequantize on
 the device, plain matmul), kitchen (comfy-kitchen's CUDA kernels). The first available one in
-the device's preference order runs each layer (see `h3quant verify`, which shows it per layer).
+the device's preference order runs each int8 layer (see `h3quant verify`, which shows it per
+layer). The per-format table says what runs each format's layers: fp8 and mxfp8 layers are
+dequantized to the compute dtype and run as a float matmul, as ComfyUI does where it has no
+kernel for them (it has fp8 kernels on CUDA sm_89+, mxfp8 on sm_100+).
 
 \b
 Exit status: 0 listed, 2 bad device string.
@@ -41,6 +44,14 @@ def backend_rows(device: str, probe=None) -> tuple[str, list[dict]]:
     return str(dev), rows
 
 
+def format_rows(device: str, probe=None) -> list[dict]:
+    """Per quantized format: {format, runs, comfy, reason} on ``device``."""
+    from h3quant.runtime.decoded import format_routes
+
+    return [{"format": r.format, "runs": r.runs, "comfy": r.comfy, "reason": r.reason}
+            for r in format_routes(device, probe)]
+
+
 @click.command("backends", help=_HELP, context_settings={"max_content_width": 100})
 @click.option("--device", default="auto", show_default=True, callback=device_callback(False),
               help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
@@ -49,7 +60,7 @@ def backend_rows(device: str, probe=None) -> tuple[str, list[dict]]:
 def command(device, as_json):
     dev, rows = backend_rows(device)
     if as_json:
-        emit_json({"device": dev, "backends": rows})
+        emit_json({"device": dev, "backends": rows, "formats": format_rows(device)})
         return
     click.echo(f"device {dev}")
     table = [[r["name"], "yes" if r["available"] else "no",
@@ -60,3 +71,7 @@ def command(device, as_json):
     click.echo("\nlayers run on: " + (f"{ranked[0]['name']} (first available in order; a layer "
                                         "its kernel refuses runs dequant)" if ranked
                                         else "nothing: no backend is available on this device"))
+    fmts = format_rows(device)
+    click.echo("\nper format")
+    click.echo(format_table(["format", "h3quant runs", "ComfyUI runs", "why"],
+                            [[r["format"], r["runs"], r["comfy"], r["reason"]] for r in fmts]))

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Set as AbstractSet
 
 import click
 
@@ -162,7 +163,7 @@ def mmap_option(func):
     )(func)
 
 
-def format_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
+def format_table(headers: list[str], rows: list[list], right: AbstractSet[int] = frozenset()) -> str:
     """A plain text table; columns in ``right`` are right-aligned."""
     cells = [[str(c) for c in headers]] + [["-" if c is None else printable(str(c)) for c in r]
                                            for r in rows]

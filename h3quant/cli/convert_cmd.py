@@ -1,4 +1,5 @@
-"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|bf16``: streaming, atomic conversion."""
+"""``h3quant convert IN OUT --to int8-convrot|int8|w4a8|fp8|fp8-e5m2|mxfp8|bf16``: streaming,
+atomic conversion."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def _group_size(ctx, param, value):
               help="Layers to convert: h3 = the 4 linears of each DiT block (default for H3 "
                    "inputs); all-linears = every 2-D float weight (default otherwise).")
 @click.option("--include", multiple=True, metavar="REGEX",
-              help="Only convert layers whose name matches (re.search; repeatable).")
+              help="Only convert layers whose name matches (re.search; repeatable). Patterns: "
+                   "at most 65,536 characters, no backreferences, lookarounds or inline flags "
+                   "(matched in bounded time).")
 @click.option("--exclude", multiple=True, metavar="REGEX",
               help="Never convert layers whose name matches (repeatable).")
 @click.option("--layer", "layer_rules", multiple=True, metavar="REGEX=FORMAT",
@@ -70,7 +73,8 @@ def _group_size(ctx, param, value):
                    "keep, with options: w4a8, int8-convrot:g=64, int8:layout=npu, bf16, keep.")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False, path_type=str),
               help="A JSON recipe: the same rules as data (written by 'h3quant plan' or by "
-                   "hand); see docs/FORMATS.md, Recipes.")
+                   "hand); see docs/FORMATS.md, Recipes. A regular file of at most 16 MiB; it is "
+                   "an input (no output may name it).")
 @click.option("--group-size", type=int, default=256, show_default=True, callback=_group_size,
               help="ConvRot group size (a power of 4).")
 @click.option("--rotation", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
@@ -99,13 +103,26 @@ def _group_size(ctx, param, value):
                    "negative. Key styles: ComfyUI / musubi-tuner, kohya, diffusers / PEFT (split "
                    "to_q/to_k/to_v land in the fused rows; SwiGLU order mapped). From a "
                    "quantized IN without --to, the touched layers are decoded, merged and "
-                   "encoded again in IN's own format.")
+                   "encoded again in IN's own format. Checked from its header before any data "
+                   "is read: rank at most 1024, F32/F16/BF16 adapters, each adapter once.")
 @click.option("--lora-promote", type=click.Choice(_TARGETS), default=None,
               help="Write every layer a LoRA touches in this format instead (e.g. "
                    "int8-convrot in a W4A8 file: 4-bit rounding can eat a small delta; the "
                    "report's 'kept' share says how much survives).")
 @click.option("--lora-skip-unmatched", is_flag=True,
               help="Skip LoRA keys that fit no layer of IN (listed) instead of refusing.")
+@click.option("--calibration", "calibration", type=click.Path(dir_okay=False, path_type=str),
+              default=None,
+              help="Statistics from 'h3quant capture IN' (measured on this very checkpoint): "
+                   "int8, int8-convrot and w4a8 layers keep their usual scales (and W4A8 its "
+                   "codebook) but choose their codes by error feedback on your inputs; the "
+                   "file format is unchanged; awq-w4a16 is written only this way. Layers "
+                   "with fewer recorded rows than their input width are rounded to nearest "
+                   "(warned). Other formats are rounded to nearest.")
+@click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
+              default=None,
+              help="Statistics of other inputs (captured on IN too): the report also gives "
+                   "each layer's output SQNR on them. Changes no byte.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -119,8 +136,8 @@ def _group_size(ctx, param, value):
 @mmap_option
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
-            rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, overwrite, dry_run,
-            as_json,
+            rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
+            calibration_heldout, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -140,6 +157,11 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_int8.safetensors --to int8-convrot --report r.json
       h3quant convert h3_bf16.safetensors       # writes h3_bf16_int8-convrot.safetensors
       h3quant convert h3_bf16.safetensors h3_w4a8.safetensors --to w4a8
+      h3quant convert h3_bf16.safetensors h3_fp8.safetensors --to fp8     # ComfyUI's float8_e4m3fn
+      h3quant convert h3_fp8_scaled.safetensors h3_mxfp8.safetensors --to mxfp8
+      h3quant convert h3_bf16.safetensors h3_nvfp4.safetensors --to nvfp4
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot   # convrot_w4a4
+      h3quant convert h3_nvfp4.safetensors h3_int8.safetensors --to int8-convrot  # from nvfp4
       h3quant convert h3_int8.safetensors h3_back.safetensors --to bf16
       h3quant convert h3_int8.safetensors h3_npu.safetensors --layout npu   # Ascend-ready
       h3quant convert in.safetensors out.safetensors --dry-run          # show the plan only
@@ -149,7 +171,12 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant convert h3_bf16.safetensors h3_int8_lora.safetensors --lora style.safetensors:0.8
       h3quant convert h3_bf16.safetensors mixed.safetensors --to w4a8 \\
           --layer 'blocks\\.(0|1|48|49)\\.=int8-convrot'           # int8 edge blocks
+      h3quant convert h3_bf16.safetensors mixed.safetensors --to int8-convrot \\
+          --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
+      h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
+      h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \
+          --calibration h3.stats --report r.json              # calibrated codes
     """
     from h3quant.cli.render import render_plan, summary_line
 
@@ -164,6 +191,15 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
 
     if no_report and report_path:
         raise ConvertError("--report and --no-report contradict each other")
+    from h3quant.formats.container.iofiles import CommandFiles
+    from h3quant.pipelines.convert import register_files
+
+    # every file this run reads and writes, checked before anything is read: no output may
+    # name an input (IN, a shard, a --lora file, the --recipe)
+    files = CommandFiles("convert")
+    files.read(recipe_path, "recipe")
+    register_files(files, src, dst, loras, report_path)
+    files.check(overwrite=overwrite)
     if lora_promote and not loras:
         raise ConvertError("--lora-promote needs --lora (it names the layers a LoRA touches)")
     ctx = click.get_current_context()
@@ -180,6 +216,13 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(src):  # a GGUF source: converted from a float copy made beside OUT
+        from h3quant.cli.convert_gguf import from_gguf
+
+        from_gguf(ctx, src, dst, quiet)
+        return
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
@@ -188,7 +231,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              report=not no_report, workers=workers, mmap=not no_mmap,
                              overwrite=overwrite, rotation=rotation, layout=layout,
                              naming=naming, loras=tuple(loras),
-                             lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote)
+                             lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
+                             calibration=calibration, calibration_heldout=calibration_heldout)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:
@@ -203,7 +247,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
     try:
         report = guard("converting (nothing was written)", convert, src, dst, options,
                        progress=progress_enabled(quiet), log=say,
-                       report_path=report_path)
+                       report_path=report_path, files=files)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (formats.container.signals)
         # Everything is cleaned up by now (or every output is complete, when the signal came
         # after the final move: exit 0 then). Exit at once rather than wait at interpreter exit

@@ -86,7 +86,7 @@ def _naming_line(n: dict) -> str:
     text = layouts.get(n["naming"]).title + f" ({n['evidence']})"
     if n["fp8_scaled"]:
         text += f", {n['fp8_scaled']} scaled fp8 weight(s)"
-    if n["naming"] != "comfy" or n["fp8_scaled"]:
+    if n["naming"] != layouts.TARGET or n["fp8_scaled"]:
         text += "; `convert` re-lays it out as ComfyUI's single file"
     return text
 
@@ -132,6 +132,14 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
         emit_json(info) if as_json else click.echo(render_lora(info))
         return
 
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(ckpt):  # a GGUF file: header, tensor types, bits per weight, H3 topology
+        from h3quant.pipelines.gguf_view import inspect_gguf, render_inspect
+
+        info = guard("inspecting", inspect_gguf, ckpt)
+        emit_json(info) if as_json else click.echo(render_inspect(info))
+        return
     res = guard("inspecting", inspect_checkpoint, ckpt, mmap=not no_mmap, layers=layers)
     if as_json:
         emit_json(res.to_dict())

@@ -9,8 +9,9 @@ import sys
 
 import click
 
-from h3quant.cli.common import SEED, emit_json, format_table, guard, handle_errors, log, \
-    mmap_option, progress_enabled
+from h3quant.cli.common import SEED, emit_json, finite_float, format_table, guard, \
+    handle_errors, log, mmap_option, progress_enabled
+from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
@@ -48,6 +49,10 @@ def _targets(ctx, param, value):
             from None
     if not out or not all(math.isfinite(v) for v in out):
         raise click.BadParameter("give finite dB values, e.g. 25,30,35")
+    wild = [v for v in out if abs(v) > MAX_SQNR_DB]
+    if wild:
+        raise click.BadParameter(f"{wild[0]:g} dB is outside -{MAX_SQNR_DB:g} .. "
+                                 f"{MAX_SQNR_DB:g}")
     return out
 
 
@@ -120,14 +125,17 @@ Examples:
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "
-                   "int8-convrot:g=64); float is always the unquantized choice.")
+                   "int8-convrot:g=64 or int8-convrot,w4a8,nvfp4,int4-convrot); float is always "
+                   "the unquantized choice.")
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
-              help="Reuse a sensitivity pass saved with --json instead of measuring again.")
-@click.option("--target-sqnr", type=float, default=None, metavar="DB",
+              help="Reuse a sensitivity pass saved with --json instead of measuring again "
+                   "(a regular file of at most 16 MiB, refused unless it was measured on IN).")
+@click.option("--target-sqnr", type=finite_float(-MAX_SQNR_DB, MAX_SQNR_DB), default=None,
+              metavar="DB",
               help="Plan the smallest file whose predicted whole-model SQNR (worse of video and "
-                   "audio) is at least DB.")
+                   f"audio) is at least DB (-{MAX_SQNR_DB:g} .. {MAX_SQNR_DB:g}).")
 @click.option("--margin", type=click.FloatRange(0, 20), default=1.0, show_default=True,
               metavar="DB",
               help="--target-sqnr (and --frontier's targets): plan for DB more than the "
@@ -185,6 +193,16 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
     if (targets or no_measure or plot) and not frontier:
         raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
+    from h3quant.formats.container.iofiles import CommandFiles
+
+    # every file this run reads and writes, checked before anything is read
+    files = CommandFiles("plan")
+    files.checkpoint(src)
+    files.read(from_json, "saved pass (--from)")
+    files.read(inputs_file, "--inputs file")
+    files.write(out_path, "recipe")
+    files.write(plot, "plot")
+    files.check(overwrite=overwrite)
     given_inputs = None
     if inputs_file is not None:
         from click.core import ParameterSource
@@ -201,26 +219,19 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         given_inputs = ModelInputs.from_file(inputs_file)
     # --out and --plot follow the output rules, are checked before the long work and are
     # written together at the end (both or neither)
-    outputs = [(p, w) for p, w in ((out_path, "recipe"), (plot, "plot")) if p]
     pending: list[tuple[str, bytes, str]] = []
-    inputs: list = []
-    if outputs:
-        from pathlib import Path
-
-        from h3quant.formats.container.atomic import Outputs, check_outputs_distinct
+    if files.outputs:
         from h3quant.formats.container.checkpoint import Checkpoint
 
         with Checkpoint(src, mmap=not no_mmap) as ck:
-            inputs = [Path(src)] + [sf.path for sf in ck.files] \
-                + ([ck.index_path] if ck.index_path else [])
-        inputs += [Path(from_json)] if from_json else []
-        inputs += [Path(inputs_file)] if inputs_file else []
+            for shard in [sf.path for sf in ck.files] + ([ck.index_path] if ck.index_path
+                                                          else []):
+                files.read(shard, "input shard")
 
         def check_all():
-            outs = Outputs(inputs=inputs, overwrite=overwrite)
-            for p, what in outputs:
-                outs.check(p, what=what)
-            check_outputs_distinct([Path(p) for p, _ in outputs])
+            outs = files.transaction(overwrite=overwrite)
+            for o in files.outputs:
+                outs.check(o.path, what=o.what)
 
         guard("checking the outputs", check_all)
     plt = None
@@ -229,13 +240,24 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
         plt = require_matplotlib()
     if from_json:
+        from h3quant.formats.container.smallfile import read_bounded
+        from h3quant.pipelines.fingerprint import check, checkpoint_fingerprint
+
+        raw = read_bounded(from_json, MAX_JSON_BYTES, "saved pass (--from)")
         try:
-            with open(from_json, encoding="utf-8") as fh:
-                loaded = json.load(fh)
-            sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            loaded = json.loads(raw.decode("utf-8"))
+            sens = Sensitivity.from_dict(loaded.get("sensitivity", loaded)
+                                         if isinstance(loaded, dict) else loaded)
+        except H3QuantError as exc:
+            raise H3QuantError(f"--from {from_json}: {exc.reason}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
                                f"'h3quant plan --json': {_why_not_a_pass(exc)}") from None
+        # a pass belongs to the checkpoint it was measured on: refused for any other file
+        check(sens.measured_on,
+              {"checkpoint": guard("reading IN", checkpoint_fingerprint, src,
+                                   mmap=not no_mmap)},
+              what=f"--from {from_json}")
     else:
         from tqdm import tqdm
 
@@ -292,7 +314,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
             pending.append((plot, draw(points, plt), "plot"))
     if pending:
-        guard("writing the outputs", _write_all, pending, inputs, overwrite)
+        guard("writing the outputs", _write_all, pending, files, overwrite)
         if not quiet:
             for p, _, what in pending:
                 log(done_note if what == "recipe" else f"wrote {p}")
@@ -304,10 +326,10 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         click.echo("\n\n".join(text))
 
 
-def _write_all(pending, inputs, overwrite) -> None:
+def _write_all(pending, files, overwrite) -> None:
     """Write every (path, bytes, what) in one transaction: all appear, or none."""
-    from h3quant.formats.container.atomic import Outputs, write_file
+    from h3quant.formats.container.atomic import write_file
 
-    with Outputs(inputs=inputs, overwrite=overwrite) as outs:
+    with files.transaction(overwrite=overwrite) as outs:
         for path, data, what in pending:
             write_file(outs.add(path, what=what), data)

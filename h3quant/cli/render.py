@@ -36,7 +36,7 @@ def render_plan(d: dict) -> str:
                      "layer(s)")
         lines += [f"  {name}" for name in lora["layers"]]
         lines += [f"  skipped: {s}" for s in lora["skipped"]]
-    by = {}
+    by: dict[str, list[dict]] = {}
     for lay in d["layers"]:
         by.setdefault(lay["action"], []).append(lay)
     titles = {"convert": "convert", "keep": "already in the target format (re-emitted)",

@@ -32,7 +32,7 @@ def _size(n: int) -> str:
                    "time_embedder.proj_in/proj_out.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Random seed (0 .. 2^32-1); the same options and seed give byte-identical files.")
-@click.option("--naming", type=click.Choice(layouts.names()), default="comfy",
+@click.option("--naming", type=click.Choice(layouts.names()), default=layouts.TARGET,
               show_default=True, help="Layout written: " + layouts.help_text())
 @click.option("--dtype", "wdtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True,
@@ -70,10 +70,10 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
     # Rough size for the progress decision: 2 bytes per element of the big 16-bit tensors.
     per_block = 2 * sum(n * k for n, k in (cfg.linear_shape(s) for s in BLOCK_LINEARS))
     approx = per_block * (cfg.blocks + cfg.refiner_blocks)
-    relayout = naming != "comfy" or wdtype != "bf16"
+    relayout = naming != layouts.TARGET or wdtype != "bf16"
     with Outputs(overwrite=overwrite, log=log) as outs:
         # checked before any work; appears only when complete
-        staged = outs.add(out, directory=naming != "comfy")
+        staged = outs.add(out, directory=naming != layouts.TARGET)
         plain = staged.parent / (staged.name + ".comfy.safetensors") if relayout else staged
         result = synth_checkpoint(plain, preset=preset, blocks=blocks, form=form, seed=seed,
                                   head_bank=head_bank,

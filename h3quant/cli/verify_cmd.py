@@ -183,6 +183,8 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
         mode = "the per-block mode (add --model)" + ("" if parallel else " without --tp")
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
+    # every file this run reads and writes, checked before anything is read
+    _files(ckpt, reference, inputs_file, plot).check(overwrite=overwrite)
     given_inputs = _file_inputs(ctx, inputs_file, sigma) if whole_model else None
     if parallel:
         from h3quant.pipelines.verify.model import ModelInputs
@@ -220,6 +222,18 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     else:
         click.echo(view.render_blocks(res))
     sys.exit(EXIT_OK if res.passed else EXIT_FINDINGS)
+
+
+def _files(ckpt, reference, inputs_file, plot):
+    """The files of a verify run: CKPT, --reference and --inputs read; --plot written."""
+    from h3quant.formats.container.iofiles import CommandFiles
+
+    files = CommandFiles("verify")
+    files.checkpoint(ckpt, "checkpoint")
+    files.checkpoint(reference, "reference")
+    files.read(inputs_file, "--inputs file")
+    files.write(plot, "plot")
+    return files
 
 
 def _schedule(steps, sigmas, ctx):
@@ -272,10 +286,10 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
 
     plot_inputs = ()
     if plot:  # the plot is an output like any other: checked before the long run
-        from h3quant.formats.container.atomic import check_output, checkpoint_inputs
+        from h3quant.formats.container.atomic import check_output
 
-        plot_inputs = checkpoint_inputs(ckpt, reference,
-                                        given_inputs.file if given_inputs else None)
+        plot_inputs = _files(ckpt, reference, given_inputs.file if given_inputs else None,
+                             plot).input_paths
         check_output(plot, directory=False, overwrite=overwrite, inputs=plot_inputs,
                      what="plot")
         view.require_matplotlib()

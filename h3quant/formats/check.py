@@ -50,7 +50,7 @@ def fit_error(fmt: str, layer, fields: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------- scheme findings
-PLAIN_FLOAT = registry.spec("float")
+PLAIN_FLOAT: FormatSpec = registry.PLAIN.spec
 SCHEMES: dict[str, FormatSpec] = {s.name: s for s in registry.specs() if s.quantized}
 
 
@@ -185,3 +185,44 @@ def weight_violation(values: torch.Tensor, offset: int = 0) -> Violation | None:
     first = offset + int(bad.nonzero()[0, 0])
     return Violation("D106", f"{int(bad.sum())} non-finite weight value(s) (first at flat index "
                      f"{first}); expected finite weights")
+
+
+# ComfyUI's scaled fp8: an fp8 weight with one of these float companions (and no marker)
+FP8_SCALE_NAMES = ("scale_weight", "weight_scale")
+FP8_ROWS = 1024  # rows of an fp8 weight decoded at once by the check below
+
+
+def fp8_decoded_violation(codes: torch.Tensor, scale: torch.Tensor | None = None,
+                          offset: int = 0) -> Violation | None:
+    """D106 for (rows of) a ComfyUI scaled-fp8 weight: decoded as ComfyUI decodes it (the code
+    in fp32 times the scale, per tensor or per row, rounded once) every value must be finite. A
+    NaN code, an e5m2 infinity code, or a finite scale so large that code x scale overflows
+    (3e38) each make a non-finite weight. One rule for every command: ``validate --deep``,
+    convert (every target), verify and the fp8 codec call this function."""
+    import torch
+
+    w = codes.to(torch.float32)
+    if scale is not None:
+        s = scale.to(torch.float32).reshape(-1)
+        if s.numel() == 1:
+            w = w * s.reshape(())
+        elif w.dim() >= 1 and s.numel() == w.shape[0]:
+            w = w * s.reshape((-1,) + (1,) * (w.dim() - 1))
+        else:
+            w = w * s.reshape((-1,) + (1,) * (w.dim() - 1))[: w.shape[0]]
+    return weight_violation(w, offset)
+
+
+def fp8_weight_violation(codes: torch.Tensor, scale: torch.Tensor | None = None
+                         ) -> Violation | None:
+    """``fp8_decoded_violation`` over a whole weight, ``FP8_ROWS`` rows at a time."""
+    if codes.dim() < 2:
+        return fp8_decoded_violation(codes, scale)
+    per_row = scale is not None and scale.numel() == codes.shape[0] and scale.numel() > 1
+    k = codes[0].numel() if codes.shape[0] else 0
+    for r0 in range(0, codes.shape[0], FP8_ROWS):
+        part = scale.reshape(-1)[r0:r0 + FP8_ROWS] if per_row and scale is not None else scale
+        v = fp8_decoded_violation(codes[r0:r0 + FP8_ROWS], part, r0 * k)
+        if v is not None:
+            return v
+    return None

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
+    calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
 
@@ -35,6 +37,11 @@ class Codec:
     def source_tensors(self, fields: dict | None, tensors: dict) -> tuple[list[str], list[str]]:
         """(suffixes read row by row, suffixes read whole) to decode rows of a stored weight."""
         return ["weight"], []
+
+    def row_views(self, whole: dict, fields: dict | None) -> dict[str, torch.Tensor]:
+        """Row-indexed tensors derived once from the whole-read ones (nvfp4: its block scales
+        unswizzled to ``[N, K/16]``); ``decode_rows`` gets their rows under the same names."""
+        return {}
 
     def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
@@ -59,6 +66,10 @@ class Codec:
         """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
         raise NotImplementedError(f"{self.spec.name} layers have no int8 grid")
 
+    def grid_rows(self, rows: dict, whole: dict, fields: dict) -> torch.Tensor:
+        """int8 codes of rows of a format whose spec names a ``grid_scale`` (its decoded grid)."""
+        raise NotImplementedError(f"{self.spec.name} layers have no int8 grid of their own")
+
     def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
         return grid
@@ -70,6 +81,11 @@ class Codec:
     def data_violation(self, suffix: str, values: torch.Tensor) -> Violation | None:
         """The rule on the values of a ``spec.deep_whole`` tensor (None: they pass)."""
         return None
+
+    def layer_data_violations(self, tensors: dict, read, fields: dict) -> list[Violation]:
+        """``validate --deep`` rules over several tensors of one layer (nvfp4: block scales
+        against codes); ``read(info, dtype=None)`` gives a tensor's values, 1-D."""
+        return []
 
     def nz_eligible(self, n: int, k: int) -> bool | None:
         """Whether the layer's weight can run in the NPU's NZ layout (None: not a question)."""

@@ -95,7 +95,8 @@ def _check_int8_codes(src, info, out: list[Finding]) -> None:
 
 
 def _check_whole(src, codec, suffix: str, info, out: list[Finding]) -> None:
-    v = codec.data_violation(suffix, _read(src, info))  # the rule convert and verify apply too
+    v = codec.data_violation(suffix, _read(src, info).reshape(tuple(info.shape)))  # as convert
+    # and verify see it: the same rule
     if v is not None:
         out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
 
@@ -134,14 +135,24 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             dtype = torch.float8_e4m3fn if info.dtype in ("F8_E4M3", "U8") else None
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
+        if hasattr(codec, "deep_findings"):  # a format package's own data rules
+            for v in codec.deep_findings(lambda i, dt: _chunks(src, i, dt), t):
+                info = t.get(v.suffix) or t.get("weight")
+                out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
+                checked.add(info.name)
         w = t.get("weight")
         if codec.spec.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
         for suffix in codec.spec.deep_whole:
             info = t.get(suffix)
-            if info is not None and info.dtype in FLOAT_DTYPES:
+            if info is not None and (info.dtype in FLOAT_DTYPES or info.dtype == "I8"):
                 _check_whole(src, codec, suffix, info, out)
                 checked.add(info.name)
+        for v in codec.layer_data_violations(t, lambda info, dtype=None: _read(src, info, dtype),
+                                             layer.fields or {}):
+            info = t.get(v.suffix) or t.get("weight")
+            out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),
+                               file=str(info.file) if info is not None else None))
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():
@@ -152,9 +163,39 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
                 checked.add(info.name)
 
 
+_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _check_fp8(src, info, scale, out: list[Finding]) -> None:
+    """A scaled-fp8 (or bare fp8) weight decoded as ComfyUI decodes it: every value finite."""
+    codes = _read(src, info, _FP8[info.dtype]).reshape(info.shape)
+    s = None
+    if scale is not None:
+        s = _read(src, scale).float()
+    v = rules.fp8_weight_violation(codes, s)
+    if v is not None:
+        out.append(Finding(v.code, v.message + (" (decoded: code x " + scale.name.rsplit(".", 1)[-1]
+                                               + ")" if scale is not None else ""),
+                           tensor=info.name, file=str(info.file)))
+
+
+def fp8_weights(tensors) -> dict:
+    """fp8 weight name -> its scale's name (None: no scale) for every fp8 ``*.weight``."""
+    from h3quant.formats.check import FP8_SCALE_NAMES as FP8_SCALES
+
+    out = {}
+    for name, info in tensors.items():
+        if info.dtype in _FP8 and name.endswith(".weight") and len(info.shape) >= 1:
+            stem = name[: -len(".weight")]
+            scales = [f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors]
+            out[name] = scales[0] if scales else None
+    return out
+
+
 def deep_check(ckpt, scan, on_bytes=None) -> list[Finding]:
-    """Value checks over every layer (one at a time), then every remaining float tensor;
-    ``on_bytes(n)`` (progress) is told the bytes of each layer or tensor once checked."""
+    """Value checks over every layer (one at a time), then every fp8 weight decoded, then
+    every remaining float tensor; ``on_bytes(n)`` (progress) is told the bytes of each layer or
+    tensor once checked."""
     out: list[Finding] = []
     checked: set[str] = set()
     src = Stream()
@@ -163,6 +204,16 @@ def deep_check(ckpt, scan, on_bytes=None) -> list[Finding]:
         for layer in scan.layers.values():
             _guarded(out, layer.name, _check_layer, src, layer, checked, out)
             tell(sum(t.nbytes for t in layer.tensors.values()))
+        for name, scale in sorted(fp8_weights(ckpt.tensors).items()):
+            if name in checked:
+                continue
+            info = ckpt.tensors[name]
+            sinfo = ckpt.tensors[scale] if scale is not None else None
+            if sinfo is not None and sinfo.dtype not in FLOAT_DTYPES:
+                continue  # not ComfyUI's scaled fp8 (the marker rules judge it)
+            _guarded(out, name, _check_fp8, src, info, sinfo, out)
+            checked.add(name)
+            tell(info.nbytes)
         for name, info in ckpt.tensors.items():
             if name in checked or info.dtype not in FLOAT_DTYPES or info.numel == 0:
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from h3quant.errors import MarkerError
 from h3quant.findings import Finding
@@ -39,7 +40,7 @@ class Layer:
     source: str | None = None  # "header", "tensor" or "header+tensor"
 
     @property
-    def format(self) -> str | None:
+    def format(self) -> Any:
         """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
@@ -99,17 +100,21 @@ def scan_layers(
     def add(code: str, msg: str, tensor: str | None) -> None:
         found.append(Finding(code, msg, tensor=tensor, file=file))
 
+    def add_error(exc: MarkerError, tensor: str | None) -> None:
+        assert exc.code is not None  # the marker parsers give every error a finding code
+        add(exc.code, exc.reason, tensor)
+
     header: dict[str, dict] | None = None
     try:
         header = parse_header_metadata(metadata)
     except MarkerError as exc:
-        add(exc.code, exc.reason, None)
+        add_error(exc, None)
     header_fields: dict[str, dict] = {}
     for lname, raw in (header or {}).items():
         try:
             header_fields[lname] = effective_fields(check_marker_object(raw, "header metadata entry"))
         except MarkerError as exc:
-            add(exc.code, exc.reason, lname)
+            add_error(exc, lname)
         if lname not in layers:
             add("M112", "named in _quantization_metadata but the file has no such layer", lname)
 
@@ -123,7 +128,7 @@ def scan_layers(
             try:
                 tensor_fields = effective_fields(parse_marker_bytes(bytes(read_bytes(mname))))
             except MarkerError as exc:
-                add(exc.code, exc.reason, mname)
+                add_error(exc, mname)
             if layer.weight is None:
                 add("M108", "marker has no weight tensor beside it", mname)
         hdr = header_fields.get(layer.name)
@@ -142,7 +147,7 @@ def scan_layers(
         weight = layer.weight
         broken_marker = marker is not None or layer.name in (header or {})
         if (layer.fields is None and not broken_marker and weight is not None
-                and weight.dtype in QUANTIZED_WEIGHT_DTYPES):
+                and weight.dtype in QUANTIZED_WEIGHT_DTYPES and not _scaled_fp8(layer, tensors)):
             add("M109", f"weight is {weight.dtype} but the layer has no quantization marker",
                 layer.tensor_name("weight"))
     if header is None and any(lay.source == "tensor" for lay in layers.values()):
@@ -175,3 +180,15 @@ def _short(fields: dict) -> str:
 def scan_checkpoint(ckpt) -> LayerScan:
     """``scan_layers`` over an open ``Checkpoint``."""
     return scan_layers(ckpt.tensors, ckpt.metadata, ckpt.read_bytes, file=str(ckpt.path))
+
+
+def _scaled_fp8(layer, tensors) -> bool:
+    """ComfyUI's scaled fp8: an fp8 weight with a float scale companion and no marker (a layout
+    of its own, decoded as code x scale; not a layer that lost its marker)."""
+    from h3quant.formats.container.dtypes import FLOAT_DTYPES
+    from h3quant.formats.check import FP8_SCALE_NAMES as FP8_SCALES
+
+    w = layer.tensors.get("weight")
+    names = [f"{layer.name}.{s}" for s in FP8_SCALES]
+    return (w is not None and w.dtype in ("F8_E4M3", "F8_E5M2")
+            and any(n in tensors and tensors[n].dtype in FLOAT_DTYPES for n in names))

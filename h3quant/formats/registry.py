@@ -23,6 +23,11 @@ _PACKAGES = (
     "h3quant.formats.int8",
     "h3quant.formats.int8_kn",
     "h3quant.formats.w4a8",
+    "h3quant.formats.fp8",
+    "h3quant.formats.mxfp8",
+    "h3quant.formats.nvfp4",
+    "h3quant.formats.int4_convrot",
+    "h3quant.formats.awq_w4a16",
     "h3quant.formats.plain",
 )
 
@@ -51,7 +56,8 @@ def register(spec: FormatSpec, codec: Codec | None = None) -> FormatSpec:
 
 for _pkg in _PACKAGES:
     _mod = importlib.import_module(_pkg)
-    register(_mod.SPEC, _mod.CODEC)
+    for _spec_, _codec_ in getattr(_mod, "FORMATS", ((_mod.SPEC, _mod.CODEC),)):
+        register(_spec_, _codec_)  # a package may hold several formats (both fp8 variants)
 for _spec in _SPEC_ONLY:
     register(_spec)
 
@@ -180,13 +186,33 @@ def verify_limits(name: str | None) -> VerifyLimits:
                key=lambda v: v.rel_err)
 
 
+def decoded_limits(name) -> VerifyLimits | None:
+    """The ``verify`` limits of a format the runtime runs through its decode (fp8, mxfp8, ...);
+    None for the int8-grid formats (int8, W4A8), whose limits ``verify`` options can set."""
+    codec = get(name) if name else None
+    if codec is None or not getattr(codec.spec, "decodes", False):
+        return None
+    return codec.spec.verify
+
+
+def class_limits(bits: int) -> VerifyLimits:
+    """``verify`` limits of a weight class (8: int8 formats, 4: 4-bit ones): the tightest of
+    the formats with a codec whose weights have that many bits."""
+    found = [c.spec.verify for c in quantized_codecs()
+             if c.spec.weight_bits == bits and c.spec.verify is not None]
+    if not found:
+        raise KeyError(f"no format with {bits}-bit weights has verify limits")
+    return min(found, key=lambda v: v.rel_err)
+
+
 def low_bit(names) -> bool:
     """Whether any of these formats stores weights in fewer than 8 bits (looser verify limits)."""
     return any((c := get(n)) is not None and c.spec.weight_bits < 8 for n in names)
 
 
-__all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "codec_for",
-           "codecs", "comfy_names", "describe", "get", "known_names", "layouts_of", "logical_k",
+__all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",
+           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "known_names",
+           "layouts_of", "logical_k",
            "logical_shape", "low_bit", "marker_defaults", "quantized_codecs", "register", "spec",
            "specs", "supported_names", "target", "target_codec", "targets", "verify_limits",
            "with_layout"]

@@ -119,10 +119,17 @@ class FormatSpec:
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
     weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
+    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
+    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
+    grid_rows: tuple[str, ...] = ()
+    grid_whole: tuple[str, ...] = ()
+    grid_scale: str | None = None
     layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
     canonical: str | None = None  # for a layout variant: the format it re-lays out
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -206,7 +213,8 @@ class FormatSpec:
         if w.dtype not in wdtypes or len(shape_of(w)) != 2:
             return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
                               f"2-D {'/'.join(wdtypes)} weight")]
-        n, k, out = self.tensor_violations(*shape_of(w), fields, tensors)
+        rows, cols = shape_of(w)  # 2-D, checked above
+        n, k, out = self.tensor_violations(rows, cols, fields, tensors)
         out.extend(self.combination_violations(fields, tensors))
         if fields.get("convrot") or self.always_convrot:  # (kn: k is the stored row count)
             g = fields.get("convrot_groupsize", 256)
@@ -233,8 +241,10 @@ class FormatSpec:
         """A tensor whose shape another rule of the format judges (``header_findings``)."""
         return False
 
-    def header_findings(self, layer, n: int | None, k: int | None, add) -> None:
-        """Format-specific findings before the per-tensor checks (``add(code, msg, suffix)``)."""
+    def header_findings(self, layer, n: int | None, k: int | None, add) -> list | None:
+        """Format-specific findings before the per-tensor checks, reported through
+        ``add(code, msg, suffix)`` or returned as a list of findings."""
+        return None
 
     def extra_findings(self, layer, add) -> None:
         """Format-specific findings after the tensor set (extra tensors, ...)."""

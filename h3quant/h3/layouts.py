@@ -24,12 +24,34 @@ SWAP_HALVES = "swap-halves"  # [value; gate] -> [gate; value]
 class SourceLayout(Protocol):
     """What every source layout provides."""
 
-    name: str  # the ``--naming`` value
-    title: str  # inspect's description ("ComfyUI single file")
-    help: str  # one clause of the CLI's help text
-    shard_stem: str | None  # shard file stem synth writes (None: a single file)
-    config_class: str | None  # ``_class_name`` of the config.json synth writes
-    name_hint: re.Pattern | None  # names only this layout (or one sharing its names) uses
+    # Read-only data (the layouts are frozen dataclasses), declared as properties.
+    @property
+    def name(self) -> str:
+        """The ``--naming`` value."""
+
+    @property
+    def label(self) -> str:
+        """How its names are called in a message ("ComfyUI name(s)")."""
+
+    @property
+    def title(self) -> str:
+        """inspect's description ("ComfyUI single file")."""
+
+    @property
+    def help(self) -> str:
+        """One clause of the CLI's help text."""
+
+    @property
+    def shard_stem(self) -> str | None:
+        """Shard file stem synth writes (None: a single file)."""
+
+    @property
+    def config_class(self) -> str | None:
+        """``_class_name`` of the config.json synth writes."""
+
+    @property
+    def name_hint(self) -> re.Pattern | None:
+        """Names only this layout (or one sharing its names) uses."""
 
     def detect(self, hits: dict[str, list[str]], shard_names: list[str],
                has_config: bool) -> str | None:
@@ -51,6 +73,7 @@ class Comfy:
     """ComfyUI's single file: the layout every other command reads and ComfyUI loads."""
 
     name: str = "comfy"
+    label: str = "ComfyUI"
     title: str = "ComfyUI single file"
     help: str = "comfy = ComfyUI's single file"
     shard_stem: str | None = None
@@ -81,6 +104,7 @@ class Official(Comfy):
     """The native release shards: ComfyUI's names, each fused ``attn.qkv_proj`` per head."""
 
     name: str = "official"
+    label: str = "official"
     title: str = "official native shards"
     help: str = ("official = a directory of model-NNNNN-of-MMMMM shards + index, q/k/v rows "
                  "per head")
@@ -126,6 +150,7 @@ class Diffusers(Comfy):
     ``to_v``, the SwiGLU ``ff.net.0.proj`` as ``[value; gate]`` (ComfyUI: ``[gate; value]``)."""
 
     name: str = "diffusers"
+    label: str = "diffusers"
     title: str = "diffusers shards"
     help: str = ("diffusers = a directory of diffusion_pytorch_model shards, diffusers names, "
                  "split to_q/to_k/to_v, SwiGLU as [value; gate]")
@@ -152,10 +177,17 @@ class Diffusers(Comfy):
         return SWAP_HALVES if ".ff.net.0.proj." in name else COPY
 
 
-# The registry: CLI order (the first is the default); detection asks them in DETECT_ORDER.
+# The registry: CLI order; detection asks them in DETECT_ORDER. TARGET is the layout every
+# other command reads and convert writes (ComfyUI's single file), the default of synth.
 LAYOUTS: dict[str, SourceLayout] = {lay.name: lay for lay in (Comfy(), Official(), Diffusers())}
-DETECT_ORDER = ("diffusers", "official", "comfy")
+DETECT_ORDER = (Diffusers.name, Official.name, Comfy.name)
+TARGET = Comfy.name
 NAMINGS = tuple(LAYOUTS)
+
+
+def diffusers_to_comfy(name: str) -> str:
+    """A diffusers tensor name as ComfyUI names it (split q/k/v and SwiGLU order aside)."""
+    return LAYOUTS[Diffusers.name].rename(name)
 
 
 def get(name: str) -> SourceLayout:

@@ -10,10 +10,13 @@ Bad input is an ``UnsupportedError`` that names the keys.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 from h3quant.errors import LoraError
 from h3quant.h3.naming import diffusers_to_comfy
+from h3quant.limits import MAX_LORA_RANK
 
 # (down suffix, up suffix) pairs, in the order they are tried.
 _PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"),
@@ -39,13 +42,6 @@ DIFFUSERS_NAMES = {
     "ff.net.0.proj": ("mlp.fc1", "swiglu"),
     "ff.net.2": ("mlp.fc2", None),
 }
-# The key styles, each with what it looks like (the CLI's choices and help read this).
-STYLE_HELP = {
-    "comfyui": "ComfyUI / musubi-tuner (diffusion_model. prefix, lora_down / lora_up, alpha)",
-    "kohya": "kohya (lora_unet_blocks_0_attn_qkv_proj)",
-    "diffusers": "diffusers / PEFT (split to_q/to_k/to_v, SwiGLU [value; gate])",
-}
-STYLES = tuple(STYLE_HELP)
 
 
 @dataclass(frozen=True)
@@ -72,15 +68,94 @@ class Target:
     swap: bool = False
 
 
+class LoraStyle(Protocol):
+    """A LoRA key style: how to recognise its module names and map one onto an H3 layer."""
+
+    @property
+    def name(self) -> str:
+        """The ``--style`` value."""
+
+    @property
+    def help(self) -> str:
+        """What it looks like, for the CLI's help."""
+
+    def claims(self, module: str) -> bool:
+        """The module name is written in this style (by its prefix)."""
+
+    def layer(self, module: str, layers: Layers) -> tuple[str | None, str | None]:
+        """(the base's layer name without its prefix, or None; the part of its rows: q, k, v,
+        swiglu or None for all of them)."""
+
+
+class Layers(dict):
+    """The base's layer names without their prefix (``blocks.0.attn.qkv_proj``) -> full names."""
+
+    @functools.cached_property
+    def underscored(self) -> dict[str, str]:
+        return {name.replace(".", "_"): name for name in self}
+
+
+@dataclass(frozen=True)
+class ComfyUIStyle:
+    name: str = "comfyui"
+    help: str = "ComfyUI / musubi-tuner (diffusion_model. prefix, lora_down / lora_up, alpha)"
+
+    def claims(self, module):
+        return module.startswith(_COMFY_PREFIXES)
+
+    def layer(self, module, layers):
+        return _strip(module, _COMFY_PREFIXES), None
+
+
+@dataclass(frozen=True)
+class KohyaStyle:
+    name: str = "kohya"
+    help: str = "kohya (lora_unet_blocks_0_attn_qkv_proj)"
+
+    def claims(self, module):
+        return module.startswith(_KOHYA_PREFIX)
+
+    def layer(self, module, layers):
+        return layers.underscored.get(module[len(_KOHYA_PREFIX):]), None
+
+
+@dataclass(frozen=True)
+class DiffusersStyle:
+    name: str = "diffusers"
+    help: str = "diffusers / PEFT (split to_q/to_k/to_v, SwiGLU [value; gate])"
+
+    def claims(self, module):
+        return module.startswith(_DIFFUSERS_PREFIXES)
+
+    def by_module_names(self, module: str) -> bool:
+        """Unprefixed: the block's module names are diffusers' (``attn.to_q`` ...)."""
+        tail = module.split("blocks.", 1)[-1]
+        return any(tail.endswith("." + d) for d in DIFFUSERS_NAMES)
+
+    def layer(self, module, layers):
+        stem, part = _strip(module, _DIFFUSERS_PREFIXES), None
+        for dname, (h3, p) in DIFFUSERS_NAMES.items():
+            if stem.endswith("." + dname):
+                stem, part = stem[: -len(dname)] + h3, p
+                break
+        # diffusers module names (transformer_blocks.N, proj_in, norm_out, ...) -> ComfyUI's
+        return diffusers_to_comfy(stem + ".weight")[: -len(".weight")], part
+
+
+# The registry: CLI order (the first is the default); ``_style_of`` asks them in this order.
+LORA_STYLES: dict[str, LoraStyle] = {s.name: s for s in (ComfyUIStyle(), KohyaStyle(),
+                                                         DiffusersStyle())}
+STYLES = tuple(LORA_STYLES)
+STYLE_HELP = {s.name: s.help for s in LORA_STYLES.values()}
+_DETECT_ORDER = (KohyaStyle.name, ComfyUIStyle.name, DiffusersStyle.name)
+
+
 def _style_of(module: str) -> str:
-    if module.startswith(_KOHYA_PREFIX):
-        return "kohya"
-    if module.startswith(_COMFY_PREFIXES):
-        return "comfyui"
-    if module.startswith(_DIFFUSERS_PREFIXES):
-        return "diffusers"
-    tail = module.split("blocks.", 1)[-1]
-    return "diffusers" if any(tail.endswith("." + d) for d in DIFFUSERS_NAMES) else "comfyui"
+    for name in _DETECT_ORDER:
+        if LORA_STYLES[name].claims(module):
+            return name
+    diffusers = DiffusersStyle()
+    return diffusers.name if diffusers.by_module_names(module) else ComfyUIStyle.name
 
 
 def parse(shapes: dict[str, tuple[int, ...]], source: str = "LoRA") -> list[Adapter]:
@@ -104,6 +179,9 @@ def parse(shapes: dict[str, tuple[int, ...]], source: str = "LoRA") -> list[Adap
             if len(dshape) != 2 or len(ushape) != 2 or dshape[0] != ushape[1]:
                 raise LoraError(f"{source}: '{key}' {list(dshape)} and '{up}' "
                                        f"{list(ushape)} are not a rank-r pair [r, K], [N, r]")
+            if not 1 <= dshape[0] <= MAX_LORA_RANK:
+                raise LoraError(f"{source}: '{key}' has rank {dshape[0]}; a rank must be in "
+                                f"1..{MAX_LORA_RANK} (h3quant.limits.MAX_LORA_RANK)")
             alpha = module + _ALPHA if module + _ALPHA in shapes else None
             if alpha is not None and tuple(shapes[alpha]) not in ((), (1,)):
                 raise LoraError(f"{source}: '{alpha}' must be a scalar, "
@@ -145,24 +223,12 @@ def resolve(adapters: list[Adapter], base_shapes: dict[str, tuple[int, ...]],
     Returns the targets and the modules skipped (only with ``skip_unmatched``); otherwise any
     module that maps to no layer, or whose shape does not fit, is an error naming it.
     """
-    _, layers = _layer_index(base_shapes)
-    kohya = {name.replace(".", "_"): name for name in layers}
+    _, index = _layer_index(base_shapes)
+    layers = Layers(index)
     targets: list[Target] = []
     problems: list[str] = []
     for ad in adapters:
-        part = None
-        if ad.style == "kohya":
-            name = kohya.get(ad.module[len(_KOHYA_PREFIX):])
-        elif ad.style == "comfyui":
-            name = _strip(ad.module, _COMFY_PREFIXES)
-        else:
-            stem = _strip(ad.module, _DIFFUSERS_PREFIXES)
-            for dname, (h3, p) in DIFFUSERS_NAMES.items():
-                if stem.endswith("." + dname):
-                    stem, part = stem[: -len(dname)] + h3, p
-                    break
-            # diffusers module names (transformer_blocks.N, proj_in, norm_out, ...) -> ComfyUI's
-            name = diffusers_to_comfy(stem + ".weight")[: -len(".weight")]
+        name, part = LORA_STYLES[ad.style].layer(ad.module, layers)
         if name is None or name not in layers:
             problems.append(f"'{ad.module}' maps to no layer of the base")
             continue
@@ -186,7 +252,34 @@ def resolve(adapters: list[Adapter], base_shapes: dict[str, tuple[int, ...]],
     if problems and not skip_unmatched:
         raise LoraError(f"{source}: {len(problems)} adapter(s) do not fit the base: "
                                + "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else ""))
+    refuse_overlaps(targets, source)
     return targets, problems
+
+
+def refuse_overlaps(targets: list[Target], source: str = "LoRA") -> None:
+    """One adapter, applied once: two adapters of one file that change the same rows of one
+    layer (the same adapter under two key spellings, e.g. ComfyUI and bare or kohya keys, or a
+    fused to_qkv beside a split to_q) are refused, naming both keys. ComfyUI's loader keeps one
+    of them silently (its key map assigns each model weight once, the later spelling replacing
+    the earlier), so neither merging both nor picking one would be what the file's author meant
+    for sure."""
+    by_layer: dict[str, list[Target]] = {}
+    for t in targets:
+        by_layer.setdefault(t.layer, []).append(t)
+    clashes = []
+    for layer, ts in by_layer.items():
+        ts = sorted(ts, key=lambda t: (t.row0, t.adapter.module))
+        for a, b in zip(ts, ts[1:]):
+            if b.row0 < a.row0 + a.rows:
+                clashes.append(f"'{a.adapter.module}' ({a.adapter.style}) and "
+                               f"'{b.adapter.module}' ({b.adapter.style}) both change rows "
+                               f"{b.row0}:{min(a.row0 + a.rows, b.row0 + b.rows)} of '{layer}'")
+    if clashes:
+        raise LoraError(f"{source}: {len(clashes)} layer(s) are targeted twice (the same "
+                        "adapter under two key spellings?): " + "; ".join(clashes[:4])
+                        + (" ..." if len(clashes) > 4 else "")
+                        + ". Each adapter is applied once: keep one spelling in the file "
+                        "(ComfyUI would silently use only one of them).")
 
 
 def check_shapes(targets: list[Target], lora_shapes: dict[str, tuple[int, ...]],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from h3quant.formats.fp8.spec import LEGACY_WEIGHT_SCALE, SCALED_FP8_MARKER
 from h3quant.errors import FormatError
 from h3quant.h3 import layouts
 from h3quant.h3.layouts import (  # noqa: F401  (the row operations, re-exported)
@@ -53,17 +54,47 @@ def is_fp8_weight(name: str, dtype: str) -> bool:
     return dtype in FP8_DTYPES and name.endswith(".weight")
 
 
-def fp8_decodable(tensors) -> set[str]:
-    """The fp8 weights h3quant decodes as plain or scaled fp8 (code x scale).
+def is_scaled_fp8_marker(name: str) -> bool:
+    """ComfyUI's legacy ``scaled_fp8`` marker tensor (at the root or under a model prefix)."""
+    return name == SCALED_FP8_MARKER or name.endswith("." + SCALED_FP8_MARKER)
 
-    A weight whose scale companion is not a float tensor (an E8M0 / U8 block scale: MXFP8 and
-    kin) is another format stored in fp8: not decoded here, its marker decides. Any other fp8
-    weight counts; a float scale of the wrong shape is then an N305 error."""
+
+def legacy_scaled(tensors) -> set[str]:
+    """Unmarked fp8 weights with a ``scale_weight`` companion: what ComfyUI's loader scales
+    (as float8_e4m3fn layers) only when the file carries the ``scaled_fp8`` marker."""
+    return {n for n in fp8_decodable(tensors)
+            if f"{n[:-len('.weight')]}.{LEGACY_WEIGHT_SCALE}" in tensors}
+
+
+class HeaderTensors(dict):
+    """``{name: (dtype, shape)}`` of a checkpoint, with ``marked``: the layers its header
+    ``_quantization_metadata`` gives a format (their markers decide, as for a marker tensor)."""
+
+    marked: frozenset[str] = frozenset()
+
+
+def header_tensors(tensors, header_layers) -> HeaderTensors:
+    out = HeaderTensors({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+    out.marked = frozenset(header_layers or ())
+    return out
+
+
+def fp8_decodable(tensors) -> set[str]:
+    """The unmarked fp8 weights h3quant decodes as plain or scaled fp8 (code x scale).
+
+    A weight with a quantization marker (a ``comfy_quant`` tensor or a header metadata entry)
+    is a quantized layer of its format (``float8_e4m3fn``, ``mxfp8`` ...): its codec decodes it.
+    A weight whose scale companion is not a float tensor (an E8M0 / U8 block scale) is another
+    format stored in fp8: not decoded here either. Any other fp8 weight counts; a float scale of
+    the wrong shape is then an N305 error."""
     out = set()
+    marked: frozenset[str] = getattr(tensors, "marked", frozenset())
     for name, (dtype, _) in tensors.items():
         if not is_fp8_weight(name, dtype):
             continue
         stem = name[: -len(".weight")]
+        if f"{stem}.comfy_quant" in tensors or stem in marked:
+            continue
         scales = [f"{stem}.{s}" for s in FP8_SCALES if f"{stem}.{s}" in tensors]
         if any(tensors[sc][0] not in SCALE_DTYPES for sc in scales):
             continue
@@ -132,13 +163,14 @@ def detect(tensors: dict[str, tuple[str, tuple[int, ...]]],
     that mixes diffusers and ComfyUI block names (a half-renamed file)."""
     hits = {lay.name: sorted(n for n in tensors if lay.name_hint.search(n))
             for lay in layouts.LAYOUTS.values() if lay.name_hint is not None}
-    diff, comfy = hits.get("diffusers", []), hits.get("comfy", [])
     fp8 = bool(fp8_decodable(tensors))
-    if diff and comfy:
+    mixed = [name for name in layouts.DETECT_ORDER if hits.get(name)]
+    if len(mixed) > 1:
+        (a, na), (b, nb) = ((layouts.get(m).label, hits[m]) for m in mixed[:2])
         raise FormatError(
-            f"[N301] half-renamed checkpoint: {len(diff)} diffusers name(s) (e.g. {diff[0]}) and "
-            f"{len(comfy)} ComfyUI name(s) (e.g. {comfy[0]}) in one file; convert from the "
-            "original download", tensor=diff[0], code="N301")
+            f"[N301] half-renamed checkpoint: {len(na)} {a} name(s) (e.g. {na[0]}) and "
+            f"{len(nb)} {b} name(s) (e.g. {nb[0]}) in one file; convert from the "
+            "original download", tensor=na[0], code="N301")
     for name in layouts.DETECT_ORDER:
         evidence = layouts.get(name).detect(hits, shard_names or [], has_config)
         if evidence is not None:
@@ -188,9 +220,7 @@ def staged_entries(mapping: Mapping, quantized_target: bool = False
     return out
 
 
-def diffusers_to_comfy(name: str) -> str:
-    """A diffusers tensor name as ComfyUI names it (split q/k/v and SwiGLU order aside)."""
-    return layouts.get("diffusers").rename(name)
+diffusers_to_comfy = layouts.diffusers_to_comfy
 
 
 def _fail(code: str, msg: str, tensor: str) -> FormatError:
@@ -229,6 +259,10 @@ def plan_mapping(tensors: dict[str, tuple[str, tuple[int, ...]]], naming: str) -
     decodable = fp8_decodable(tensors)
     for name in tensors:  # fp8 scale companions travel with their weight
         stem, _, suffix = name.rpartition(".")
+        if is_scaled_fp8_marker(name):  # the output holds no legacy fp8 layers: never true there
+            out.unused.append(name)
+            consumed.add(name)
+            continue
         if f"{stem}.weight" not in decodable:
             continue
         if suffix in FP8_SCALES:

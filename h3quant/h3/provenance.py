@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import json
 
+from h3quant.formats import registry
+
 KEY = "h3quant.from_w4a8"
-W4A8 = "asym_w4a8_int8"
-_INT8_FAMILY = ("int8_tensorwise", "int8_tensorwise_kn")
+# The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
+W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
+
+
+def is_int8(fmt: str | None) -> bool:
+    """An int8 format (either layout): its weight holds int8 codes."""
+    spec = registry.spec(fmt) if fmt else None
+    return spec is not None and spec.int8_codes
 
 
 def read(metadata: dict[str, str] | None) -> set[str]:
@@ -43,7 +51,7 @@ def carried(before: set[str], layer: str, action: str, via: str, src_format: str
     or kept as it is, stays what it was; anything encoded afresh is not."""
     if action != "convert":
         return layer in before
-    if out_format not in _INT8_FAMILY:
+    if not is_int8(out_format):
         return False
     if src_format == W4A8:
         return True

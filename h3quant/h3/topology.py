@@ -23,6 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
 from h3quant.errors import UnsupportedError
 from h3quant.findings import Finding
 from h3quant.formats import registry
@@ -285,11 +286,12 @@ def block_index_beyond_limit(name: str) -> int | None:
     return None
 
 
-def detect(tensors: dict) -> Detection | None:
+def detect(tensors: dict, formats: dict | None = None) -> Detection | None:
     """Recognise an H3 DiT (float, int8 or W4A8) from its header and infer its configuration.
 
     ``tensors`` maps names to objects with ``.dtype`` and ``.shape``. Returns None when there is
-    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix).
+    no ``blocks.0.attn.qkv_proj.weight`` (under any prefix). ``formats`` maps quantized layer
+    names to their marker format, so packed weights are measured by their logical shape.
     """
     prefix = _find_prefix(tensors)
     if prefix is None:
@@ -298,7 +300,8 @@ def detect(tensors: dict) -> Detection | None:
     p = re.escape(prefix)
 
     def dim(name: str, axis: int) -> int | None:
-        shape = logical_shape(tensors, prefix + name)
+        layer = prefix + name[: -len(".weight")] if name.endswith(".weight") else None
+        shape = logical_shape(tensors, prefix + name, (formats or {}).get(layer))
         return shape[axis] if shape is not None and len(shape) > axis else None
 
     def first(*values, default):
@@ -400,6 +403,7 @@ def check(tensors: dict, detection: Detection | None,
             continue
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         got = logical_shape(tensors, name, quantized.get(layer))
+        assert got is not None  # name is in tensors
         if got != shape:
             stored = list(tensors[name].shape)
             extra = f" (stored {stored})" if list(got) != stored else ""
@@ -415,6 +419,8 @@ def check(tensors: dict, detection: Detection | None,
         layer, _, suffix = name.rpartition(".")
         if suffix in COMPANION_SUFFIXES and f"{layer}.weight" in expected:
             continue
+        if suffix == SCALED_FP8_MARKER or name == SCALED_FP8_MARKER:
+            continue  # ComfyUI's scaled-fp8 marker: judged by the marker rules (Q131)
         found.append(Finding("T103", "not part of the detected H3 configuration", tensor=name))
     for layer, fmt in sorted(quantized.items()):
         if not is_h3_block_linear(layer):

@@ -86,11 +86,13 @@ def load_tensors(path, video_channels: int, audio_channels: int, text_dim: int):
     want = {"video": (1, video_channels), "audio": (1, audio_channels), "text": (2, text_dim)}
     got = {}
     with _open(path) as fh:
-        for name, (dim, size) in want.items():
+        for name, (dim, size) in want.items():  # every width from the header, before data
+            shape = list(fh.tensors[name].shape)
+            if shape[dim] != size:
+                raise _fail(path, f"{name} has {shape[dim]} in dimension {dim}; the model "
+                            f"takes {size} (shape {shape})", name)
+        for name in want:
             t = _read(fh, name)
-            if t.shape[dim] != size:
-                raise _fail(path, f"{name} has {t.shape[dim]} in dimension {dim}; the model "
-                            f"takes {size} (shape {list(t.shape)})", name)
             if not bool(t.isfinite().all()):
                 raise _fail(path, f"{name} holds non-finite values", name)
             got[name] = t.contiguous()

@@ -10,54 +10,15 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
-from h3quant.errors import ContainerError, MarkerError
+from h3quant.errors import ContainerError
 from h3quant.findings import Severity
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.layers import scan_layers
 from h3quant.formats.markers import (
     MARKER_SUFFIX,
-    layer_of_marker,
-    marker_bytes,
-    parse_header_metadata,
 )
 from h3quant.formats.report import layer_report
 from h3quant.pipelines import naming_view
-
-MAX_MARKER_BYTES = 1 << 20  # a marker is ~100 bytes; never pull a forged giant one into memory
-
-
-class MarkerReader:
-    """``read_bytes(name)`` for ``scan_layers`` that counts what it reads.
-
-    With ``prefer_header`` a layer described by the header metadata gets the header's fields
-    (ComfyUI's view, no I/O); otherwise the marker tensor is read (at most MAX_MARKER_BYTES).
-    """
-
-    def __init__(self, ckpt: Checkpoint, *, prefer_header: bool):
-        self.ckpt = ckpt
-        self.bytes_read = 0
-        self.header = None
-        if prefer_header:
-            try:
-                self.header = parse_header_metadata(ckpt.metadata)
-            except MarkerError:
-                self.header = None
-
-    def __call__(self, name: str) -> bytes:
-        layer = layer_of_marker(name)
-        if self.header is not None and layer in self.header:
-            return marker_bytes(self.header[layer])
-        info = self.ckpt.info(name)
-        length = min(info.nbytes, MAX_MARKER_BYTES)
-        data = bytes(self.ckpt.file_of(name).read_bytes(info, 0, length)) if length else b""
-        self.bytes_read += len(data)
-        return data
-
-
-def scan(ckpt: Checkpoint, *, prefer_header: bool):
-    """(LayerScan, MarkerReader) for an open checkpoint."""
-    reader = MarkerReader(ckpt, prefer_header=prefer_header)
-    return scan_layers(ckpt.tensors, ckpt.metadata, reader, file=str(ckpt.path)), reader
+from h3quant.pipelines.layer_scan import MAX_MARKER_BYTES, MarkerReader, scan  # noqa: F401
 
 
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
@@ -68,7 +29,7 @@ def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
         if exc.name == "h3quant.h3.topology":
             return None
         raise
-    detection = topology.detect(tensors)
+    detection = topology.detect(tensors, quantized)
     return None if detection is None else topology.summary(detection, quantized)
 
 
@@ -195,9 +156,13 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         params += sum(ckpt.tensors[n].numel for n in layer_scan.others)
         quant = [r for r in reports if r.quantized]
         quantized = {r.name: r.format for r in quant}
+        # the findings validate reports without --deep (one verdict: the same rules, the same
+        # count), so "N errors, run validate" always means validate's N
+        from h3quant.pipelines.validate import header_findings
+
         counts = {s.value: 0 for s in Severity}
-        for f in ckpt.findings + layer_scan.findings:
-            counts[f.severity.value] += 1
+        for f in header_findings(ckpt, (layer_scan, reader)):
+            counts[f.level.value] += 1
 
         return InspectResult(
             path=str(ckpt.path),

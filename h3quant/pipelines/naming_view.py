@@ -12,16 +12,23 @@ from types import SimpleNamespace
 
 from h3quant.errors import FormatError
 from h3quant.h3 import naming
+from h3quant.findings import Finding
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.source_view import check_scale, has_config  # noqa: F401 (re-exported)
+from h3quant.formats.markers import HEADER_KEY
+from h3quant.source_view import (  # noqa: F401 (re-exported)
+    check_scale,
+    has_config,
+    header_layers,
+    headers,
+)
 
 
-def _headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
+_headers = headers
 
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:
     return [sf.path.name for sf in ckpt.files] if ckpt.is_sharded else None
+
 
 
 def summary(ckpt: Checkpoint) -> dict:
@@ -64,3 +71,34 @@ def check_scale_values(ckpt: Checkpoint) -> None:
             if f"{stem}.{s}" not in tensors:
                 continue
             check_scale(ckpt.read(f"{stem}.{s}").to(torch.float32), f"{stem}.{s}")
+
+
+
+def fp8_scaled(ckpt: Checkpoint) -> set[str]:
+    """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
+    weights = naming.fp8_scaled_weights(_headers(ckpt))
+    return weights | {w[: -len(".weight")] for w in weights}
+
+
+def scaled_fp8_findings(ckpt: Checkpoint) -> list[Finding]:
+    """Q131: ComfyUI's ``scaled_fp8`` marker present exactly where it is true. ComfyUI's loader
+    (``comfy/utils.py`` ``convert_old_quants``) multiplies ``scale_weight`` into fp8 weights only
+    when the marker is there and the header has no ``_quantization_metadata``."""
+    tensors = _headers(ckpt)
+    markers = sorted(n for n in tensors if naming.is_scaled_fp8_marker(n))
+    legacy = sorted(naming.legacy_scaled(tensors))
+    header = HEADER_KEY in ckpt.metadata
+    out = []
+    if legacy and not markers:
+        out.append(Finding("Q131", f"{len(legacy)} fp8 weight(s) with scale_weight but no "
+                           "scaled_fp8 marker tensor: ComfyUI loads their codes unscaled and "
+                           "scale_weight as unexpected keys", tensor=legacy[0]))
+    for m in markers:
+        if not legacy:
+            out.append(Finding("Q131", "scaled_fp8 marker in a file without scale_weight fp8 "
+                               "layers: ComfyUI reports it as an unexpected key", tensor=m))
+        elif header:
+            out.append(Finding("Q131", f"scaled_fp8 marker beside {HEADER_KEY}: ComfyUI then "
+                               "ignores the marker (an unexpected key) and loads the "
+                               "scale_weight layers unscaled", tensor=m))
+    return out

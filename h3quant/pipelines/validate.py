@@ -17,7 +17,7 @@ from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.check import check_layer
 from h3quant.pipelines import naming_view
-from h3quant.pipelines.inspect import scan
+from h3quant.pipelines.layer_scan import scan
 
 # Container codes after which nothing in that file can be read.
 FATAL_CODES = frozenset({"C101", "C102", "C103", "C112", "S101"})
@@ -79,6 +79,15 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
     p = Path(path)
     if not p.exists():
         raise ContainerError("no such file or directory", path=p, code="C112")
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(p):  # a GGUF file: its own header and type rules, then the H3 topology
+        from h3quant.pipelines.gguf_view import validate_gguf
+
+        n, gfindings = validate_gguf(p, deep=deep)
+        return _result(p, deep, gfindings, {"files": 1, "container": "gguf", "tensors": n,
+                                            "stages": ["gguf", "topology"]
+                                            + (["deep"] if deep else [])})
     with Checkpoint(p, mmap=mmap, strict=False) as ckpt:
         findings = list(ckpt.findings)
         io = [f for f in findings if f.code == "C112"]
@@ -88,20 +97,36 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
                          "quantized_layers": 0, "topology": None, "stages": ["container"]}
         if any(f.code in FATAL_CODES for f in findings) or not ckpt.files:
             return _result(p, deep, findings, checked)
-        _checks(ckpt, deep, findings, checked, on_bytes)
+        _checks(ckpt, deep, findings, checked, on_bytes=on_bytes)
         return _result(p, deep, findings, checked)
 
 
+def header_findings(ckpt: Checkpoint, got=None) -> list[Finding]:
+    """The findings ``validate`` (without ``--deep``) reports for the open ``ckpt``; ``inspect``
+    counts these, so both commands give one verdict. ``got``: a ``scan`` already made (inspect
+    reads markers from the header when it describes them; validate also reads the marker
+    tensors, so only a marker tensor that disagrees with the header (M110) is validate's
+    alone)."""
+    findings = list(ckpt.findings)
+    checked: dict = {"stages": []}
+    if not any(f.code in FATAL_CODES for f in findings) and ckpt.files:
+        _checks(ckpt, False, findings, checked, got)
+    return findings
+
+
 def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict,
-            on_bytes=None) -> None:
+            got=None, on_bytes=None) -> None:
     where = str(ckpt.path)
-    got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
+    if got is None:
+        got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
     if got is None:
         return
     layer_scan = got[0]
     scaled = fp8_scaled(ckpt)  # ComfyUI's scaled fp8: a scale companion, no marker
     findings.extend(f for f in layer_scan.findings
                     if not (f.code == "M109" and f.tensor in scaled))
+    findings.extend(_guard("scaled fp8 marker", where, findings,
+                           naming_view.scaled_fp8_findings, ckpt) or [])
     checked["stages"].append("markers")
     checked["layers"] = len(layer_scan.layers)
     checked["quantized_layers"] = len(layer_scan.quantized)
@@ -137,24 +162,19 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
     named, viewed = naming_view.view(ckpt)  # N301-N305 raised, listed by _guard
     checked["naming"] = named
     tensors = ckpt.tensors if viewed is None else viewed  # as ComfyUI names them
-    detection = topology.detect(tensors)
+    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
+                 if viewed is None else {})
+    detection = topology.detect(tensors, quantized)
     if detection is None:  # the block index limit holds for any file (convert refuses it)
         beyond = [replace(f, file=str(ckpt.path)) for n in tensors
                   if (f := topology.beyond_limit_finding(n)) is not None]
         return [Finding("T104", "tensor names and shapes match no MiniMax H3 DiT configuration; "
                         "topology checks skipped", file=str(ckpt.path)), *beyond]
-    quantized = ({n: lay.fields["format"] for n, lay in layer_scan.quantized.items()}
-                 if viewed is None else {})
     checked["topology"] = topology.summary(detection, quantized)
     return list(topology.check(tensors, detection, quantized))
 
 
-def fp8_scaled(ckpt: Checkpoint) -> set[str]:
-    """Weights (and their layers) in ComfyUI's scaled-fp8 layout."""
-    from h3quant.h3.naming import fp8_scaled_weights
-
-    weights = fp8_scaled_weights({n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()})
-    return weights | {w[: -len(".weight")] for w in weights}
+fp8_scaled = naming_view.fp8_scaled
 
 
 def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:

@@ -65,6 +65,10 @@ def _desc(t) -> str:
 class QuantizedLinear(torch.nn.Module):
     """int8 W8A8 linear. Build with ``QuantizedLinear.from_int8``; see ``backend_name``."""
 
+    weight: torch.Tensor  # buffers (declared for the type checker)
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         weights: Int8Weights,

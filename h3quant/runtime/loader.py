@@ -5,7 +5,7 @@ scales bit for bit (no re-quantization, no float round trip), its marker comes f
 ``_quantization_metadata`` or the ``.comfy_quant`` tensor (the header wins), marker and other
 metadata-only keys never become tensors of the layer, and the stored row order ([q; k; v],
 [gate; up]) is kept. Anything the runtime cannot run as stored is refused with a specific error:
-an unsupported format (fp8, nvfp4, ...), runtime quantization requested on a pre-quantized layer,
+an unsupported format (one without a codec), runtime quantization requested on a pre-quantized layer,
 tensors that do not match the marker, a broken or disagreeing marker.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
@@ -53,7 +54,7 @@ class LoadedLayer:
     _grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
-    def format(self) -> str | None:
+    def format(self) -> Any:
         """The marker's wire name, as a ``QuantFormat`` (None for a float layer)."""
         return QuantFormat(self.fields["format"]) if self.fields else None
 
@@ -116,6 +117,10 @@ class LoadedLayer:
         """
         if not self.is_quantized:
             raise VerifyError("a float layer has no int8 grid", tensor=self.name)
+        assert self.fields is not None  # is_quantized
+        if self.decodes:
+            raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
+                              "runs them through their decode)", tensor=self.name)
         if self._grid is None:
             self._grid = self.codec.int8_grid(self.tensors, self.fields)
         return self._grid
@@ -126,11 +131,18 @@ class LoadedLayer:
         ``weight_s_channel``."""
         return self.codec.runtime_weights(self.tensors, self.int8_grid())
 
+    @property
+    def decodes(self) -> bool:
+        """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
+        return self.is_quantized and bool(getattr(self.codec, "decodes", False))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, or the float
-        weight upcast."""
+        """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's
+        decode (fp32, then ``dtype``) of a decoded format, or the float weight upcast."""
         if not self.is_quantized:
             return self.weight.to(dtype)
+        if self.decodes:
+            return self.codec.decode_weight(self.tensors, self.fields, torch.float32).to(dtype)
         q, s = self.int8_grid()
         w = q.to(torch.float32) * s[:, None]
         if self.convrot:
@@ -184,10 +196,12 @@ def block_indices(ckpt: Checkpoint, prefix: str | None = None) -> list[int]:
     return sorted(found)
 
 
-def _raise_marker_findings(scan: LayerScan, names: set[str], path) -> None:
-    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file."""
+def _raise_marker_findings(scan: LayerScan, names: set[str], path,
+                           scaled: frozenset[str] = frozenset()) -> None:
+    """Raise the first ERROR marker finding that concerns one of ``names`` or the whole file
+    (``scaled``: legacy scaled-fp8 weights, which need no marker)."""
     for f in scan.findings:
-        if f.severity is not Severity.ERROR:
+        if f.severity is not Severity.ERROR or (f.code == "M109" and f.tensor in scaled):
             continue
         owner = f.tensor.rpartition(".")[0] if f.tensor and f.tensor.endswith(".comfy_quant") \
             else f.tensor
@@ -200,7 +214,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
     fmt = fields["format"]
     name = layer.name
 
-    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError):
+    def bad(code: str, msg: str, suffix: str | None = None, cls=FormatError) -> NoReturn:
         raise cls(msg, path=path, tensor=layer.tensor_name(suffix) if suffix else name, code=code)
 
     codec = registry.get(fmt)
@@ -240,15 +254,97 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
                 raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
                                    code=v.code)
         return LoadedLayer(layer.name, tensors, dict(layer.fields), layer.source)
-    for s, info in layer.tensors.items():
-        if info.dtype not in FLOAT_DTYPES:
-            raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
-                              path=path, tensor=info.name, code="M109")
-    tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()}
+    legacy = legacy_scaled_fp8(ckpt, layer)
+    if legacy is not None:
+        return legacy
+    weight = layer.tensors.get("weight")
+    if weight is not None and weight.dtype in _FP8_WEIGHTS:
+        tensors = _scaled_fp8(ckpt, layer)
+    else:
+        for s, info in layer.tensors.items():
+            if info.dtype not in FLOAT_DTYPES:
+                raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization "
+                                  "marker", path=path, tensor=info.name, code="M109")
+        tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()}
     loaded = LoadedLayer(layer.name, tensors)
     if quantize_on_load:
         loaded = _quantize_float(loaded, path)
     return loaded
+
+
+def has_scaled_fp8_marker(ckpt: Checkpoint) -> bool:
+    """The file carries ComfyUI's ``scaled_fp8`` marker and no ``_quantization_metadata`` (the
+    only case in which ComfyUI's loader scales ``scale_weight`` layers; FORMATS.md 17.3)."""
+    from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
+    from h3quant.formats.markers import HEADER_KEY
+
+    root = find_prefix(ckpt.tensors)
+    return f"{root}{SCALED_FP8_MARKER}" in ckpt.tensors and HEADER_KEY not in ckpt.metadata
+
+
+def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
+    """A legacy scaled-fp8 layer (e4m3 ``weight`` + one ``scale_weight``, optional
+    ``scale_input``) of a file with the ``scaled_fp8`` marker, loaded as ComfyUI's loader
+    renames it: a ``float8_e4m3fn`` layer with ``weight_scale`` (``input_scale`` unless 1.0)."""
+    t = {**layer.tensors, **{sfx: ckpt.tensors[f"{layer.name}.{sfx}"]
+                             for sfx in ("scale_weight", "scale_input")
+                             if f"{layer.name}.{sfx}" in ckpt.tensors}}  # scanned as "others"
+    w, s = t.get("weight"), t.get("scale_weight")
+    if w is None or s is None or w.dtype != "F8_E4M3" or s.numel != 1 \
+            or set(t) - {"weight", "scale_weight", "scale_input", "bias"} \
+            or not has_scaled_fp8_marker(ckpt):
+        return None
+    tensors = {"weight": ckpt.read(w.name),
+               "weight_scale": ckpt.read(s.name).to(torch.float32).reshape(())}
+    if "bias" in t:
+        tensors["bias"] = ckpt.read(t["bias"].name)
+    if "scale_input" in t:
+        si = ckpt.read(t["scale_input"].name).to(torch.float32)
+        if si.numel() != 1 or float(si) != 1.0:
+            tensors["input_scale"] = si.reshape(())
+    return LoadedLayer(layer.name, tensors, {"format": "float8_e4m3fn"}, "scaled_fp8")
+
+
+_FP8_WEIGHTS = ("F8_E4M3", "F8_E5M2")
+
+
+def _scaled_fp8(ckpt: Checkpoint, layer: Layer) -> dict:
+    """A ComfyUI scaled-fp8 layer (fp8 weight, float scale companion, no marker) decoded as
+    ComfyUI decodes it: code x scale in fp32. The decoded weight must be finite: the rule
+    (D106) ``validate --deep`` and convert apply to the same data."""
+    from h3quant.h3.naming import FP8_SCALES, FP8_UNUSED
+
+    path = ckpt.path
+    scale = None
+    out = {}
+    for s in FP8_SCALES:  # the scale is a companion beside the layer, not one of its tensors
+        info = ckpt.tensors.get(f"{layer.name}.{s}")
+        if info is not None and info.dtype in FLOAT_DTYPES:
+            scale = ckpt.read(info.name).float()
+            break
+    for s, info in layer.tensors.items():
+        if s == "weight":
+            continue
+        if s in FP8_SCALES and info.dtype in FLOAT_DTYPES and scale is None:
+            scale = ckpt.read(info.name).float()
+        elif s in FP8_UNUSED:
+            continue  # ComfyUI does not use it for the weight
+        elif info.dtype in FLOAT_DTYPES:
+            out[s] = ckpt.read(info.name)
+        else:
+            raise MarkerError(f"{s} is {info.dtype} but the layer has no quantization marker",
+                              path=path, tensor=info.name, code="M109")
+    codes = ckpt.read(layer.tensors["weight"].name)
+    v = rules.fp8_weight_violation(codes, scale)
+    if v is not None:
+        raise FindingError(f"weight decoded from fp8: {v.message}", path=path,
+                           tensor=layer.tensors["weight"].name, code=v.code)
+    w = codes.float()
+    if scale is not None:
+        w = w * (scale.reshape(()) if scale.numel() == 1
+                 else scale.reshape((-1,) + (1,) * (w.dim() - 1)))
+    out["weight"] = w
+    return out
 
 
 def _quantize_float(layer: LoadedLayer, path) -> LoadedLayer:
@@ -306,7 +402,9 @@ def load_prefix(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, *,
     """Every layer under ``prefix.`` (a DiT block ``blocks.{i}`` or a refiner block
     ``token_refiner.blocks.{j}``) as a LoadedBlock."""
     lnames = {n for n in scan.layers if n.startswith(prefix + ".")}
-    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path)
+    scaled = frozenset(f"{n}.weight" for n in lnames if f"{n}.scale_weight" in ckpt.tensors) \
+        if has_scaled_fp8_marker(ckpt) else frozenset()
+    _raise_marker_findings(scan, lnames | {n + ".weight" for n in lnames}, ckpt.path, scaled)
     layers = {n[len(prefix) + 1:]: load_layer(ckpt, scan.layers[n],
                                               quantize_on_load=quantize_on_load and
                                               n[len(prefix) + 1:] in BLOCK_LINEARS)

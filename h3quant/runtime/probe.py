@@ -166,7 +166,8 @@ class LiveProbe(Probe):
     def cuda_capability(self, index: int | None) -> tuple[int, int] | None:
         if not torch.cuda.is_available():  # the only gate before any other torch.cuda call
             return None
-        return tuple(torch.cuda.get_device_capability(index or 0))
+        major, minor = torch.cuda.get_device_capability(index or 0)
+        return major, minor
 
     def kitchen_module(self) -> tuple[ModuleType | None, str]:
         try:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import sys
 import types
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
@@ -74,7 +74,9 @@ class SimulatedTorchNpu(types.ModuleType):
         if rotate_quant:  # rotate_quant=False: an older torch_npu without the fused op
             self.npu_rotate_quant = self._npu_rotate_quant
         self._sim = sim
-        self.npu = torch.npu  # the simulation's device module (see simdevice.ensure_npu_device_type)
+        # the simulation's device module (see simdevice.ensure_npu_device_type), registered at run
+        # time, so unknown to torch's stubs
+        self.npu = torch.npu  # type: ignore[attr-defined]
         self.calls: list[str] = []
 
     def _on_npu(self, op: str, **tensors) -> None:
@@ -268,17 +270,17 @@ def simulated_npu(cuda_version: str | None = "12.1", *,
     sys.modules["torch_npu"] = module
     torch.version.cuda = cuda_version
     # An Ascend machine has no NVIDIA device, even where this process runs on one.
-    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False
     try:
         with dev:
             yield Simulation(dev, npu_probe(module, cuda_version), {"module": module})
     finally:
         old_mod, old_cuda, old_available = saved
-        torch.cuda.is_available = old_available  # type: ignore[assignment]
+        torch.cuda.is_available = old_available
         if old_mod is missing:
             sys.modules.pop("torch_npu", None)
         else:
-            sys.modules["torch_npu"] = old_mod
+            sys.modules["torch_npu"] = cast(types.ModuleType, old_mod)
         torch.version.cuda = old_cuda
 
 

@@ -40,18 +40,25 @@ _ACTIVE: list["SimulatedDevice"] = []
 class SimTensor(torch.Tensor):
     """A CPU tensor (``.inner``) tagged as living on a simulated device."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # The CPU data. It hides the method Tensor.inner (torch.inner), which nothing calls on a
+    # SimTensor.
+    inner: torch.Tensor  # type: ignore[assignment]
+    npu_format: int  # set by the simulated torch_npu.npu_format_cast
+
+    # torch's documented way to turn __torch_function__ off in a subclass; the stubs type the
+    # attribute as a method with another signature.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device):
-        r = torch.Tensor._make_wrapper_subclass(
+        r: SimTensor = torch.Tensor._make_wrapper_subclass(
             cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
             dtype=inner.dtype, layout=inner.layout, device=device, requires_grad=False,
         )
         r.inner = inner
         return r
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None):  # the signature of Tensor.__repr__
         return f"SimTensor(device={self.device}, {self.inner!r})"
 
     @classmethod

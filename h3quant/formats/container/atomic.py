@@ -122,26 +122,11 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
         raise OutputError(f"the {what}'s directory does not exist", path=path)
     if path.name in ("", ".", ".."):
         raise OutputError(f"the {what} must name a file", path=path)
-    st = _stat(path)
-    inputs = [Path(p) for p in inputs]
-    for inp in inputs:
-        inp = Path(inp)
-        ist = _stat(inp)
-        if os.path.abspath(inp) == os.path.abspath(path) or (
-                st is not None and ist is not None and _same_inode(st, ist)):
-            raise OutputError(f"the {what} is the input {inp} (same file); choose another path",
-                              path=path)
-        if directory and ist is not None:
-            try:
-                Path(inp).resolve().relative_to(path.resolve())
-                raise OutputError(f"the {what} directory contains the input {inp}; "
-                                  "choose another path", path=path)
-            except ValueError:
-                pass
-    for folder in input_dirs(inputs):
-        if _is_within(path, folder):
-            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
-                              "live there); choose a path outside it", path=path)
+    if is_staging_name(path.name):
+        raise OutputError(f"the {what}'s name is reserved for h3quant's temporary staging "
+                          f"directories ({STAGING_PREFIX}*{STAGING_SUFFIX}), which a later run "
+                          "may remove; choose another name", path=path)
+    check_not_input(path, inputs, directory=directory, what=what)
     try:
         lst = os.lstat(path)
     except FileNotFoundError:
@@ -167,6 +152,40 @@ def check_output(path: Path, *, directory: bool, overwrite: bool,
 
 
 INDEX_SUFFIX = ".index.json"
+
+
+def check_not_input(path: Path, inputs: Iterable[Path], *, directory: bool = False,
+                    what: str = "output", names: Callable[[Path], str] | None = None) -> None:
+    """Refuse an output that is an input (same path, a link to it, the same inode), or a
+    directory output holding an input, or an output inside an input directory."""
+    path = Path(path)
+    st = _stat(path)
+    inputs = [Path(p) for p in inputs]
+    for inp in inputs:
+        ist = _stat(inp)
+        same = os.path.abspath(inp) == os.path.abspath(path) or (
+            st is not None and ist is not None and _same_inode(st, ist))
+        if not same and st is not None and ist is not None:
+            try:
+                same = path.resolve() == inp.resolve()
+            except (OSError, RuntimeError):
+                pass
+        if same:
+            kind = names(inp) if names else "input"
+            kind = "" if kind == "input" else f"the {kind}, "
+            raise OutputError(f"the {what} is the input {inp} ({kind}a file this command "
+                              "reads); choose another path", path=path)
+        if directory and ist is not None:
+            try:
+                Path(inp).resolve().relative_to(path.resolve())
+                raise OutputError(f"the {what} directory contains the input {inp}; "
+                                  "choose another path", path=path)
+            except ValueError:
+                pass
+    for folder in input_dirs(inputs):
+        if _is_within(path, folder):
+            raise OutputError(f"the {what} is inside the input directory {folder} (its shards "
+                              "live there); choose a path outside it", path=path)
 
 
 def input_dirs(inputs: Iterable[Path]) -> list[Path]:
@@ -214,7 +233,7 @@ def check_outputs_distinct(paths: Iterable[Path]) -> None:
         if key in seen:
             raise OutputError(f"two outputs name the same file ({seen[key]} and {p})", path=p)
         seen[key] = Path(p)
-    stats = {}
+    stats: dict[tuple[int, int], Path] = {}
     for p in paths:
         st = _stat(Path(p))
         if st is not None:
@@ -352,12 +371,25 @@ def recover(stage: Path, parent: Path, log: Callable[[str], None] | None = None)
     return safe
 
 
+def is_staging_name(name: str) -> bool:
+    """True for names h3quant gives its staging directories (never allowed as an output)."""
+    return name.startswith(STAGING_PREFIX) and (name.endswith(STAGING_SUFFIX)
+                                                or name.endswith(_UNLOCKED_SUFFIX))
+
+
+def _looks_like_stage(stage: Path) -> bool:
+    """Not an output directory (one holding h3quant's output manifest, as an OUT named like a
+    staging directory by an older release would): such a directory is the user's, never
+    removed."""
+    return not os.path.lexists(stage / MANIFEST_NAME)
+
+
 def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
     """Resolve and remove staging directories left by killed runs (their lock is free).
 
     A previous output that such a run had moved aside is put back first (``recover``); a
     staging directory that still holds one is kept, never deleted."""
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -366,8 +398,8 @@ def clean_stale(directory: Path, log: Callable[[str], None] | None = None) -> li
         if not (name.startswith(STAGING_PREFIX) and name.endswith(STAGING_SUFFIX)):
             continue
         stage = Path(directory) / name
-        if stage.is_symlink() or not stage.is_dir():
-            continue
+        if stage.is_symlink() or not stage.is_dir() or not _looks_like_stage(stage):
+            continue  # named like one, but not h3quant's: never touched
         fd = _try_lock(stage / LOCK_NAME)
         if fd is None:
             continue  # a live run holds it
@@ -456,12 +488,20 @@ class Outputs:
     """
 
     def __init__(self, *, inputs: Iterable[Path] = (), overwrite: bool = False,
-                 log: Callable[[str], None] | None = None):
-        self.inputs = [Path(p) for p in inputs]
+                 log: Callable[[str], None] | None = None, files=None):
+        # ``files``: the command's ``iofiles.CommandFiles``; its inputs (also those registered
+        # later) are checked with ``inputs`` at staging and at the final move
+        self._given_inputs = [Path(p) for p in inputs]
+        self.files = files
         self.overwrite = overwrite
         self.log = log
         self._items: list[_Item] = []
         self._stages: dict[Path, _Stage] = {}
+
+    @property
+    def inputs(self) -> list[Path]:
+        extra = self.files.input_paths if self.files is not None else []
+        return self._given_inputs + [p for p in extra if p not in self._given_inputs]
 
     def check(self, target: str | os.PathLike, *, directory: bool = False,
               what: str = "output") -> Path:

@@ -94,7 +94,7 @@ class Checkpoint:
             files, index = _resolve(self.path)
             self.index_path = index
             weight_map = self._load_index(index) if index else None
-            if weight_map is not None:
+            if index is not None and weight_map is not None:
                 files = sorted({index.parent / f for f in weight_map.values()})
                 self._unindexed_shards(index, files)
             for f in files:

@@ -38,7 +38,7 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 try:
-    import msvcrt  # type: ignore[import-not-found]
+    import msvcrt  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # POSIX
     msvcrt = None  # type: ignore[assignment]
 try:

@@ -217,10 +217,12 @@ def open_input(path: Path, *, what: str = "input"):
 class SafetensorsFile:
     """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls)."""
 
+    _mm: mmap.mmap | None  # declared here: __init__'s ``mmap`` argument hides the module
+
     def __init__(self, path: str | os.PathLike, *, mmap: bool = True, strict: bool = True):
         self.path = Path(path)
         self.use_mmap = mmap
-        self._mm: mmap.mmap | None = None
+        self._mm = None
         # Unbuffered: a header-only command reads exactly the header bytes, no read-ahead.
         self._fh = open_input(self.path)
         try:

@@ -13,6 +13,7 @@ its writers and starts copying before torch is loaded); the tensor helpers impor
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -89,7 +90,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy declares ndarray.__buffer__ for Python >= 3.12 only: an ndarray is a buffer on every version
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class StreamingWriter:
@@ -104,13 +106,13 @@ class StreamingWriter:
         self.layout = layout
         self._index = 0
         self._written = 0  # bytes of the current tensor
-        self._fh = None
+        self._fh: io.FileIO | None = None
         self._tmp: Path | None = None
 
     def __enter__(self) -> "StreamingWriter":
         fd, self._tmp = open_temp(self.path)
-        self._fh = os.fdopen(fd, "wb", buffering=0)
-        self._fh.write(self.layout.header)
+        self._fh = fh = os.fdopen(fd, "wb", buffering=0)
+        fh.write(self.layout.header)
         self._skip_empty()
         return self
 
@@ -133,6 +135,7 @@ class StreamingWriter:
         if self._written + mv.nbytes > entry.nbytes:
             raise ContainerError(f"{self._written + mv.nbytes} bytes written, header says {entry.nbytes}",
                                  path=self.path, tensor=name)
+        assert self._fh is not None, "write() outside the with block"
         self._fh.write(mv)
         self._written += mv.nbytes
         if self._written == entry.nbytes:
@@ -151,6 +154,7 @@ class StreamingWriter:
             self.write(name, tensor_bytes(tensor))
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._fh is not None and self._tmp is not None  # set by __enter__
         try:
             if exc_type is None:
                 if self.current is not None:

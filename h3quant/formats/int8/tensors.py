@@ -196,4 +196,30 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, sx
 
 
-__all__ = ["FORMAT", "METHODS", "decode_int8", "encode_int8", "quantize_activation"]
+def encode_int8_calibrated(weight: torch.Tensor, calibration, *, convrot: bool = True,
+                           group_size: int = 256, method: str = "exact"
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode_int8``'s per-row scales, codes chosen by ``calibration``'s error feedback.
+
+    ``calibration.feedback(x, quantize, convrot=, group_size=)`` (``h3quant.calibration``)
+    walks the columns and asks ``quantize(v, j)`` for the nearest level of column ``j``: here
+    ``clamp(round_half_even(v / s), -127, 127)``, the very arithmetic of ``encode_int8``, so
+    statistics that give no feedback (an identity Hessian) reproduce its codes bit for bit.
+    Codes never reach -128."""
+    _check_weight(weight, convrot, group_size, True)
+    rot = _rotation(convrot, group_size, method)(weight.to(torch.float32, copy=True))
+    a = _absmax_rows(rot)
+    _finite_or_raise(a, 0)
+    s = (a / 127.0).clamp_(min=SCALE_MIN)
+    s1 = s.reshape(-1)
+
+    def quantize(v: torch.Tensor, j: int):
+        c = (v / s1).round_().clamp_(-127.0, 127.0)
+        return c, c * s1
+
+    codes = calibration.feedback(rot, quantize, convrot=convrot, group_size=group_size)
+    return codes.to(torch.int8), s
+
+
+__all__ = ["FORMAT", "METHODS", "decode_int8", "encode_int8", "encode_int8_calibrated",
+           "quantize_activation"]

@@ -75,6 +75,7 @@ SPEC = Int8KnSpec(
     runtime_tensors=("weight", "weight_scale"),
     runtime_required=("weight", "weight_scale"),
     deep_scales=("weight_scale",),
+    deep_whole=("weight",),  # the per-channel peak rule (D107): one orientation, one verdict
     int8_codes=True,
     convrot_rules=True,
     weight_bits=8,

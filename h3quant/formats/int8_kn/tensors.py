@@ -25,8 +25,9 @@ from h3quant.errors import FormatError
 if TYPE_CHECKING:
     import torch
 
+from h3quant.formats.int8.spec import NAME as CANONICAL  # noqa: E402  (the math it re-lays out)
+
 FORMAT = "int8_tensorwise_kn"
-CANONICAL = "int8_tensorwise"
 LAYOUTS = ("canonical", "npu")  # convert --layout values
 TRANSPOSE_BYTES = 64 << 20  # input slab of a chunked transpose
 NZ_FORMAT = 29  # ACL_FORMAT_FRACTAL_NZ, the id npu_format_cast takes
@@ -77,7 +78,7 @@ def check_kn(layer, n: int | None, k: int | None, *, file: str | None = None) ->
     Q109 scale [N] against the weight, Q110 FRACTAL_NZ eligibility (a note), Q111 N per rank."""
     from h3quant.findings import Finding
 
-    out = []
+    out: list[Finding] = []
     w, s = layer.weight, layer.tensors.get("weight_scale")
     if w is None or n is None or k is None or len(w.shape) != 2:
         return out
@@ -160,11 +161,12 @@ class RowTransposer:
         out = self._out[:, :r] if r < self.slab_rows else self._out
         out.copy_(self._buf[:r].t())  # the only transpose copy: one slab
         if r == self.rows:  # the whole matrix in one slab: one contiguous write
-            self._write(0, memoryview(out.contiguous().numpy()).cast("B"))
+            # numpy declares ndarray.__buffer__ for Python >= 3.12 only: an ndarray is a buffer
+            self._write(0, memoryview(out.contiguous().numpy()).cast("B"))  # type: ignore[arg-type]
         else:
             rows = self.rows
             for j in range(self.cols):
-                self._write(j * rows + r0, memoryview(out[j].numpy()).cast("B"))
+                self._write(j * rows + r0, memoryview(out[j].numpy()).cast("B"))  # type: ignore[arg-type]
         self._done += r
         self._fill = 0
 

@@ -25,7 +25,15 @@ class W4A8Codec(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
+    calibrates = True
+
     def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is not None:  # the codebook and scales as always, codes by feedback
+            from h3quant.formats.w4a8.calibrated import encode_w4a8_calibrated
+
+            return encode_w4a8_calibrated(w, calibration, group_size=marker["group_size"],
+                                          convrot_groupsize=marker["convrot_groupsize"],
+                                          codebook="auto", pool=pool)
         from h3quant.formats.w4a8.tensors import encode_w4a8
 
         return encode_w4a8(w, group_size=marker["group_size"],
@@ -53,6 +61,15 @@ class W4A8Codec(Codec):
                              group_size=int(fields["group_size"]),
                              codebook=tensors.get("weight_codebook"))
         return q, tensors["weight_s_channel"].to(torch.float32).reshape(-1)
+
+    def grid_rows(self, rows, whole, fields):
+        import torch
+
+        from h3quant.formats.w4a8.tensors import decode_w4a8_int8
+
+        return decode_w4a8_int8(rows["weight"].view(torch.int8), rows["weight_s_rel"],
+                                group_size=int(fields.get("group_size", GROUP)),
+                                codebook=whole.get("weight_codebook"))
 
     def row_range(self, tensors, th):
         """The decoded grid of a well-encoded row peaks near 127 (``th.w4a8_row_peak_min``)."""

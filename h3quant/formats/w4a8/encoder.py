@@ -181,7 +181,9 @@ def _squared_diff(target: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
     unreduced kernel computes ``d = a - b; d * d`` in one pass, the same two roundings as a
     subtraction then a square (one-time self-check, else the two passes)."""
     if _mse_ok():
-        return torch._C._nn.mse_loss(dec, target.expand_as(dec), 0, out=dec)
+        # torch's stubs type only the Python wrapper (reduction by name, no out=); the native
+        # function takes the reduction enum and out=
+        return torch._C._nn.mse_loss(dec, target.expand_as(dec), 0, out=dec)  # type: ignore[call-arg, arg-type]
     return torch.sub(target, dec, out=dec).square_()
 
 
@@ -194,7 +196,8 @@ def _mse_ok() -> bool:
         a = torch.randn(3, 4096, generator=gen) * torch.exp(torch.randn(3, 4096, generator=gen) * 4)
         b = torch.randn(4096, generator=gen).mul_(50).round_()
         try:
-            got = torch._C._nn.mse_loss(a.clone(), b.expand_as(a), 0, out=torch.empty_like(a))
+            got = torch._C._nn.mse_loss(a.clone(), b.expand_as(a), 0,  # type: ignore[call-arg, arg-type]
+                                        out=torch.empty_like(a))  # (native signature, as above)
         except (AttributeError, RuntimeError, TypeError):
             got = None
         _MSE_OK.append(got is not None and torch.equal(got, (b - a).square()))
@@ -286,8 +289,8 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     fine = levels.fine(index)
     for p in range(passes):
         # |x / scale| <= 1 in the first round (scale = the group's abs-max), else measured
-        reach = 1.0 if p == 0 else float((absmax / scale).amax())
-        lv = fine.levels(xt, scale, reach)
+        limit = 1.0 if p == 0 else float((absmax / scale).amax())
+        lv = fine.levels(xt, scale, limit)
         num = _group_sum(lv * xt, clobber=True)
         den = _group_sum(lv.mul_(lv), clobber=True)
         fine.fix_ambiguous(xt, scale, num, den)

@@ -182,4 +182,7 @@ SPEC = W4A8Spec(
     convrot_rules=True,
     packed=True,
     weight_bits=4,
+    grid_rows=("weight", "weight_s_rel"),
+    grid_whole=("weight_codebook",),
+    grid_scale="weight_s_channel",
 )

@@ -38,6 +38,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     ``dry_run`` an existing output is a warning in the plan rather than a refusal."""
     options = options or ConvertOptions()
     src, dst = Path(src), Path(dst)
+    register_files(None, src, dst, options.loras).check(overwrite=True)
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         if mapping.trivial and not options.loras:
@@ -54,20 +55,26 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOptions | None = None,
             *, progress: bool = False, log=None,
-            report_path: str | os.PathLike | None = None) -> ConvertReport:
+            report_path: str | os.PathLike | None = None, files=None) -> ConvertReport:
     """Convert ``src`` to ``dst``; returns the ``ConvertReport``, also written (as JSON) to ``report_path`` when
     given. Both outputs are checked before any work and appear together or not at all
     (``formats.container.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
     (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input.
 
     An official, diffusers or fp8 input is converted through ``adopt.SourceView``: the output is
-    ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives."""
+    ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives.
+
+    ``files``: the command's ``CommandFiles`` (a recipe it read, ...); IN, its shards, every
+    ``--lora`` file, OUT and the report are registered here in any case, and no output may name
+    any of them (``OutputError``, before any work)."""
     import time
 
     t0 = time.perf_counter()
     options = options or ConvertOptions()
     log = log or (lambda msg: None)
     src, dst = Path(src), Path(dst)
+    files = register_files(files, src, dst, options.loras, report_path)
+    files.check(overwrite=options.overwrite)
     resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
     with Checkpoint(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
@@ -83,8 +90,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             for line in loras.skipped:
                 log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
-        with Outputs(inputs=input_paths(source, src), overwrite=options.overwrite,
-                     log=log) as outs:
+        for path in input_paths(source, src):
+            files.read(path, "input shard")
+        for stats in (options.calibration, options.calibration_heldout):
+            if stats:
+                files.read(Path(stats), "calibration statistics")
+        with Outputs(files=files, overwrite=options.overwrite, log=log) as outs:
             out = outs.add(dst, directory=plan.directory)
             report_out = outs.add(report_path, what="report") if report_path else None
             for line in plan.repairs:
@@ -96,7 +107,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             elif plan.identity:
                 log("nothing to convert: every selected layer is already in the target format; "
                     "the output re-emits the input")
-            report = run_plan(plan, source, out, progress=progress)
+            if options.calibration:
+                from h3quant.pipelines.convert.calibrated import Calibration
+
+                plan.calibration = Calibration(options, src, log)
+            try:
+                report = run_plan(plan, source, out, progress=progress)
+            finally:
+                if plan.calibration is not None:
+                    plan.calibration.close()
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
             if loras is not None:
@@ -110,6 +129,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if report_out is not None:
                 write_file(report_out, report_bytes(report.to_dict()))
         return report
+
+
+def register_files(files, src, dst, loras=(), report_path=None):
+    """``files`` (a new ``CommandFiles`` when None) with every file of this conversion: IN,
+    each ``--lora`` file, OUT and the report."""
+    from h3quant.formats.container.iofiles import CommandFiles
+    from h3quant.pipelines.convert.options import parse_lora_spec
+
+    files = files if files is not None else CommandFiles("convert")
+    files.checkpoint(src, "input")
+    for spec in loras:
+        files.read(parse_lora_spec(spec)[0], "LoRA")
+    if all(o.path != Path(dst) for o in files.outputs):
+        files.write(dst, "output", directory=Path(src).is_dir() or Path(dst).is_dir())
+    if report_path is not None and all(o.path != Path(report_path) for o in files.outputs):
+        files.write(report_path, "report")
+    return files
 
 
 def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = True
@@ -178,7 +214,8 @@ def _promoted(options: ConvertOptions, loras) -> ConvertOptions:
     from h3quant.pipelines.convert.recipe import Rule
 
     pattern = "^(?:" + "|".join(re.escape(n) for n in sorted(loras.layers)) + ")$"
-    return replace(options, layers=(Rule(pattern, options.lora_promote),) + options.layers)
+    return replace(options, layers=(Rule(pattern, options.lora_promote, internal=True),)
+                   + options.layers)
 
 
 def _naming(det, mapping) -> dict:

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
 CHUNK_ELEMS = 1 << 20  # weight elements per row chunk (4 MB as fp32)
+CALIBRATED_ROWS = 2048  # rows per chunk at least, with error feedback
 
 
 def rows_per_chunk(k: int) -> int:
@@ -81,6 +83,8 @@ class SourceRows:
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
         self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
+        self._views = self.codec.row_views(self._whole, self.f)
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -99,15 +103,19 @@ class SourceRows:
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)``: the stored float rows (no copy) or the dequantized fp32 rows."""
-        rows = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
+        rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
+        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+            rows["_row0"] = r0
+        rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
 
 
-def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None):
+def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None,
+             step: int | None = None):
     """Yield ``task(r0, r1)`` results in row order; up to ``workers + 1`` chunks in flight."""
-    step = rows_per_chunk(k)
+    step = step or rows_per_chunk(k)
     spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
     if pool is None or workers <= 1:
         for r0, r1 in spans:
@@ -165,19 +173,23 @@ def _row_bytes(lp: LayerPlan, suffix: str) -> int:
 
 
 def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                   workers: int = 1, pool=None) -> Samples:
+                   workers: int = 1, pool=None, calibration=None) -> Samples:
     """Row-chunked codecs: each chunk's outputs are written at their rows' offsets."""
     n, k = lp.n, lp.k
     codec, marker = opts.codec, lp.out_fields
     samples = Samples.for_layer(n, opts.report)
     lock = threading.Lock()
-    step = rows_per_chunk(k)
+    # error feedback walks every column once per chunk: calibrated chunks are larger (the rows
+    # of a chunk share each column step and its GEMMs); the spans depend on the shape alone
+    # (not on --workers), so the same input gives the same bytes
+    step = rows_per_chunk(k) if calibration is None else max(rows_per_chunk(k), CALIBRATED_ROWS)
 
     def task(r0, r1):
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        out = codec.encode(w, marker, opts.rotation)
+        out = codec.encode(w, marker, opts.rotation, calibration=calibration) \
+            if calibration is not None else codec.encode(w, marker, opts.rotation)
         with lock:
             samples.take(r0, r1, w, **out)
         src.release(r0, r1)
@@ -187,7 +199,7 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
                    for sfx in codec.transposed_outputs}
-    for r0, r1, out in _chunked(n, k, task, workers, pool):
+    for r0, r1, out in _chunked(n, k, task, workers, pool, step):
         _check_planned(lp, out, r1 - r0, codec.unrowed_outputs, codec.transposed_outputs)
         if codec.quantized:
             _check_finite(lp, out, r0)
@@ -205,7 +217,7 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
 
 
 def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                 workers: int = 1, pool=None) -> Samples:
+                 workers: int = 1, pool=None, calibration=None) -> Samples:
     """Codecs that need the whole layer at once (W4A8 fits its codebook per layer)."""
     n, k = lp.n, lp.k
     if lp.src_fields is None:
@@ -214,13 +226,20 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         w = torch.empty(n, k, dtype=torch.float32)
         for r0, r1, rows in _chunked(n, k, lambda a, b: (a, b, src.rows(a, b)), workers, pool):
             w[r0:r1] = rows
-    out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
+    if calibration is not None:
+        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
+    else:
+        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
     _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
     _check_planned(lp, out, n, opts.codec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
     unrowed = opts.codec.unrowed_outputs
-    samples.take(0, n, w, **{s: v for s, v in out.items() if s not in unrowed})
-    samples.extra = {s: v for s, v in out.items() if s in unrowed}
+    cols = getattr(opts.codec, "sampled_by_column", ())  # stored [*, N]: sampled as rows
+    samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
+                             if s not in unrowed or s in cols})
+    samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
+    if samples.idx is not None and (unrowed or getattr(opts.codec, "needs_row0", False)):
+        samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
     progress(sum(i.nbytes for i in src.used()))
@@ -231,11 +250,13 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
 
 
 def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
-                 workers: int = 1, pool=None) -> Samples:
-    """Encode one planned layer with the target's codec."""
+                 workers: int = 1, pool=None, calibration=None) -> Samples:
+    """Encode one planned layer with the target's codec (``calibration``: the layer's
+    statistics, for a codec that calibrates; None rounds to nearest)."""
     run = encode_chunked if opts.codec.chunked else encode_whole
-    return run(lp, src, opts, sink, progress, workers, pool)
+    return run(lp, src, opts, sink, progress, workers, pool, calibration)
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:
+    assert lp.marker is not None  # called for layers that write a marker
     return torch.frombuffer(bytearray(lp.marker), dtype=torch.uint8)

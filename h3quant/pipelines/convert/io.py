@@ -201,10 +201,12 @@ class OffsetWriter:
             if missing:
                 raise ContainerError(f"output incomplete: {len(missing)} tensor(s) not fully "
                                      f"written, first {missing[0]}", path=self.path)
-            os.fsync(self._fd)
-            os.close(self._fd)
+            fd, tmp = self._fd, self._tmp
+            assert fd is not None and tmp is not None  # set by __enter__
+            os.fsync(fd)
+            os.close(fd)
             self._fd = None
-            publish(self._tmp, self.path)
+            publish(tmp, self.path)
             self._tmp = None
         finally:
             self._abort()

@@ -64,7 +64,7 @@ class LayerPlan:
         return self.shape[1]
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "action": self.action, "from": self.source, "to": self.target,
+        d: dict[str, object] = {"name": self.name, "action": self.action, "from": self.source, "to": self.target,
              "shape": list(self.shape)}
         if self.reason:
             d["reason"] = self.reason
@@ -137,13 +137,13 @@ def resolve_marker(layer: Layer, header: dict | None, read_bytes) -> Resolved:
             else:
                 t_raw, t_eff, t_err = _fields_or_error(t_raw)
     in_header = header is not None and name in header
-    if in_header:
+    if header is not None and in_header:
         h_raw, h_eff, h_err = _fields_or_error(header[name])
     if t_raw is None and h_raw is None:
         if marker is not None or in_header:
-            why = "; ".join(e for e in (t_err and f"marker tensor: {t_err}",
-                                        h_err and f"header metadata: {h_err}") if e)
-            raise FormatError(f"no usable quantization marker ({why})", tensor=name)
+            errs = "; ".join(e for e in (t_err and f"marker tensor: {t_err}",
+                                         h_err and f"header metadata: {h_err}") if e)
+            raise FormatError(f"no usable quantization marker ({errs})", tensor=name)
         w = layer.weight
         if w is not None and w.dtype in QUANTIZED_WEIGHT_DTYPES:
             raise FormatError(f"weight is {w.dtype} but the layer has no quantization marker",
@@ -155,7 +155,7 @@ def resolve_marker(layer: Layer, header: dict | None, read_bytes) -> Resolved:
                            "written", tensor=name, code="M110")
     tried = []
     for src, raw, eff in (("marker tensor", t_raw, t_eff), ("header metadata", h_raw, h_eff)):
-        if raw is None:
+        if raw is None or eff is None:  # both None together (_fields_or_error)
             continue
         why = fit_error(layer, eff)
         if why is None:
@@ -194,12 +194,15 @@ def same_target(layer: Layer, f: dict, opts: ConvertOptions) -> bool:
 
 def empty_reason(layer: Layer) -> str | None:
     """A weight with no elements has nothing to encode: it is copied as it is."""
-    shape = list(layer.weight.shape)
+    w = layer.weight
+    assert w is not None  # _plan_layer plans only layers with a weight
+    shape = list(w.shape)
     return f"weight has no elements (shape {shape}); copied unchanged" if 0 in shape else None
 
 
 def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str | None:
     w = layer.weight
+    assert w is not None  # _plan_layer plans only layers with a weight
     if empty_reason(layer):
         return empty_reason(layer)
     if len(w.shape) != 2:
@@ -207,7 +210,11 @@ def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str 
     if fields is None and w.dtype not in FLOAT_DTYPES:
         return f"weight dtype {w.dtype} is not a float type"
     marker = opts.marker()
-    return None if marker is None else opts.codec.skip_reason(logical_k(layer, fields), marker)
+    if marker is None:
+        return None
+    k = logical_k(layer, fields)
+    assert k is not None  # a 2-D weight
+    return opts.codec.skip_reason(k, marker)
 
 
 def check_supported(layer: Layer, fields: dict | None) -> None:

@@ -17,19 +17,13 @@ import torch
 from h3quant.errors import ConvertError, H3QuantError, LoraError
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.h3 import lora as lora_keys
+from h3quant.pipelines.convert.options import parse_lora_spec as parse_spec  # noqa: F401
+
+_ADAPTER_DTYPES = ("F32", "F16", "BF16", "F64")  # an fp8 adapter is refused from its header
+_ALPHA_DTYPES = _ADAPTER_DTYPES + ("I64", "I32", "I16", "I8", "U8")
+
 
 MERGE_ROWS = 1024  # rows of a layer merged at once (fp32: 22 MB at K = 5376)
-
-
-def parse_spec(spec: str) -> tuple[str, float]:
-    """``FILE[:STRENGTH]`` -> (path, strength); strength defaults to 1.0 and may be negative."""
-    path, sep, tail = spec.rpartition(":")
-    if sep and path:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return spec, 1.0
 
 
 def check_spec(spec: str) -> tuple[str, float]:
@@ -167,30 +161,43 @@ def load(specs: list[str] | tuple[str, ...], base_shapes: dict[str, tuple[int, .
     for spec in specs:
         path, strength = check_spec(spec)
         try:
-            with SafetensorsFile(path, mmap=False) as f:  # read once, whole (LoRAs are small)
-                tensors = {k: f.read(info).clone() for k, info in f.tensors.items()}
+            fh = SafetensorsFile(path, mmap=False)
         except H3QuantError as exc:
             raise LoraError(f"LoRA '{path}': cannot read as safetensors ({exc.reason})") from None
-        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        adapters = lora_keys.parse(shapes, source=f"LoRA '{path}'")
-        try:
-            targets, skipped = lora_keys.resolve(adapters, base_shapes, f"LoRA '{path}'",
-                                                 skip_unmatched)
-            if skip_unmatched:
-                targets, misfit = _fitting(targets, shapes, base_shapes)
-                skipped += misfit
-            lora_keys.check_shapes(targets, shapes, base_shapes, f"LoRA '{path}'")
-        except LoraError as exc:
-            raise LoraError(f"{exc.reason}{_fit_hint(adapters, shapes, base_shapes)}") from None
+        with fh as f:  # the header first: every key, rank and shape checked before any data
+            infos = dict(f.tensors)
+            shapes = {k: tuple(v.shape) for k, v in infos.items()}
+            adapters = lora_keys.parse(shapes, source=f"LoRA '{path}'")
+            try:
+                targets, skipped = lora_keys.resolve(adapters, base_shapes, f"LoRA '{path}'",
+                                                     skip_unmatched)
+                if skip_unmatched:
+                    targets, misfit = _fitting(targets, shapes, base_shapes)
+                    skipped += misfit
+                lora_keys.check_shapes(targets, shapes, base_shapes, f"LoRA '{path}'")
+            except LoraError as exc:
+                raise LoraError(f"{exc.reason}{_fit_hint(adapters, shapes, base_shapes)}") from None
+            for t in targets:
+                ad = t.adapter
+                for key in (ad.down, ad.up):
+                    if infos[key].dtype not in _ADAPTER_DTYPES:
+                        raise LoraError(f"LoRA '{path}': '{key}' is stored as "
+                                        f"{infos[key].dtype}; adapters are baked from "
+                                        f"{', '.join(_ADAPTER_DTYPES)} tensors")
+                if ad.alpha and infos[ad.alpha].dtype not in _ALPHA_DTYPES:
+                    raise LoraError(f"LoRA '{path}': '{ad.alpha}' is stored as "
+                                    f"{infos[ad.alpha].dtype}; alpha must be a float or "
+                                    "integer scalar")
+            # only the tensors of the adapters used are read (bounded by rank x layer width)
+            wanted = {k for t in targets for k in (t.adapter.down, t.adapter.up, t.adapter.alpha)
+                      if k}
+            tensors = {k: f.read(infos[k]).clone() for k in sorted(wanted)}
         out.skipped += [f"{path}: {s}" for s in skipped]
         out.files.append((path, strength))
         for t in targets:
             ad = t.adapter
             alpha = float(tensors[ad.alpha].double().reshape(-1)[0]) if ad.alpha else float(ad.rank)
             down, up = tensors[ad.down], tensors[ad.up]
-            if not (down.is_floating_point() and up.is_floating_point()):
-                raise LoraError(f"LoRA '{path}': '{ad.down}' / '{ad.up}' are not float "
-                                       "tensors")
             if not (torch.isfinite(down).all() and torch.isfinite(up).all()
                     and abs(alpha) < float("inf")):
                 raise LoraError(f"LoRA '{path}': adapter '{ad.module}' holds non-finite "

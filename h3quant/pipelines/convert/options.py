@@ -12,6 +12,7 @@ from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.patterns import compile_pattern
 
 TARGETS = registry.targets()  # --to name -> Target (the codec that writes it)
 PRESETS = ("h3", "all-linears")
@@ -19,6 +20,17 @@ MAX_GROUP_SIZE = 1024  # the rotation is g x g: larger groups would only cost me
 REPORT_ROWS = 256  # rows sampled per layer for the error report
 REPORT_TOKENS = 64  # tokens of the seeded random activation
 REPORT_SEED = 0
+
+
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """``FILE[:STRENGTH]`` -> (path, strength); strength defaults to 1.0 and may be negative."""
+    path, sep, tail = spec.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
 
 
 # int8 ConvRot rotation: "exact" reproduces comfy-kitchen's fp32 summation order (bit-identical
@@ -51,6 +63,8 @@ class ConvertOptions:
     lora_warn: float = 0.5  # warn when a layer keeps less than this share of its LoRA delta
     lora_promote: str | None = None  # a --to target for every layer a LoRA touches
     layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
+    calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
+    calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -68,6 +82,9 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        refusal = registry.target_codec(self.target).spec.write_refusal
+        if refusal and not self.calibration:  # written from statistics only
+            raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
                                f"(it has {', '.join(registry.layouts_of(registry.target_codec(self.target)))})")
@@ -75,6 +92,8 @@ class ConvertOptions:
             raise ConvertError(f"--naming must be auto, {', '.join(layouts.names()[:-1])} or "
                                f"{layouts.names()[-1]}, got {self.naming!r}")
         object.__setattr__(self, "loras", tuple(self.loras))
+        if self.calibration_heldout and not self.calibration:
+            raise ConvertError("--calibration-heldout needs --calibration")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")
@@ -89,12 +108,8 @@ class ConvertOptions:
         compiled = []
         for flag, pats in (("--include", self.include), ("--exclude", self.exclude)):
             out = []
-            for pat in pats:
-                try:
-                    out.append(re.compile(pat))
-                except re.error as exc:
-                    raise ConvertError(f"{flag} {pat!r} is not a valid regular expression: {exc}") \
-                        from None
+            for pat in pats:  # bounded matching time (h3quant.patterns), or a usage error
+                out.append(compile_pattern(pat, f"{flag} {pat!r}", ConvertError))
             compiled.append(tuple(out))
         object.__setattr__(self, "_patterns", tuple(compiled))
         self._compile_rules()
@@ -118,7 +133,9 @@ class ConvertOptions:
                                       else self.layout))
                 except ConvertError as exc:
                     raise ConvertError(f"rule {i} {rule.text!r}: {exc.reason}") from None
-            out.append((re.compile(rule.pattern), sub))
+            out.append((re.compile(rule.pattern) if rule.internal else
+                        compile_pattern(rule.pattern, f"rule {i} {rule.text!r}", ConvertError),
+                        sub))
         object.__setattr__(self, "_rules", tuple(out))
 
     def for_layer(self, layer: str) -> tuple[int | None, "ConvertOptions | None"]:
@@ -132,7 +149,9 @@ class ConvertOptions:
     @property
     def codec(self) -> registry.Codec:
         """The codec the target writes (in the chosen layout)."""
-        return registry.with_layout(registry.target_codec(self.target), self.layout)
+        codec = registry.with_layout(registry.target_codec(self.target), self.layout)
+        assert codec is not None  # __post_init__ refused a layout the target does not have
+        return codec
 
     @property
     def convrot(self) -> bool:
@@ -158,11 +177,12 @@ class ConvertOptions:
         if self.layout != "canonical":
             body["layout"] = self.layout
         if self.loras:  # baked LoRAs change the bytes: file names and strengths
-            from h3quant.pipelines.convert.lora import parse_spec
 
-            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_spec, self.loras)]
+            body["lora"] = [[os.path.basename(p), s] for p, s in map(parse_lora_spec, self.loras)]
         if self.layers:
             body["layers"] = [r.text for r in self.layers]
+        if self.calibration:  # calibrated codes: the statistics file's name
+            body["calibration"] = os.path.basename(self.calibration)
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:

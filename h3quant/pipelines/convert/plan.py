@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from h3quant import __version__
 from h3quant.errors import ConvertError, MarkerError
@@ -51,7 +52,13 @@ class ShardPlan:
     name: str  # output file name (the input shard's name)
     metadata: dict[str, str]
     entries: list[Entry] = field(default_factory=list)
-    layout: Layout | None = None
+    layout: Layout | None = None  # set by build_plan once the entries are planned
+
+    @property
+    def planned_layout(self) -> Layout:
+        """``layout``, which build_plan has set by the time a plan is read or run."""
+        assert self.layout is not None, f"shard {self.name} has no layout yet"
+        return self.layout
 
 
 @dataclass
@@ -76,10 +83,11 @@ class ConvertPlan:
     naming: dict | None = None  # a non-ComfyUI or fp8 input: its naming and name map (adopt)
     lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
     rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
+    calibration: Any = None  # convert.calibrated.Calibration when --calibration is given
 
     @property
     def output_bytes(self) -> int:
-        return sum(s.layout.file_bytes for s in self.shards.values())
+        return sum(s.planned_layout.file_bytes for s in self.shards.values())
 
     def layers_by(self, action: str) -> list[LayerPlan]:
         return [lay for lay in self.layers if lay.action == action]
@@ -100,7 +108,7 @@ class ConvertPlan:
             "dropped": list(self.dropped), "repairs": list(self.repairs),
             "warnings": list(self.warnings),
             **({"rules": [u.to_dict() for u in self.rules]} if self.rules else {}),
-            "files": [{"name": s.name, "bytes": s.layout.file_bytes, "tensors": len(s.entries)}
+            "files": [{"name": s.name, "bytes": s.planned_layout.file_bytes, "tensors": len(s.entries)}
                       for s in self.shards.values()],
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             **({"naming": self.naming} if self.naming else {}),
@@ -232,7 +240,7 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
                                f"{layer.name} cannot be written as {opts.target}: {lp.reason}")
         if lp.reason:
             lp.action = "skip"
-        elif quantized and same_target(layer, res.fields, opts):
+        elif res.fields is not None and same_target(layer, res.fields, opts):  # quantized
             lp.action = "keep"
         else:
             lp.action = "convert"
@@ -263,8 +271,9 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
         specs["comfy_quant"] = ("U8", (len(lp.marker),))
     lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
     lp.via = conversion_via(lp.src_fields, codec, marker)
-    if describe_via(lp.via):
-        lp.notes.append(describe_via(lp.via))
+    note = describe_via(lp.via)
+    if note:
+        lp.notes.append(note)
     for suffix, info in lp.inputs.items():
         if suffix == "bias":
             lp.copies.append(CopyItem(info.name, info, Entry(info.name, info.dtype, info.shape)))
@@ -276,7 +285,9 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
     """keep / skip / untouched: tensors copied; ``keep`` normalises marker and header shapes."""
     name, n = lp.name, lp.n
     if keep_opts is not None:
-        lp.out_fields = _keep_fpmm(lp.src_fields, keep_opts.marker())
+        marker = keep_opts.marker()
+        assert marker is not None  # "keep": same_target matched the target's marker
+        lp.out_fields = _keep_fpmm(lp.src_fields, marker)
         lp.target = registry.describe(lp.out_fields)
     elif lp.src_fields is not None:
         lp.out_fields = res.raw

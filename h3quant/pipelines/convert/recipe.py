@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from h3quant.errors import ConvertError
+from h3quant.errors import ConvertError, UsageError
 from h3quant.formats import registry
 
 KEEP = "keep"
@@ -46,6 +46,8 @@ class Rule:
     target: str | None
     group_size: int | None = None  # None: the command's --group-size
     layout: str | None = None  # None: the command's --layout
+    # built by h3quant itself (--lora-promote's list of layer names): matched by ``re``
+    internal: bool = field(default=False, compare=False)
 
     @property
     def format(self) -> str:
@@ -71,13 +73,9 @@ class Rule:
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    if not isinstance(pattern, str) or not pattern:
-        raise ConvertError(f"{where}: the layer pattern must be a non-empty regular expression")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ConvertError(f"{where}: {pattern!r} is not a valid regular expression: {exc}") \
-            from None
+    from h3quant.patterns import compile_pattern
+
+    compile_pattern(pattern, where, ConvertError)  # bounded matching time, or refused
 
 
 def _option_value(key: str, value, where: str):
@@ -124,7 +122,7 @@ def make_rule(pattern: str, target: str | None, opts: dict, where: str) -> Rule:
             raise ConvertError(f"{where}: layout {rule.layout} is not available for {target} "
                                f"(it has {', '.join(registry.layouts_of(codec))})")
         if rule.group_size is not None and not (registry.target(target).convrot
-                                                or codec.name == "asym_w4a8_int8"):
+                                                or codec.spec.always_convrot):
             raise ConvertError(f"{where}: {target} has no rotation; g= does not apply")
     return rule
 
@@ -180,13 +178,19 @@ def rules_from_data(data, source: str) -> tuple[Rule, ...]:
 
 def load_recipe(path: str | os.PathLike) -> tuple[Rule, ...]:
     """Read and check a recipe file (ConvertError naming the file and the rule)."""
+    from h3quant.formats.container.smallfile import read_bounded
+    from h3quant.limits import MAX_JSON_BYTES
+
+    try:  # a FIFO, /dev/zero or a huge file: refused before reading
+        raw = read_bounded(path, MAX_JSON_BYTES, "recipe")
+    except UsageError as exc:
+        raise ConvertError(f"cannot read recipe {path}: {exc.reason}") from None
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ConvertError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConvertError(f"recipe {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConvertError(f"recipe {path} is nested too deeply to read") from None
     return rules_from_data(data, f"recipe {path}")
 
 

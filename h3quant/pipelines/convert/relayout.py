@@ -5,9 +5,10 @@
   copied as they are (``F32 [N, 1]`` and ``[N]`` hold the same bytes; a single tensorwise scale
   is repeated N times for the kn form), nothing is requantized: canonical -> kn -> canonical
   gives back the canonical bytes.
-- ``grid``: asym_w4a8_int8 -> int8 (either layout) through the decoded int8 grid the runtime
-  multiplies (``w8`` codes, ``s = weight_s_channel``) when the target's ConvRot group equals the
-  source's, so an NPU (which has no kernel for W4A8) runs exactly the same math.
+- ``grid``: a format whose decoded weights lie on an int8 grid (its spec's ``grid_scale``:
+  asym_w4a8_int8's ``w8`` codes with ``s = weight_s_channel``) -> int8 (either layout) through
+  that grid when the target's ConvRot group equals the source's, so an NPU (which has no kernel
+  for W4A8) runs exactly the same math.
 
 ``conversion_via`` decides, at plan time, which of these applies (else the layer is encoded).
 Planning must not load torch (``convert`` starts its copies first), so torch is imported on use.
@@ -21,8 +22,6 @@ from h3quant.formats import registry
 from h3quant.formats.int8_kn.tensors import TRANSPOSE_BYTES, RowTransposer, transpose_stream
 
 COPY_CHUNK = 16 << 20
-_W4A8 = "asym_w4a8_int8"
-_INT8 = "int8_tensorwise"
 
 
 def _family(codec) -> str:
@@ -46,8 +45,8 @@ def conversion_via(src_fields: dict | None, target_codec, marker: dict | None) -
     if (src.name != target_codec.name and _family(src) == _family(target_codec)
             and _same_rotation(src_fields, marker)):
         return "relayout"
-    if (src.name == _W4A8 and _family(target_codec) == _INT8 and marker.get("convrot")
-            and marker.get("convrot_groupsize") == src_fields.get("convrot_groupsize", 256)):
+    if (src.spec.grid_scale is not None and target_codec.spec.int8_codes
+            and _same_rotation({**src_fields, "convrot": src.spec.uses_convrot(src_fields)}, marker)):
         return "grid"
     return "encode"
 
@@ -89,32 +88,28 @@ def relayout_layer(lp, reader, sink, progress) -> None:
 
 
 def grid_layer(lp, reader, sink, progress, codec) -> None:
-    """W4A8 codes -> their int8 grid, row slabs at a time, written in the target layout."""
-    import torch
-
-    from h3quant.formats.w4a8.tensors import decode_w4a8_int8
-
-    t, f = lp.inputs, lp.src_fields
+    """A format's codes on an int8 grid (W4A8's) -> that grid, row slabs at a time, written in
+    the target layout."""
+    src = registry.codec_for(lp.src_fields, tensor=lp.name)
+    spec, t, f = src.spec, lp.inputs, lp.src_fields
     n, k = lp.n, lp.k
-    cb = reader.whole(t["weight_codebook"]).clone() if "weight_codebook" in t else None
+    whole = {s: reader.whole(t[s]).clone() for s in spec.grid_whole if s in t}
     name = f"{lp.name}.weight"
     transposer = (RowTransposer(n, k, functools.partial(sink.write, name))
                   if "weight" in codec.transposed_outputs else None)
     step = max(1, TRANSPOSE_BYTES // max(k, 1))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        q = decode_w4a8_int8(reader.rows(t["weight"], r0, r1).view(torch.int8),
-                             reader.rows(t["weight_s_rel"], r0, r1),
-                             group_size=int(f.get("group_size", 16)), codebook=cb)
+        q = src.grid_rows({s: reader.rows(t[s], r0, r1) for s in spec.grid_rows}, whole, f)
         if transposer is not None:
             transposer.add(q)
         else:
             sink.write_tensor(name, q, r0 * k)
-        for s in ("weight", "weight_s_rel"):
+        for s in spec.grid_rows:
             reader.release_rows(t[s], r0, r1)
     if transposer is not None:
         transposer.finish()
-    _copy_bytes(reader, t["weight_s_channel"], sink, f"{lp.name}.weight_scale")
+    _copy_bytes(reader, t[spec.grid_scale], sink, f"{lp.name}.weight_scale")
     sink.write(f"{lp.name}.comfy_quant", 0, lp.marker)
     progress(sum(x.nbytes for x in t.values()))
 

@@ -17,6 +17,7 @@ import torch
 
 from h3quant.alloc import keep_freed_memory
 from h3quant.errors import FindingError, FormatError, H3QuantError
+from h3quant.findings import Severity, rule
 from h3quant.formats import check as rules
 from h3quant.formats import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
@@ -46,13 +47,25 @@ def check_source_scales(lp, reader) -> None:
             raise FormatError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
                               tensor=info.name, code=v.code)
 
+    def read(info, dtype=None):
+        t = reader.whole(info).contiguous().reshape(-1)
+        return t.view(dtype) if dtype is not None else t
+
+    for v in codec.layer_data_violations(lp.inputs, read, lp.src_fields or {}):
+        if rule(v.code).severity is Severity.ERROR:  # nvfp4 block scales against codes ...
+            info = lp.inputs.get(v.suffix)
+            raise FormatError(f"[{v.code}] source {v.suffix}: {v.message}; nothing written",
+                              tensor=info.name if info is not None else lp.name, code=v.code)
+
 
 def check_source_codebook(lp, reader) -> None:
     """Refuse a source layer whose whole-read tables (a W4A8 codebook) break ``validate
     --deep``'s rule (D104), whatever becomes of the layer: decoded through it, its codes would
     be laundered into a clean-looking file; copied, the output would carry the same broken table."""
     codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
-    for suffix in codec.spec.deep_whole if codec is not None else ():
+    if codec is None:
+        return
+    for suffix in codec.spec.deep_whole:
         info = lp.inputs.get(suffix)
         if info is None:
             continue
@@ -83,10 +96,12 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     results: dict[str, dict] = {}
     failures: list[dict] = []
     layers = by_input_offset(plan.layers, lambda lp: lp.weight)
-    pool = ThreadPoolExecutor(opts.workers) if opts.workers > 1 else None
+    workers = opts.workers
+    assert workers is not None  # ConvertOptions sets it
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
-    if opts.workers > 1:  # the workers share the cores: no nested intra-op teams
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.workers))
+    if workers > 1:  # the workers share the cores: no nested intra-op teams
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     ok = False
     try:
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,
@@ -138,17 +153,33 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
             run_via(lp, reader, sinks, progress, opts.codec)
         elif lp.action == "convert":
             src = CheckedRows(lp, reader)
-            samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool)
+            st, info = (None, None)
+            if plan.calibration is not None and opts.codec.quantized:
+                st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
+                entry["calibration"] = info
+            samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool,
+                                   calibration=st)
             if opts.report:  # on a worker when there are any: overlaps the next layer
                 ref, out = samples.cat()
                 args = (opts.codec, lp, ref, out)
+                if info is not None:
+                    w_hat, _ = opts.codec.report_grid(out, lp.out_fields or {})
+                    info["output_sqnr_db"] = plan.calibration.output_sqnr(lp, ref, w_hat)
                 entry["metrics"] = (pool.submit(layer_metrics, *args) if pool
                                     else layer_metrics(*args))
+            if st is not None:
+                st.release()
+            elif plan.calibration is not None:
+                lay = plan.calibration.stats.layer(lp.name)
+                if lay is not None:
+                    lay.release()
         else:
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
     except H3QuantError as exc:
-        entry["error"] = exc.reason
-        failures.append({"name": lp.name, "error": exc.reason})
+        why = (f"[{exc.code}] {exc.reason}" if exc.code and f"[{exc.code}]" not in exc.reason
+               else exc.reason)  # the rule's code, as validate names it
+        entry["error"] = why
+        failures.append({"name": lp.name, "error": why})
     progress(total)
     results[lp.name] = entry

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from h3quant.formats.container.atomic import fsync_dir
@@ -57,7 +57,7 @@ class CopyStream:
         self.plan, self.ckpt, self.out, self.progress = plan, ckpt, Path(out), progress
         self.reader = Reader(ckpt)
         self.sinks: Sinks | None = None
-        self.copying = None  # the copy thread's Future
+        self.copying: Future[None] | None = None  # the copy thread's Future
         self._stop = threading.Event()
         self._io: ThreadPoolExecutor | None = None
         self._stack = contextlib.ExitStack()
@@ -79,21 +79,24 @@ class CopyStream:
 
     def failed(self) -> bool:
         """True once the copy thread has stopped on an error (the run should stop early)."""
+        assert self.copying is not None  # started by __enter__
         return self.copying.done() and self.copying.exception() is not None
 
     def _stop_copies(self) -> None:
         self._stop.set()
+        assert self._io is not None  # registered after the pool was made
         self._io.shutdown(wait=True)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             try:
+                assert self.copying is not None  # a clean __enter__ started it
                 self.copying.result()
             except BaseException:
                 if not self._stack.__exit__(*sys.exc_info()):
                     raise
                 return False
-        return self._stack.__exit__(exc_type, exc, tb)
+        return bool(self._stack.__exit__(exc_type, exc, tb))
 
 
 def run_plan(plan: ConvertPlan, ckpt, out, *, progress: bool = True) -> ConvertReport:
@@ -129,7 +132,7 @@ def open_writers(plan: ConvertPlan, stack: contextlib.ExitStack, out: Path) -> d
     success the shards are complete (writers exit first), then the index is written."""
     if not plan.directory:
         (name, shard), = plan.shards.items()
-        return {name: stack.enter_context(OffsetWriter(out, shard.layout))}
+        return {name: stack.enter_context(OffsetWriter(out, shard.planned_layout))}
 
     def index_on_success(exc_type, exc, tb):
         if exc_type is None:
@@ -137,7 +140,7 @@ def open_writers(plan: ConvertPlan, stack: contextlib.ExitStack, out: Path) -> d
         return False
 
     stack.push(index_on_success)
-    return {name: stack.enter_context(OffsetWriter(out / name, s.layout))
+    return {name: stack.enter_context(OffsetWriter(out / name, s.planned_layout))
             for name, s in plan.shards.items()}
 
 
@@ -145,8 +148,9 @@ def write_index(plan: ConvertPlan, tmp: Path) -> None:
     """The shard index, written last (after every shard file is complete)."""
     weight_map = shard_of(plan)
     meta = dict(plan.index_metadata)
-    meta["total_size"] = sum(sp.layout.data_bytes for sp in plan.shards.values())
+    meta["total_size"] = sum(sp.planned_layout.data_bytes for sp in plan.shards.values())
     body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+    assert plan.index_name is not None  # a sharded plan names its index
     with open(tmp / plan.index_name, "wb") as fh:
         fh.write((json.dumps(body, indent=2) + "\n").encode())
         fh.flush()

@@ -150,6 +150,7 @@ def choose(model: Model, *, target_sqnr: float | None = None,
                     assign = trial
                     break
         return model.predict(assign)
+    assert max_size is not None  # exactly one of the two was given
     pred = model.predict(assign)
     if pred.bytes > max_size:
         raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "

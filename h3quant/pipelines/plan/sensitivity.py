@@ -103,6 +103,8 @@ class Sensitivity:
     units: list[UnitResult] = field(default_factory=list)
     seconds: float = 0.0
     seconds_per_block: list[float] = field(default_factory=list)
+    # what it was measured on (pipelines.fingerprint): a saved pass is refused for other files
+    measured_on: dict = field(default_factory=dict)
 
     def unit_names(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -123,20 +125,13 @@ class Sensitivity:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Sensitivity":
-        def floats(m):
-            return {o: float(m[o]) for o in OUTPUTS}
+    def from_dict(cls, d) -> "Sensitivity":
+        """A saved pass, every field checked before use (``PlanError`` naming the field)."""
+        from h3quant.pipelines.plan.saved import checked_pass
 
-        units = [UnitResult(str(u["unit"]), int(u["block"]), str(u["format"]), int(u["bytes"]),
-                            int(u["float_bytes"]), floats(u["noise"]), floats(u["sqnr_db"]))
-                 for u in d["units"]]
-        if not units or not isinstance(d["signal"], dict):
-            raise ValueError("no measurements")
-        keys = ("path", "inputs", "formats", "per_layer", "blocks", "prefix", "signal")
-        fields_ = {k: d[k] for k in keys}
-        fields_["signal"] = floats(d["signal"])
-        return cls(**fields_, units=units, seconds=d.get("seconds", 0.0),
-                   seconds_per_block=list(d.get("seconds_per_block", [])))
+        kw = checked_pass(d, parse_candidates)
+        kw["units"] = [UnitResult(**u) for u in kw["units"]]
+        return cls(**kw)
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -155,6 +150,7 @@ def _encoded_layer(layer, cand: Candidate):
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     k = int(layer.weight.shape[1])
     why = codec.skip_reason(k, marker)
     if why:
@@ -163,6 +159,25 @@ def _encoded_layer(layer, cand: Candidate):
     if layer.bias is not None:
         tensors["bias"] = layer.bias
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
+
+
+def _candidate_linear(layer, device, compute_dtype):
+    """The module a candidate-format layer runs as: the runtime's quantized linear where the
+    runtime multiplies the format's int8 grid (int8, W4A8), else the float linear of the
+    format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
+    import torch
+
+    from h3quant.runtime.model.block import FloatLinear, quantized_linear
+
+    codec = layer.codec
+    if not getattr(codec, "decodes", False):
+        return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
+    rows, whole = codec.source_tensors(layer.fields, layer.tensors)
+    whole_t = {s: layer.tensors[s] for s in whole}
+    local = {s: layer.tensors[s] for s in rows}
+    local.update(codec.row_views(whole_t, layer.fields))
+    w = codec.decode_rows(local, whole_t, layer.fields)
+    return FloatLinear(w.to(torch.bfloat16), layer.bias)  # cast in chunks per call
 
 
 def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
@@ -176,6 +191,7 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
 
     codec = registry.target_codec(cand.target)
     marker = codec.marker(registry.target(cand.target), cand.group_size)
+    assert marker is not None  # candidates are quantized formats
     total = len(marker_bytes(marker))
     for dtype, shape in codec.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
@@ -193,7 +209,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     from h3quant.h3.topology import BLOCK_LINEARS
     from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
-    from h3quant.runtime.model.block import build_block, quantized_linear, reference_linear
+    from h3quant.runtime.model.block import build_block, reference_linear
     from h3quant.runtime.model.model import H3Model
 
     cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
@@ -203,15 +219,20 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
         quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
                      and n.startswith(model.prefix + "blocks.")]
         if quantized:
+            fields = model.scan.layers[quantized[0]].fields or {}
             raise PlanError(f"plan measures a float checkpoint; {quantized[0]} is quantized "
-                            f"({model.scan.layers[quantized[0]].fields['format']}): plan from "
+                            f"({fields['format']}): plan from "
                             "the BF16 original")
         run = model.blocks[:blocks] if blocks else model.blocks
         video, audio, text = inputs.tensors(model.video_channels, model.audio_channels,
                                             model.text_dim)
         ref = model.start(video, audio, text, inputs.sigma)
+        from h3quant.pipelines.fingerprint import checkpoint_fingerprint, inputs_fingerprint
+
         result = Sensitivity(str(path), asdict(inputs), [c.format for c in cands], per_layer,
                              len(run), model.prefix, {})
+        result.measured_on = {"checkpoint": checkpoint_fingerprint(path, mmap=mmap),
+                              "inputs": inputs_fingerprint(asdict(inputs))}
         streams: list[tuple[int, torch.Tensor]] = []  # (unit index, hidden state)
         meta: list[tuple[str, int, Candidate, int, int]] = []  # unit, block, cand, bytes, float
         cpu = model.device
@@ -231,8 +252,7 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
                         def make(lay, _g=group, _enc=enc):
                             local = lay.name[len(prefix) + 1:]
                             if local in _g:
-                                return quantized_linear(_enc[local], device=cpu,
-                                                        compute_dtype=torch.float32)
+                                return _candidate_linear(_enc[local], cpu, torch.float32)
                             return reference_linear(lay, device=model.tdev)
 
                         qblock = build_block(loaded, make, device=model.tdev)

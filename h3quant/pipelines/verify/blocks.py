@@ -42,8 +42,8 @@ DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
 
 
-_INT8_LIMITS = registry.verify_limits("int8_tensorwise")
-_W4A8_LIMITS = registry.verify_limits("asym_w4a8_int8")
+_INT8_LIMITS = registry.class_limits(8)  # the 8-bit formats' limits
+_W4A8_LIMITS = registry.class_limits(4)  # the 4-bit formats' (W4A8)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class Thresholds:
     magnitude_factor: float = 3.0
 
     def rel_err(self, fmt: str | None) -> float:
+        own = registry.decoded_limits(fmt)  # a format run through its decode: its own limit
+        if own is not None:
+            return own.rel_err
         return self.rel_err_w4a8 if fmt is not None and registry.low_bit([fmt]) else self.rel_err_int8
 
     def block_limit(self, formats) -> float:
@@ -184,8 +187,36 @@ def float_siblings(ckpt: Checkpoint, scan, limit: int = 4) -> dict[str, float]:
     return {r: sorted(v)[len(v) // 2] for r, v in found.items()}
 
 
+def _decoded_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]
+                    ) -> list[DataCheck]:
+    """A layer run through its decode (fp8, mxfp8, ...): its codec's value rules (scales,
+    codes) and the magnitude of its decoded rows against the float siblings."""
+    name = layer.name
+    found = layer.codec.value_violations(layer.tensors) \
+        if hasattr(layer.codec, "value_violations") else []
+    text = "; ".join(f"[{v.code}] {v.suffix}: {v.message}" for v in found)
+    out = [DataCheck(name, "scales", None, "finite, > 0; codes finite", not found, text)]
+    ref = siblings.get(_role(name) or "")
+    if not th.magnitude_factor or ref is None:
+        out.append(DataCheck(name, "magnitude", None, "no float sibling" if ref is None else
+                             "disabled", True, "skipped"))
+        return out
+    w = layer.dequantize(torch.float32)
+    rows = w[_sample(w.shape[0])]
+    rms = math.sqrt(rows.pow(2).sum().item() / max(rows.shape[0], 1))
+    ratio = rms / ref if ref > 0 else math.inf
+    f = th.magnitude_factor
+    ok = math.isfinite(ratio) and 1 / f <= ratio <= f
+    out.append(DataCheck(name, "magnitude", ratio, f"ratio to float siblings in [1/{f:g}, "
+                         f"{f:g}]", ok, "" if ok else f"decoded weights are {ratio:.3g}x the "
+                         "float layers of the same role: scales look wrong"))
+    return out
+
+
 def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) -> list[DataCheck]:
     """The reference-free checks of one quantized layer (see the module docstring)."""
+    if layer.decodes:
+        return _decoded_checks(layer, th, siblings)
     name, out = layer.name, []
     q, s = layer.int8_grid()
     finite = bool(torch.isfinite(s).all()) and bool((s > 0).all())
@@ -429,9 +460,13 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset())
 
 
 def _any_quantized(scan, ckpt, idx) -> bool:
+    from h3quant.runtime.loader import has_scaled_fp8_marker
+
     prefix = find_prefix(ckpt.tensors)
     heads = tuple(f"{prefix}blocks.{i}." for i in idx)
-    return any(lay.fields is not None for n, lay in scan.layers.items() if n.startswith(heads))
+    scaled = has_scaled_fp8_marker(ckpt)  # legacy scaled-fp8 layers load as float8_e4m3fn
+    return any(lay.fields is not None or (scaled and f"{n}.scale_weight" in ckpt.tensors)
+               for n, lay in scan.layers.items() if n.startswith(heads))
 
 
 def _release(ckpt: Checkpoint, stem: str) -> None:

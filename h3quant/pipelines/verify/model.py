@@ -129,9 +129,15 @@ class ModelVerifyResult(Verdict):
 
 
 def _formats(model) -> list[str]:
+    from h3quant.runtime.loader import has_scaled_fp8_marker
+
     p = model.prefix + "blocks."
-    return sorted({lay.fields["format"] for n, lay in model.scan.layers.items()
-                   if n.startswith(p) and lay.fields is not None})
+    found = {lay.fields["format"] for n, lay in model.scan.layers.items()
+             if n.startswith(p) and lay.fields is not None}
+    if has_scaled_fp8_marker(model.ckpt) and any(  # legacy scaled fp8 loads as float8_e4m3fn
+            n.startswith(p) and f"{n}.scale_weight" in model.ckpt.tensors for n in model.scan.layers):
+        found.add("float8_e4m3fn")
+    return sorted(found)
 
 
 def _backends(block) -> dict[str, int]:

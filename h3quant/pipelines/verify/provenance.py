@@ -29,7 +29,6 @@ W4A8 = origin.W4A8
 GROUP = 16  # W4A8's group of codes sharing one e4m3 scale (the group size h3quant writes)
 SAMPLE_ROWS = 256  # rows the grid test reads per layer (evenly spaced) ...
 SAMPLE_COLS = 1024  # ... and codes of each (64 groups of 16)
-_INT8_FAMILY = ("int8_tensorwise", "int8_tensorwise_kn")
 REASON_HEADER = "header says converted from W4A8"
 REASON_GRID = "rows on a W4A8 grid"
 
@@ -85,7 +84,7 @@ def _sampled_rows(q: torch.Tensor) -> torch.Tensor:
 def judge(layer, from_header: set[str]) -> Judgement:
     """How one loaded layer (``runtime.loader.LoadedLayer``) is judged."""
     stored = layer.fields["format"] if layer.fields else "float"
-    if stored not in _INT8_FAMILY:
+    if not origin.is_int8(stored):
         return Judgement(layer.name, stored, stored)
     if layer.name in from_header:
         return Judgement(layer.name, stored, W4A8, REASON_HEADER)
@@ -114,7 +113,7 @@ def judge_checkpoint(ckpt, scan, prefixes: tuple[str, ...], *, first: bool = Fal
     for name, lay in scan.layers.items():
         if lay.fields is None or not name.startswith(prefixes):
             continue
-        if lay.fields["format"] not in _INT8_FAMILY:
+        if not origin.is_int8(lay.fields["format"]):
             out[name] = Judgement(name, lay.fields["format"], lay.fields["format"])
             continue
         j = judge(load_layer(ckpt, lay), marks)

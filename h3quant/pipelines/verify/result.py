@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from h3quant.formats import registry
 from h3quant.pipelines.metrics import json_safe
 
-_INT8 = registry.verify_limits("int8_tensorwise")
-_W4A8 = registry.verify_limits("asym_w4a8_int8")
+_INT8 = registry.class_limits(8)  # every 8-bit format's limits
+_W4A8 = registry.class_limits(4)  # every 4-bit format's
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,13 @@ class SqnrLimits:
     sqnr_db_w4a8: float = _W4A8.block_sqnr_db
 
     def limit(self, formats) -> float:
-        return self.sqnr_db_w4a8 if registry.low_bit(formats) else self.sqnr_db_int8
+        """The loosest limit of the formats present (a format run through its decode brings
+        its own block limit)."""
+        formats = list(formats)
+        grid = [f for f in formats if registry.decoded_limits(f) is None]
+        own = [lim.block_sqnr_db for f in formats if (lim := registry.decoded_limits(f))]
+        base = self.sqnr_db_w4a8 if registry.low_bit(grid) else self.sqnr_db_int8
+        return min([base, *own]) if own else base
 
 
 class Verdict:

@@ -47,6 +47,20 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 DEQUANTIZED = ("dequant", "reference")
 
 
+def int32_matmul_for(device: Device, probe: Probe | None = None):
+    """The raw int8 x int8 -> int32 matmul of the first backend in ``device``'s preference
+    order that has one (tensor parallel's shared activation scale); TpError when none can."""
+    from h3quant.runtime.tp.plan import TpError
+
+    probe = probe or live_probe()
+    for name in PREFERENCE.get(device.kind, ()):
+        fn = BACKENDS[name].int32_matmul(device, probe)
+        if fn is not None:
+            return fn
+    raise TpError(f"shared activation scale needs an int8 x int8 -> int32 matmul on {device}; "
+                  "no backend offers one there; use --tp-scale per-rank")
+
+
 def get_backend(name: str) -> Backend:
     try:
         return BACKENDS[name]

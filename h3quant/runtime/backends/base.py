@@ -96,6 +96,12 @@ class Backend:
     def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
         raise NotImplementedError
 
+    def int32_matmul(self, device: Device, probe: Probe):
+        """A raw ``(q_x [M, K] int8, w_t [K, N] int8) -> int32 [M, N]`` matmul on ``device``
+        (tensor parallel's shared-scale mode sums these partials across ranks), None when this
+        backend has none; raises ``TpError`` when it has one that cannot run there."""
+        return None
+
 
 class DequantizedLinear:
     """A weight dequantized on its own device, resident or recomputed per call (``F.linear`` path)."""

@@ -168,3 +168,12 @@ class NpuBackend(Backend):
 
     def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
         return _NpuRunner(w, device, probe.npu_module(), options)
+
+    def int32_matmul(self, device: Device, probe: Probe):
+        from h3quant.runtime.tp.plan import TpError
+
+        mod = probe.npu_module()
+        if mod is None:
+            raise TpError("shared activation scale on npu needs torch_npu.npu_quant_matmul "
+                          "(int32 output); torch_npu is not importable")
+        return lambda q_x, w_t: npu_int32_matmul(mod, q_x, w_t)

@@ -54,3 +54,21 @@ class TorchInt8Backend(Backend):
 
     def bind(self, w: Int8Weights, device: Device, probe: Probe, options: LinearOptions) -> Runner:
         return _TorchInt8Runner(w, device, probe.shape_gate(device.kind))
+
+    def int32_matmul(self, device: Device, probe: Probe):
+        from h3quant.runtime.tp.plan import TpError
+
+        cap = int8_mm_capability(device, probe)
+        if not cap.available:
+            raise TpError(f"shared activation scale needs an int8 x int8 -> int32 matmul on "
+                          f"{device}: {'; '.join(cap.reasons)}; use --tp-scale per-rank")
+        gate = probe.shape_gate(device.kind)
+
+        def matmul(q_x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+            reasons = gate.kn_reasons(w_t.shape[0], w_t.shape[1])
+            if reasons:
+                raise TpError(f"{device} _int_mm refuses this shard ({'; '.join(reasons)}); use "
+                              "--tp-scale per-rank or another tp degree")
+            return int_mm_padded(q_x, w_t, gate)
+
+        return matmul

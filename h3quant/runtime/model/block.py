@@ -89,6 +89,8 @@ class FloatLinear(nn.Module):
     row chunks of ``CHUNK_ELEMS`` during the call, so no full-size copy is ever held."""
 
     backend_name = "float"
+    weight: torch.Tensor  # buffers (declared for the type checker)
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -127,6 +129,9 @@ class DequantLinear(nn.Module):
     in row chunks. This is the reference of a run without ``--reference``."""
 
     backend_name = "dequant-ref"
+    q: torch.Tensor  # buffers (declared for the type checker)
+    s: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, layer: LoadedLayer, *, device=None):
         super().__init__()
@@ -168,6 +173,14 @@ class DequantLinear(nn.Module):
 class H3Block(nn.Module):
     """The block above; ``linears`` maps each of BLOCK_LINEARS to a linear module; ``params``
     holds the float tensors (norms, adaLN) in their stored dtypes."""
+
+    # buffers registered from ``params`` (dots become underscores), declared for the type checker
+    norm1_weight: torch.Tensor
+    norm2_weight: torch.Tensor
+    attn_q_norm_weight: torch.Tensor
+    attn_k_norm_weight: torch.Tensor
+    adaln_proj_linear_weight: torch.Tensor
+    adaln_proj_linear_bias: torch.Tensor
 
     def __init__(self, linears: dict[str, nn.Module], params: dict[str, torch.Tensor], *,
                  head_dim: int, index: int = 0):
@@ -282,6 +295,11 @@ def torch_device(device) -> torch.device:
 def reference_linear(layer: LoadedLayer, *, device=None) -> nn.Module:
     """The float reference of a layer: its stored float weight, or the float math of its
     quantized weights (``DequantLinear``)."""
+    if layer.decodes:  # fp8, mxfp8, ...: the codec's fp32 decode, float math
+        dev = None if device is None else torch_device(device)
+        w, bias = layer.dequantize(torch.float32), layer.bias
+        return FloatLinear(w.to(dev) if dev else w,
+                           None if bias is None else (bias.to(dev) if dev else bias))
     if layer.is_quantized:
         return DequantLinear(layer, device=device)
     bias = layer.bias
@@ -301,6 +319,11 @@ def quantized_linear(layer: LoadedLayer, *, device, backend: str | None = None,
         tdev = torch_device(device)
         bias = None if layer.bias is None else layer.bias.to(tdev)
         return FloatLinear(layer.weight.to(tdev), bias)
+    if layer.decodes:  # ComfyUI's path without a kernel: decode to the compute dtype, matmul
+        from h3quant.runtime.decoded import DecodedLinear
+
+        return DecodedLinear.from_layer(layer, device=device, probe=probe,
+                                        compute_dtype=compute_dtype)
     from h3quant.runtime.backends import LinearOptions
     from h3quant.runtime.linear import QuantizedLinear
     q, s = layer.runtime_tensors()

@@ -38,11 +38,14 @@ class TimeEmbedding:
 
     @property
     def width(self) -> int:
-        return int(self.table.shape[1] if self.curve else self.proj_out[0].shape[0])
+        if self.table is not None:
+            return int(self.table.shape[1])
+        assert self.proj_out is not None  # the full form
+        return int(self.proj_out[0].shape[0])
 
     def __call__(self, values, device=None) -> torch.Tensor:
         """[M, t] fp32 embeddings of the timesteps ``values`` (floats in [0, 1])."""
-        if self.curve:
+        if self.table is not None:  # the curve form
             table = self.table.to(device=device, dtype=torch.float32)
             rows = table.shape[0]
             if rows < 2:
@@ -51,6 +54,7 @@ class TimeEmbedding:
             pos = t.clamp(0.0, 1.0) * (rows - 1)
             i0 = pos.floor().long().clamp(max=rows - 2)
             return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
+        assert self.proj_in is not None and self.proj_out is not None  # the full form
         w_in, b_in = (p.to(device=device, dtype=torch.float32) for p in self.proj_in)
         w_out, b_out = (p.to(device=device, dtype=torch.float32) for p in self.proj_out)
         freq = w_in.shape[1]

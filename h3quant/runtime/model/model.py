@@ -56,7 +56,7 @@ from h3quant.runtime.model.embed import (
 )
 from h3quant.runtime.model.layout import PackedLayout, Timesteps
 from h3quant.runtime.model.ops import RopeTable, rms_norm, rope_angles
-from h3quant.runtime.model.schedule import HeadSpan, check_schedule, head_span
+from h3quant.runtime.model.schedule import HeadSpan, check_schedule, head_span, model_sigma
 
 LINEAR_KINDS = ("runtime", "reference")
 
@@ -324,7 +324,8 @@ class H3Model:
         sampler's schedule (needed by a bank of output heads)."""
         self._check_open()
         self._check_inputs(video, audio, text)
-        ts = Timesteps.from_sigma(sigma)
+        Timesteps.from_sigma(sigma)  # checks the sampler's sigma (0 < sigma <= 1)
+        ts = Timesteps.from_sigma(model_sigma(sigma))  # the sigma as the model sees it
         head = self.head_for(sigma, sigmas)
         dtype = text.dtype
         with torch.no_grad():

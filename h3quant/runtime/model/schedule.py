@@ -15,11 +15,22 @@ heads its span covers, each weighted by its share of the span:
 - the head is ``W = W_0 + sum_{j = max(start, 1)}^{stop - 1} w[j - start] W_j`` (bias likewise):
   head 0 always enters with weight 1, its own share is not added again.
 
-The sigma reaches the head as the sampler hands it to the model (``timestep = sigma * 1000`` in
-fp32, divided back, clamped at 1e-6), so the span is computed in the same fp32 steps.
+Every quantity follows ComfyUI's own arithmetic, dtype and order (``comfy/ldm/minimax/model.py``,
+``comfy/samplers.py``, ``comfy/model_sampling.py``), because a position that lands on a
+rounding tie (e.g. exactly 2.5 on a 4-head bank) picks a different head in fp32 than in float64:
 
-``shifted_schedule(steps)`` is the sampler's "simple" schedule of a flow model with shift 12: the
-unshifted grid ``u_k = 1 - k / steps`` mapped through ``12 u / (1 + 11 u)`` (fp32), then 0.
+- the schedule is an fp32 tensor (``torch.FloatTensor`` of the sampler's sigmas);
+- the model's sigma: ``timestep = fp32(sigma) * 1000`` (fp32), then ``timestep / 1000`` (fp32),
+  clamped at 1e-6, turned into a Python float (``model_sigma``);
+- ``i = argmin |schedule - sigma|`` in fp32; ``next = schedule[i + 1]``, a 0-d fp32 tensor;
+- ``start`` from the Python float sigma: ``base`` and ``1 - base`` in float64;
+  ``stop`` from ``next``: ``base`` and ``1 - base`` in fp32; both turned into Python floats,
+  multiplied by ``n`` in float64 and rounded by Python's ``round`` (ties to even).
+
+``shifted_schedule(steps)`` is ComfyUI's "simple" scheduler of a flow model with shift 12: the
+1000-entry table ``sigma_k = 12 t / (1 + 11 t)`` with ``t = ((k / 1000) * 1000) / 1000``
+(``k = 1..1000``, fp32), read at ``-(1 + int(x * 1000 / steps))`` for ``x = 0..steps-1``,
+then 0.
 """
 
 from __future__ import annotations
@@ -37,13 +48,31 @@ SIGMA_MIN = 1e-6
 MAX_STEPS = 1000
 
 
+def time_shift(sigma, from_shift: float, to_shift: float):
+    """Map a sigma of the schedule shifted by ``from_shift`` to the one shifted by ``to_shift``
+    (ComfyUI's expression and order; a Python float stays float64, an fp32 tensor stays fp32)."""
+    base = sigma / (from_shift + sigma * (1.0 - from_shift))
+    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
+
+
+def sigma_table(shift: float = VIDEO_SHIFT, timesteps: int = 1000,
+                multiplier: float = 1000.0) -> torch.Tensor:
+    """The flow model's fp32 table of ``timesteps`` sigmas, lowest first (ComfyUI's
+    ``ModelSamplingDiscreteFlow``)."""
+    t = (torch.arange(1, timesteps + 1, 1) / timesteps) * multiplier
+    t = t / multiplier
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def shifted_schedule(steps: int, shift: float = VIDEO_SHIFT) -> list[float]:
-    """``steps + 1`` sigmas from 1 down to 0 (see the module docstring)."""
-    if not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+    """``steps + 1`` sigmas from 1 down to 0: ComfyUI's "simple" scheduler (module docstring)."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
         raise VerifyError(f"steps must be in 1..{MAX_STEPS}, got {steps!r}")
-    u = torch.tensor([1.0 - k / steps for k in range(steps)], dtype=torch.float32)
-    s = shift * u / (1.0 + (shift - 1.0) * u)
-    return [float(v) for v in s] + [0.0]
+    table = sigma_table(shift)
+    stride = len(table) / steps
+    return [float(table[-(1 + int(x * stride))]) for x in range(steps)] + [0.0]
 
 
 def check_schedule(sigmas: Sequence[float]) -> list[float]:
@@ -62,10 +91,15 @@ def check_schedule(sigmas: Sequence[float]) -> list[float]:
     return out
 
 
-def model_sigma(sigma: float) -> torch.Tensor:
-    """The sigma as the model sees it: ``(fp32(sigma) * 1000) / 1000``, clamped at 1e-6."""
-    s = torch.tensor(float(sigma), dtype=torch.float32)
-    return ((s * 1000.0) / 1000.0).clamp(min=SIGMA_MIN)
+def model_sigma(sigma: float) -> float:
+    """The sigma as the model sees it: ``float(((fp32(sigma) * 1000) / 1000).clamp(1e-6))``."""
+    timestep = torch.tensor([float(sigma)], dtype=torch.float32) * 1000.0
+    return float((timestep.flatten()[0] / 1000.0).float().clamp(min=SIGMA_MIN))
+
+
+def schedule_tensor(sigmas: Sequence[float]) -> torch.Tensor:
+    """The checked schedule as the sampler holds it: an fp32 tensor."""
+    return torch.tensor(check_schedule(sigmas), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -100,16 +134,12 @@ class HeadSpan:
 
 def head_span(heads: int, sigma: float, sigmas: Sequence[float],
               shift: float = VIDEO_SHIFT) -> HeadSpan:
-    """The span of the step at ``sigma`` of ``sigmas`` (see the module docstring)."""
-    sched = torch.tensor(check_schedule(sigmas), dtype=torch.float32)
-    s = model_sigma(sigma)
+    """The span of the step at ``sigma`` of ``sigmas`` (module docstring: ComfyUI's arithmetic)."""
+    sched = schedule_tensor(sigmas)
+    s = model_sigma(sigma)  # a Python float
     i = int((sched - s).abs().argmin())
-    nxt = sched[min(i + 1, sched.shape[0] - 1)]
-
-    def pos(v: torch.Tensor) -> int:
-        base = v / (shift + v * (1.0 - shift))
-        return round(float(1.0 - base) * heads)
-
-    start = min(pos(s), heads - 1)
-    stop = max(pos(nxt), start + 1)
+    nxt = sched[min(i + 1, sched.shape[0] - 1)]  # a 0-d fp32 tensor
+    start, stop = (round(float(1.0 - time_shift(v, shift, 1.0)) * heads) for v in (s, nxt))
+    start = min(start, heads - 1)
+    stop = max(stop, start + 1)
     return HeadSpan(heads, i, start, stop)

@@ -66,7 +66,7 @@ def rank_device(kind: str, local_rank: int) -> str:
             import torch_npu  # noqa: F401 (registers torch.npu)
         except ImportError:
             raise TpError("device npu needs torch_npu, which is not installed") from None
-        torch.npu.set_device(local_rank)
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
     return f"{kind}:{local_rank}"
 
 

@@ -61,34 +61,11 @@ def quantize_shared(xr: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor,
 
 def int32_matmul_fn(device, probe):
     """A callable ``(q_x [M, K] int8, w_t [K, N] int8) -> int32 [M, N]`` on ``device``, or
-    TpError saying why the shared-scale mode cannot run there."""
-    from h3quant.runtime.capabilities import int8_mm_capability, live_probe
+    TpError saying why the shared-scale mode cannot run there: the backend registry's choice
+    (``h3quant.runtime.backends.int32_matmul_for``), never a test of the device's kind."""
+    from h3quant.runtime.backends import int32_matmul_for
 
-    probe = probe or live_probe()
-    if device.kind == "npu":
-        from h3quant.runtime.backends.npu import npu_int32_matmul
-
-        mod = probe.npu_module()
-        if mod is None:
-            raise TpError("shared activation scale on npu needs torch_npu.npu_quant_matmul "
-                          "(int32 output); torch_npu is not importable")
-        return lambda q_x, w_t: npu_int32_matmul(mod, q_x, w_t)
-    cap = int8_mm_capability(device, probe)
-    if not cap.available:
-        raise TpError(f"shared activation scale needs an int8 x int8 -> int32 matmul on "
-                      f"{device}: {cap.reason}; use --tp-scale per-rank")
-    gate = probe.shape_gate(device.kind)
-    return lambda q_x, w_t: _gated_int_mm(q_x, w_t, gate, device)
-
-
-def _gated_int_mm(q_x, w_t, gate, device):
-    reasons = gate.kn_reasons(w_t.shape[0], w_t.shape[1])
-    if reasons:
-        raise TpError(f"{device} _int_mm refuses this shard ({'; '.join(reasons)}); use "
-                      "--tp-scale per-rank or another tp degree")
-    from h3quant.runtime.backends.torch_int8 import int_mm_padded
-
-    return int_mm_padded(q_x, w_t, gate)
+    return int32_matmul_for(device, probe)
 
 
 def row_scale(layer: LoadedLayer) -> torch.Tensor:
@@ -115,7 +92,7 @@ class RowParallelLinear(nn.Module):
         self.out_features = layer.out_features
         self.bias = None if layer.bias is None else layer.bias.to(tdev)
         self.in_width = full_k // comm.world  # the natural slice the layer input arrives as
-        self.local = None
+        self.local: nn.Module | None = None  # the per-rank mode's local linear
         if self.quantized and mode == "shared":
             self.scale = row_scale(layer).to(tdev)
             self.convrot = layer.convrot
@@ -187,6 +164,7 @@ class RowParallelLinear(nn.Module):
             return torch.zeros((m, self.out_features), dtype=torch.float32, device=dev)
         if not self.quantized:
             return F.linear(xk.float(), self.weight.float())
+        assert self.local is not None  # a quantized layer here runs in the per-rank mode
         return self.local(xk).float()
 
 

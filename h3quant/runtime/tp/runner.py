@@ -10,13 +10,14 @@ With ``world = 1`` and ``LocalCollectives`` the same code is the single-device r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.layers import Layer, LayerScan
 from h3quant.runtime.model.block import H3Block, build_block, quantized_linear
-from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, load_layer
+from h3quant.runtime.loader import BLOCK_LINEARS, LoadedBlock, LoadedLayer, load_layer
 from h3quant.runtime.tp.group import Collectives
 from h3quant.runtime.tp.linears import RowParallelLinear, column_linear
 from h3quant.runtime.tp.plan import (
@@ -91,7 +92,7 @@ def shard_block(ckpt: Checkpoint, scan: LayerScan, prefix: str, index: int, comm
     params = {n: load_layer(ckpt, lay) for n, lay in layers.items() if n not in BLOCK_LINEARS}
     # The runtime's own block builder: it checks the WHOLE block's shapes (shape-only stand-ins
     # of the linears) and takes the rank's shards from the make_linear factory.
-    stand_in = LoadedBlock(index, prefix, {**params, **{r: _ShapeOnly(r, s)
+    stand_in = LoadedBlock(index, prefix, {**params, **{r: cast(LoadedLayer, _ShapeOnly(r, s))
                                                        for r, s in shapes.items()}})
     block = build_block(stand_in, lambda lay: linears[lay.role], device=device.torch_device)
     return block, info

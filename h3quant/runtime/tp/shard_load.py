@@ -130,6 +130,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
             div = pack
             tensors[suffix] = reader.columns(info, shard.k0 // div, shard.k1 // div)
         elif suffix == "weight_s_rel":
+            assert fields is not None  # W4A8's tensor: a quantized layer
             gs = int(fields.get("group_size", 16))
             if shard.k0 % gs or shard.k1 % gs:
                 raise TpError(f"K slice [{shard.k0}, {shard.k1}) cuts W4A8 scale groups of {gs}",

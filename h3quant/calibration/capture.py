@@ -1,0 +1,164 @@
+"""Capture: the streamed H3 forward, block by block, recording every DiT linear's inputs.
+
+    with H3Model.open(ckpt, "cpu", linear="reference") as model:
+        capture(model, calls, out_path, meta, progress=bar.update)
+
+``calls`` are the model inputs (video, audio, text, sigma) of the user's sampler steps. The run is
+block-major: every call is started (embeddings, text refiner, conditioning), then block 0 runs
+on every call's hidden state while its four linears accumulate ``H = X^T X`` (fp32) and
+``sum |x|`` over all the rows they see (text, audio and video rows alike); block 0's statistics
+are written to the output and dropped, then block 1 runs, and so on. Memory holds one block's
+statistics (fqkv, out_proj, fc1, fc2: ``4 * sum K^2`` bytes, about 1.2 GB at H3's full width)
+plus the calls' hidden states (rows x hidden x 4 bytes each), never the whole model's.
+
+The forward runs in float math: a float checkpoint's own weights (``linear="reference"``), so the
+statistics are those of the float model's activations. A model built on another checkpoint (an
+already-quantized conversion of the same weights, ``linear="runtime"``) gives each block the
+inputs the quantized blocks before it produce instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from h3quant.calibration.stats import LINEARS
+from h3quant.formats import registry
+import os
+
+from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
+from h3quant.runtime.model.block import swiglu
+
+
+class BlockWriter:
+    """Writes the planned tensors at their offsets in any order (a block's statistics as it
+    completes); the caller stages the path (``formats.container.atomic.Outputs``)."""
+
+    def __init__(self, path, layout):
+        self.layout = layout
+        self._fh = open(path, "wb")
+        self._fh.write(layout.header)
+        self._fh.truncate(layout.file_bytes)
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        entry, (start, _) = self.layout.entries[name], self.layout.offsets[name]
+        if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
+            raise ValueError(f"{name}: {list(tensor.shape)} is not the planned {list(entry.shape)}")
+        self._fh.seek(len(self.layout.header) + start)
+        self._fh.write(tensor_bytes(tensor.contiguous()))
+
+    def close(self, ok: bool) -> None:
+        if ok:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        self._fh.close()
+
+
+class Recording(nn.Module):
+    """A linear that accumulates its inputs' second moment and channel magnitudes, then runs."""
+
+    def __init__(self, inner: nn.Module, k: int, device):
+        super().__init__()
+        self.inner = inner
+        self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        if input_act == "swiglu":
+            x = swiglu(x)
+        elif input_act is not None:
+            return self.inner(x, input_act=input_act)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        self.h.addmm_(x2.t(), x2)
+        self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
+        self.rows += int(x2.shape[0])
+        return self.inner(x)
+
+
+def layer_widths(model) -> dict[str, int]:
+    """``blocks.{i}.{linear}`` -> logical input width K, from the checkpoint header."""
+    out = {}
+    for i in model.blocks:
+        for lin in LINEARS:
+            name = f"{model.prefix}blocks.{i}.{lin}"
+            layer = model.scan.layers.get(name)
+            if layer is None or layer.weight is None:
+                from h3quant.errors import VerifyError
+                raise VerifyError("layer missing (the H3 forward needs it)", path=model.path,
+                                  tensor=name + ".weight")
+            out[f"blocks.{i}.{lin}"] = registry.logical_shape(tuple(layer.weight.shape),
+                                                              layer.fields)[1]
+    return out
+
+
+def stats_layout(widths: dict[str, int], metadata: dict[str, str]):
+    """The statistics file's header, known before any tensor is computed."""
+    entries = []
+    for key, k in widths.items():
+        entries.append(Entry(f"{key}.hessian", "F32", (k, k)))
+        entries.append(Entry(f"{key}.absmean", "F32", (k,)))
+    return plan_layout(entries, metadata)
+
+
+def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
+            on_block=None, on_call=None) -> dict[str, int]:
+    """Run ``calls`` (tuples ``(video, audio, text, sigma)``) through ``model`` block by block,
+    writing the statistics of each block to ``out_path`` as it completes (see the module
+    docstring). ``on_block(i)`` after each block, ``on_call()`` after each call in a block
+    (progress). ``meta``: the ``h3quant.calibration`` metadata object; ``rows`` is added (every
+    linear sees each call's whole packed sequence). Returns the rows each layer saw."""
+    import json
+
+    from h3quant.calibration.stats import META_KEY
+
+    states = []
+    with torch.no_grad():
+        for video, audio, text, sigma in calls:
+            states.append(model.start(video, audio, text, sigma))
+    seq = sum(int(st.x.shape[0]) for st in states)
+    planned = {key: seq for key in widths}
+    meta = {**meta, "rows": planned}
+    layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)})
+    rows: dict[str, int] = {}
+    writer = BlockWriter(out_path, layout)
+    ok = False
+    try:
+        _run_blocks(model, states, writer, widths, rows, on_block, on_call)
+        ok = True
+    finally:
+        writer.close(ok)
+    if rows != planned:
+        raise RuntimeError(f"rows recorded {rows} differ from the planned {planned}")
+    return rows
+
+
+def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
+    dev = model.tdev
+    with torch.no_grad():
+        for i in model.blocks:
+            dtype = states[0].x.dtype
+            block = model.load_block(i, dtype)  # float math of its weights (reference), or
+            # the device's runtime path (a model opened with linear="runtime")
+            rec = {}
+            for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
+                key = f"blocks.{i}.{lin}"
+                rec[key] = Recording(getattr(block, attr), widths[key], dev)
+                setattr(block, attr, rec[key])
+            for st in states:
+                st.x = block(st.x, st.cond)
+                if on_call is not None:
+                    on_call()
+            del block
+            model.release_block(i)
+            for key, r in rec.items():
+                writer.write_tensor(f"{key}.hessian", r.h.cpu())
+                absmean = (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu()
+                writer.write_tensor(f"{key}.absmean", absmean)
+                rows[key] = r.rows
+            del rec
+            if on_block is not None:
+                on_block(i)
+
+
+__all__ = ["Recording", "capture", "layer_widths", "stats_layout"]

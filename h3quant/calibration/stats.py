@@ -1,0 +1,224 @@
+"""The statistics file: per-linear input second moments of one checkpoint, and its reader.
+
+A safetensors file. For each DiT block linear ``blocks.{i}.{attn.qkv_proj,attn.out_proj,
+mlp.fc1,mlp.fc2}`` (the name without the checkpoint's prefix):
+
+* ``{layer}.hessian``: F32 ``[K, K]``, ``H = X^T X`` summed over every input row the linear saw
+  (every call, every modality: text, audio and video rows alike), in the layer's plain input
+  basis. A format that quantizes in the ConvRot basis uses ``R^T H R`` (``R`` the block-diagonal
+  Hadamard of its group size), computed when the statistics are used, so one file serves every
+  group size;
+* ``{layer}.absmean``: F32 ``[K]``, the mean ``|x|`` of each input channel (activation-aware
+  scaling).
+
+The metadata key ``h3quant.calibration`` holds JSON: ``version``, ``checkpoint`` (the header
+checksum of the checkpoint measured, ``calibration.fingerprint``), ``blocks`` (its block
+count), ``inputs`` (each input's file name, sha256, sigma and, when the file records one, its
+seed), ``rows`` (rows per layer), ``forward`` (``float``: the checkpoint's own weights in float
+math, or the checksum of the checkpoint the forward ran through, ``through``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from h3quant.errors import UsageError
+
+META_KEY = "h3quant.calibration"
+VERSION = 1
+LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+MAX_K = 65536  # an input width beyond any H3 linear: refused from the header
+_KEY_RE = re.compile(r"(?:^|\.)(blocks\.\d+\.(?:attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2))$")
+
+
+def layer_key(name: str) -> str | None:
+    """``blocks.{i}.{linear}`` of a checkpoint layer name (None: not a DiT block linear; the
+    token refiner's blocks are not DiT blocks)."""
+    m = _KEY_RE.search(name)
+    if m is None or name[:m.start(1)].endswith("token_refiner."):
+        return None
+    return m.group(1)
+
+
+def _fail(path, reason: str, tensor: str | None = None) -> UsageError:
+    return UsageError(f"--calibration: {reason}", path=path, tensor=tensor)
+
+
+@dataclass
+class LayerStats:
+    """One linear's statistics; the calibration object a codec's ``encode`` takes.
+
+    ``feedback(x, quantize, convrot=, group_size=)``: the codes of ``x`` (rows in the codec's
+    basis) chosen by GPTQ-class error feedback (``calibration.gptq``) with this layer's Hessian
+    in that basis. The factor of each basis is computed once, under a lock (row chunks of one
+    layer encode on several threads)."""
+
+    key: str
+    k: int
+    rows: int
+    _load: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K, K] plain-basis Hessian
+    absmean: torch.Tensor | None = None
+    _h: torch.Tensor | None = None
+    _factors: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_hessian(cls, key: str, h: torch.Tensor, rows: int,
+                     absmean: torch.Tensor | None = None) -> "LayerStats":
+        h = h.to(torch.float32)
+        return cls(key, int(h.shape[0]), int(rows), None, absmean, h)
+
+    def hessian(self, convrot: bool = False, group_size: int = 256) -> torch.Tensor:
+        """``H`` in the plain basis, or ``R^T H R`` in the ConvRot basis of ``group_size``."""
+        if self._h is None:
+            if self._load is None:
+                raise ValueError(f"{self.key}: statistics without a Hessian")
+            self._h = self._load()
+        if not convrot:
+            return self._h
+        from h3quant.convrot import check_group_size, hadamard
+
+        check_group_size(group_size)
+        k, g = self.k, group_size
+        hg = hadamard(g).to(torch.float64)
+        a = (self._h.to(torch.float64).reshape(k, k // g, g) @ hg).reshape(k, k)  # H R
+        return (a.t().reshape(k, k // g, g) @ hg).reshape(k, k).t()  # R^T H R (R symmetric)
+
+    def factor(self, convrot: bool, group_size: int) -> torch.Tensor:
+        from h3quant.calibration.gptq import inverse_factor
+
+        key = (bool(convrot), int(group_size) if convrot else 0)
+        with self._lock:
+            if key not in self._factors:
+                self._factors[key] = inverse_factor(self.hessian(convrot, group_size))
+            return self._factors[key]
+
+    def feedback(self, x: torch.Tensor, quantize, *, convrot: bool, group_size: int = 256):
+        from h3quant.calibration.gptq import feedback
+
+        return feedback(x, self.factor(convrot, group_size), quantize)
+
+    def predicted_gain_db(self, convrot: bool, group_size: int = 256) -> float:
+        from h3quant.calibration.gptq import damped, gain_from_factor
+
+        u = self.factor(convrot, group_size)  # the factor error feedback uses (cached)
+        trace = float(damped(self.hessian()).diagonal().sum())  # a rotation keeps the trace
+        return gain_from_factor(trace, u)
+
+    def release(self) -> None:
+        """Drop the Hessian and its factors (the layer is done)."""
+        self._h = None
+        self._factors.clear()
+
+
+class Statistics:
+    """An open statistics file (see the module docstring); checked from its header on open."""
+
+    def __init__(self, path: str | os.PathLike):
+        from h3quant.errors import ContainerError
+        from h3quant.formats.container.reader import SafetensorsFile
+
+        self.path = str(path)
+        try:
+            self._fh = SafetensorsFile(path, mmap=False)
+        except ContainerError as exc:
+            raise _fail(path, exc.reason) from None
+        try:
+            self.meta = self._parse_meta()
+            self.layers = self._parse_layers()
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def _parse_meta(self) -> dict:
+        raw = self._fh.metadata.get(META_KEY)
+        if raw is None:
+            raise _fail(self.path, f"no {META_KEY!r} metadata: not a statistics file written by "
+                        "'h3quant capture'")
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise _fail(self.path, f"the {META_KEY!r} metadata is not JSON") from None
+        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+            raise _fail(self.path, f"statistics version {meta.get('version') if isinstance(meta, dict) else '?'}"
+                        f" is not {VERSION}")
+        for key, kind in (("checkpoint", str), ("blocks", int), ("rows", dict), ("inputs", list)):
+            if not isinstance(meta.get(key), kind):
+                raise _fail(self.path, f"metadata field {key!r} is missing or not a {kind.__name__}")
+        return meta
+
+    def _parse_layers(self) -> dict[str, LayerStats]:
+        tensors = self._fh.tensors
+        rows = self.meta["rows"]
+        out: dict[str, LayerStats] = {}
+        for name, info in tensors.items():
+            if not name.endswith(".hessian"):
+                continue
+            key = name[:-len(".hessian")]
+            if layer_key(key) != key:
+                raise _fail(self.path, "not a DiT block linear", name)
+            shape = tuple(info.shape)
+            if info.dtype != "F32" or len(shape) != 2 or shape[0] != shape[1] or not 0 < shape[0] <= MAX_K:
+                raise _fail(self.path, f"hessian is {info.dtype} {list(shape)}; a square F32 "
+                            f"matrix of side 1..{MAX_K} is needed", name)
+            am = tensors.get(key + ".absmean")
+            if am is None or am.dtype != "F32" or tuple(am.shape) != (shape[0],):
+                raise _fail(self.path, f"{key}.absmean is missing or not F32 [{shape[0]}]",
+                            key + ".absmean")
+            n = rows.get(key)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise _fail(self.path, f"metadata rows of {key} is {n!r}; a count is needed", name)
+            out[key] = LayerStats(key, shape[0], n, _load=self._reader(name))
+        extra = sorted(set(tensors) - {f"{k}.{s}" for k in out for s in ("hessian", "absmean")})
+        if extra:
+            raise _fail(self.path, "unexpected tensor (a statistics file holds only "
+                        "{layer}.hessian and {layer}.absmean)", extra[0])
+        if not out:
+            raise _fail(self.path, "the file holds no layer statistics")
+        return out
+
+    def _reader(self, name: str):
+        info = self._fh.tensors[name]
+        lock = threading.Lock()
+
+        def load() -> torch.Tensor:
+            with lock:
+                t = self._fh.read(info).float()
+            if not bool(torch.isfinite(t).all()):
+                raise _fail(self.path, "holds non-finite values", name)
+            return t
+        return load
+
+    def absmean(self, key: str) -> torch.Tensor:
+        return self._fh.read(self._fh.tensors[key + ".absmean"]).float()
+
+    def layer(self, name: str) -> LayerStats | None:
+        """The statistics of checkpoint layer ``name`` (any prefix), None when the file has none."""
+        key = layer_key(name)
+        return self.layers.get(key) if key else None
+
+    def check_checkpoint(self, fingerprint: str, what: str = "the input") -> None:
+        """Refuse statistics measured on another checkpoint (header checksums differ)."""
+        if self.meta["checkpoint"] != fingerprint:
+            raise _fail(self.path, f"the statistics were measured on another checkpoint "
+                        f"({self.meta['checkpoint'][:19]}..., {what} is {fingerprint[:19]}...); "
+                        "capture them on this checkpoint ('h3quant capture')")
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "Statistics":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["LINEARS", "META_KEY", "VERSION", "LayerStats", "Statistics", "layer_key"]

@@ -1,0 +1,97 @@
+"""``h3quant capture``: per-linear input statistics for calibrated conversion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from h3quant.cli.common import (
+    device_callback,
+    emit_json,
+    finite_float,
+    format_table,
+    guard,
+    handle_errors,
+    log,
+    progress_enabled,
+)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.option("--inputs", "inputs", multiple=True, required=True,
+              type=click.Path(path_type=Path),
+              help="An inputs file (video, audio and text latents, optional sigma: the file "
+                   "'verify --model --inputs' reads, as the recorder writes one per sampler "
+                   "step). Repeat for every call to measure; each holds its hidden state "
+                   "during the run.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="The statistics file to write (safetensors; about 4 x K^2 bytes per "
+                   "linear: ~1.2 GB per block at H3's full width).")
+@click.option("--sigma", type=finite_float(1e-6, 1.0), default=0.6, show_default=True,
+              help="Noise level of inputs files that record none.")
+@click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
+              help="Where the forward and the accumulation run: cpu, cuda, cuda:N, mps, npu "
+                   "(fp32 math everywhere).")
+@click.option("--through", type=click.Path(path_type=Path), default=None,
+              help="Run the forward through this checkpoint instead (an uncalibrated "
+                   "conversion of CKPT, on the device's runtime path): each block is then "
+                   "measured on the inputs the quantized blocks before it produce. The "
+                   "statistics still belong to CKPT.")
+@click.option("--group-size", type=click.IntRange(4, 1024), default=256, show_default=True,
+              help="ConvRot group size of the predicted gain's rotated basis.")
+@click.option("--no-predict", is_flag=True,
+              help="Skip the predicted gains (a Cholesky factorisation per layer and basis).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars and no summary table.")
+@handle_errors
+def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, overwrite,
+            as_json, quiet):
+    """Measure CKPT's DiT block linears on your own inputs, for 'convert --calibration'.
+
+    Runs the H3 forward block by block over every --inputs file and records, for each block
+    linear (qkv_proj, out_proj, fc1, fc2), the second moment H = X^T X of its inputs over
+    every row it saw (text, audio and video; every step) and each input channel's mean
+    magnitude. Memory holds one block's statistics plus the inputs' hidden states; the file
+    is written one block at a time and appears only when complete. It records CKPT's header
+    checksum: convert refuses it for any other checkpoint.
+
+    Prints, per layer, the predicted gain of calibrated rounding over rounding to nearest
+    (from the statistics alone; 'plain' for int8, 'convrotG' for int8-convrot and w4a8), so
+    you can see whether the conversion is worth its time. Layers that saw fewer rows than
+    their input width are warned about: convert rounds them to nearest.
+
+    \b
+    Examples:
+      h3quant capture h3.safetensors --inputs steps/*.safetensors --out h3.stats
+      h3quant capture h3.safetensors --inputs a.safetensors --inputs b.safetensors \\
+          --out h3.stats --device cuda
+      h3quant capture h3.safetensors --through h3_w4a8.safetensors \\
+          --inputs steps/*.safetensors --out h3_seq.stats     # quantized-block inputs
+      h3quant convert h3.safetensors h3_w4a8.safetensors --to w4a8 --calibration h3.stats
+    """
+    from h3quant.pipelines.capture import capture_statistics
+
+    result = guard("capture", capture_statistics, ckpt, list(inputs), out, sigma=sigma,
+                   device=device, through=through, overwrite=overwrite,
+                   predict=not no_predict, group_size=group_size,
+                   progress=progress_enabled(quiet), log=log)
+    for w in result.warnings:
+        log(f"warning: {w}")
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    if quiet:
+        return
+    log(f"wrote {out}: {len(result.widths)} linears of {result.blocks} blocks, "
+        f"{len(result.inputs)} input(s), {result.rows:,} rows per linear, "
+        f"{result.seconds:.1f} s")
+    if result.gains:
+        bases = sorted({b for g in result.gains.values() for b in g})
+        rows = [[k, result.widths[k]] + [f"{g.get(b, float('nan')):.1f}" for b in bases]
+                for k, g in result.gains.items()]
+        click.echo("predicted gain of calibrated rounding over round-to-nearest (dB, output "
+                   "error, from the statistics alone):")
+        click.echo(format_table(["layer", "K"] + bases, rows, right=set(range(1, 2 + len(bases)))))

@@ -1,0 +1,73 @@
+"""``awq_w4a16``: the codec. Reads, checks and decodes; writing needs calibration statistics."""
+
+from __future__ import annotations
+
+from h3quant.errors import UnsupportedError
+from h3quant.formats.awq_w4a16.spec import REFUSAL, SPEC
+from h3quant.formats.codec import Codec
+
+
+def _g(fields) -> int:
+    return int((fields or {}).get("group_size", 64))
+
+
+class AWQW4A16Codec(Codec):
+    decodes = True  # the runtime runs it through decode_weight (kitchen's W4A16 math)
+
+    def source_tensors(self, fields, tensors):
+        return ["weight"], ["weight_scale", "weight_zeros"]
+
+    def row_views(self, whole, fields):
+        """The stored ``[K/G, N]`` scales and zeros as ``[N, K/G]`` views: row r is column r."""
+        return {"scale_rows": whole["weight_scale"].t(), "zero_rows": whole["weight_zeros"].t()}
+
+    def decode_rows(self, rows, whole, fields):
+        import torch
+
+        from h3quant.formats.awq_w4a16.tensors import decode_awq
+
+        q = rows["weight"].view(torch.int8)
+        if "scale_rows" in rows:
+            s, z = rows["scale_rows"], rows["zero_rows"]
+        else:  # the whole layer
+            s, z = whole["weight_scale"].t(), whole["weight_zeros"].t()
+        return decode_awq(q, s, z, _g(fields))
+
+    def decode_weight(self, tensors, fields, dtype):
+        """comfy-kitchen's dequantize in ``dtype``: (q - 8) * scale + zero."""
+        import torch
+
+        from h3quant.formats.awq_w4a16.tensors import decode_awq
+
+        return decode_awq(tensors["weight"].view(torch.int8), tensors["weight_scale"].t(),
+                          tensors["weight_zeros"].t(), _g(fields), dtype=dtype)
+
+    def int8_grid(self, tensors, fields):
+        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
+        from h3quant.errors import UnsupportedError
+
+        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
+                               "them through their float decode (dequant)", code="Q105")
+
+    calibrates = True
+    chunked = False  # written whole: its scales are stored [K/G, N], not by row
+    unrowed_outputs = ("weight_scale", "weight_zeros")
+    sampled_by_column = ("weight_scale", "weight_zeros")  # report samples: their rows, [n, K/G]
+
+    def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is None:
+            raise UnsupportedError(REFUSAL, code="Q105")
+        from h3quant.formats.awq_w4a16.encoder import encode_awq_w4a16
+
+        t = encode_awq_w4a16(w, calibration, group_size=_g(marker))
+        return {"weight": t["qweight"], "weight_scale": t["wscales"], "weight_zeros": t["wzeros"]}
+
+    def report_grid(self, out, marker):
+        from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16
+
+        t = {"qweight": out["weight"], "wscales": out["weight_scale"].t(),  # sampled as rows
+             "wzeros": out["weight_zeros"].t()}
+        return decode_awq_w4a16(t, _g(marker)), None
+
+
+CODEC = AWQW4A16Codec(SPEC)

@@ -1,0 +1,131 @@
+"""AWQ W4A16 (``awq_w4a16``) as data: wire name, marker fields, tensors, header rules.
+
+Facts (docs/FORMATS.md, awq_w4a16): comfy-kitchen 0.2.40 ``tensor/awq_w4a16.py`` (the layout
+ComfyUI loads for ``awq_w4a16``): weight int8 [N, K/2] with unsigned 4-bit codes (even column
+low), ``weight_scale`` and ``weight_zeros`` [K/G, N] in the compute dtype (fp16 / bf16), group
+size ``G`` 64 unless the marker's ``group_size`` says otherwise; kitchen has no quantizer (the
+format needs calibration).
+"""
+
+from __future__ import annotations
+
+from h3quant.formats.spec import (BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+                                  shape_of)
+
+NAME = "awq_w4a16"
+SCALE_DTYPES = ("F16", "BF16", "F32")
+BITS_PER_WEIGHT = 4.0  # plus two 16-bit values per group of G
+REFUSAL = ("awq_w4a16 is written from activation statistics (AWQ calibration); h3quant can read, "
+           "check, decode and convert from it, but writing it needs calibration data")
+
+
+def _group(fields: dict, k: int) -> int | None:
+    g = fields.get("group_size", 64)
+    ok = isinstance(g, int) and not isinstance(g, bool) and g > 0 and k % g == 0
+    return g if ok else None
+
+
+def _group_rules(k: int, fields: dict, tensors: dict) -> list[Violation]:
+    out = []
+    if _group(fields, k) is None:
+        out.append(Violation("Q123", f"group_size {fields.get('group_size', 64)!r} does not "
+                             f"divide K={k}"))
+    s, z = tensors.get("weight_scale"), tensors.get("weight_zeros")
+    if s is not None and z is not None and s.dtype != z.dtype:
+        out.append(Violation("Q123", f"weight_zeros is {z.dtype} but weight_scale is {s.dtype}; "
+                             "they share the compute dtype", "weight_zeros"))
+    return out
+
+
+def rules(fields: dict, tensors: dict) -> list[Violation]:
+    """Every header rule of one awq_w4a16 layer."""
+    out: list[Violation] = []
+    w = tensors.get("weight")
+    if w is None:
+        return [Violation("Q101", "awq_w4a16 layer has no weight (expected I8 [N, K/2])")]
+    if w.dtype != "I8":
+        out.append(Violation("Q102", f"weight is {w.dtype}, expected I8 (two uint4 codes per byte)"))
+    if len(shape_of(w)) != 2:
+        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D I8 "
+                                "[N, K/2]")]
+    n, k = shape_of(w)[0], 2 * shape_of(w)[1]
+    g = _group(fields, k)
+    for suffix in ("weight_scale", "weight_zeros"):
+        t = tensors.get(suffix)
+        if t is None:
+            out.append(Violation("Q101", f"awq_w4a16 layer has no {suffix} (expected F16/BF16 "
+                                 "[K/G, N])", suffix))
+            continue
+        if t.dtype not in SCALE_DTYPES:
+            out.append(Violation("Q102", f"{suffix} is {t.dtype}, expected F16/BF16 [K/G, N]",
+                                 suffix))
+        if g is not None and shape_of(t) != (k // g, n):
+            out.append(Violation("Q103", f"{suffix} is {list(shape_of(t))}, expected [K/G, N] = "
+                                 f"[{k // g}, {n}]", suffix))
+    out.extend(_group_rules(k, fields, tensors))
+    b = tensors.get("bias")
+    if b is not None and (b.dtype not in ("F32", "F16", "BF16") or shape_of(b) != (n,)):
+        out.append(Violation("Q103", f"bias is {b.dtype} {list(shape_of(b))}, expected a float "
+                             f"[{n}]", "bias"))
+    return out
+
+
+def _grouped(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
+    g = _group(f, k)
+    return [(k // g, n)] if g else []
+
+
+class AWQW4A16Spec(FormatSpec):
+    """awq_w4a16's header rules."""
+
+    def describe(self, fields):
+        return f"{NAME} G={(fields or {}).get('group_size', 64)}"
+
+    def marker(self, target, group_size):
+        return {"format": NAME, "group_size": 64}
+
+    def same_target(self, layer, fields, marker):
+        return fields["format"] == NAME and fields.get("group_size") == marker.get("group_size")
+
+    def planned(self, n, k, marker):
+        g = marker.get("group_size", 64)
+        return {"weight": ("I8", (n, k // 2)), "weight_scale": ("BF16", (k // g, n)),
+                "weight_zeros": ("BF16", (k // g, n))}
+
+    def layer_violations(self, fields, tensors):
+        return rules(fields, tensors)
+
+    def skip_shape(self, suffix, layer):
+        w = layer.weight
+        return suffix in ("weight_scale", "weight_zeros") and (
+            w is None or _group(layer.fields or {}, 2 * w.shape[1]) is None)
+
+    def extra_findings(self, layer, add):
+        w = layer.weight
+        if w is None or len(w.shape) != 2:
+            return
+        for v in _group_rules(2 * w.shape[1], layer.fields or {}, layer.tensors):
+            add(v.code, v.message, v.suffix)
+
+
+SPEC = AWQW4A16Spec(
+    name=NAME,
+    description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
+    tensors=(
+        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                   "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
+        TensorSpec("weight_scale", SCALE_DTYPES, _grouped, "[K/G, N]"),
+        TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
+        BIAS,
+    ),
+    targets=(Target("awq-w4a16", NAME, False,
+                    "AWQ W4A16 (needs calibration statistics; refused without them)"),),
+    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=12.0),
+    marker_defaults={"group_size": 64},
+    runtime_tensors=("weight", "weight_scale", "weight_zeros"),
+    runtime_required=("weight", "weight_scale", "weight_zeros"),
+    deep_scales=("weight_scale",),
+    packed=True,
+    weight_bits=4,
+    write_refusal=REFUSAL,
+)

@@ -1,0 +1,142 @@
+"""INT4 ConvRot (``convrot_w4a4``) as data: wire name, marker fields, tensors, header rules.
+
+Facts (docs/FORMATS.md, convrot_w4a4): ComfyUI ``comfy/quant_ops.py`` registers
+``convrot_w4a4`` with storage int8 and parameter ``weight_scale``; its loader reads the marker's
+``convrot_groupsize`` (default 256) and ``linear_dtype`` (``int4`` or ``int8``, default ``int4``)
+and fixes ``quant_group_size`` at 64 (not serialized); comfy-kitchen 0.2.40
+``tensor/convrot_w4a4.py`` packs signed codes in [-7, 7] two per byte and keeps one fp32
+scale per row.
+"""
+
+from __future__ import annotations
+
+from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.spec import (BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+                                  shape_of)
+
+NAME = "convrot_w4a4"
+QUANT_GROUP = 64
+LINEAR_DTYPES = ("int4", "int8")
+BITS_PER_WEIGHT = 4.0  # plus one fp32 scale per row
+
+
+def marker(group_size: int = 256) -> dict:
+    """The canonical marker h3quant writes (key order is part of the bytes)."""
+    return {"format": NAME, "convrot_groupsize": int(group_size)}
+
+
+def k_error(k: int, g) -> str | None:
+    if not isinstance(g, int) or isinstance(g, bool) or not is_valid_group_size(g):
+        return f"convrot_groupsize {g!r} is not a power of 4 (4, 16, 64, 256, 1024)"
+    if k % g:
+        return f"K={k} is not divisible by convrot_groupsize {g}"
+    return None
+
+
+def _kernel_errors(k: int, fields: dict) -> list[Violation]:
+    out = []
+    qg = fields.get("quant_group_size", QUANT_GROUP)
+    if qg != QUANT_GROUP or k % QUANT_GROUP:
+        out.append(Violation("Q121", f"the int4 kernel needs quant_group_size {QUANT_GROUP} and K "
+                             f"divisible by it (quant_group_size {qg!r}, K={k})"))
+    ld = fields.get("linear_dtype", "int4")
+    if ld not in LINEAR_DTYPES:
+        out.append(Violation("Q122", f"linear_dtype {ld!r} is neither 'int4' nor 'int8'"))
+    return out
+
+
+def rules(fields: dict, tensors: dict) -> list[Violation]:
+    """Every header rule of one convrot_w4a4 layer (what convert and the runtime refuse by)."""
+    out: list[Violation] = []
+    w = tensors.get("weight")
+    if w is None:
+        return [Violation("Q101", "convrot_w4a4 layer has no weight (expected I8 [N, K/2])")]
+    if w.dtype != "I8":
+        out.append(Violation("Q102", f"weight is {w.dtype}, expected I8 (two int4 codes per byte)"))
+    if len(shape_of(w)) != 2:
+        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D I8 "
+                                "[N, K/2]")]
+    n, k = shape_of(w)[0], 2 * shape_of(w)[1]
+    s = tensors.get("weight_scale")
+    if s is None:
+        out.append(Violation("Q101", "convrot_w4a4 layer has no weight_scale (expected F32 [N])",
+                             "weight_scale"))
+    else:
+        if s.dtype != "F32":
+            out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32 [N]",
+                                 "weight_scale"))
+        if shape_of(s) not in ((n,), (n, 1)):
+            out.append(Violation("Q103", f"weight_scale is {list(shape_of(s))}, expected [{n}] "
+                                 "(one scale per row)", "weight_scale"))
+    why = k_error(k, fields.get("convrot_groupsize", 256))
+    if why:
+        out.append(Violation("Q104", why))
+    out.extend(_kernel_errors(k, fields))
+    b = tensors.get("bias")
+    if b is not None and (b.dtype not in ("F32", "F16", "BF16") or shape_of(b) != (n,)):
+        out.append(Violation("Q103", f"bias is {b.dtype} {list(shape_of(b))}, expected a float "
+                             f"[{n}]", "bias"))
+    return out
+
+
+class ConvRotW4A4Spec(FormatSpec):
+    """convrot_w4a4's header rules."""
+
+    def describe(self, fields):
+        f = fields or {}
+        text = f"{NAME} g={f.get('convrot_groupsize', 256)}"
+        return text + (" linear=int8" if f.get("linear_dtype") == "int8" else "")
+
+    def marker(self, target, group_size):
+        return marker(group_size)
+
+    def same_target(self, layer, fields, marker):
+        return (fields["format"] == NAME
+                and fields.get("convrot_groupsize") == marker["convrot_groupsize"]
+                and fields.get("linear_dtype", "int4") == marker.get("linear_dtype", "int4"))
+
+    def skip_reason(self, k, marker):
+        why = k_error(k, marker["convrot_groupsize"])
+        if why is None and k % QUANT_GROUP:
+            why = f"K={k} is not divisible by the int4 kernel's group size {QUANT_GROUP}"
+        return why
+
+    def planned(self, n, k, marker):
+        return {"weight": ("I8", (n, k // 2)), "weight_scale": ("F32", (n,))}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        return ("I8" if suffix == "weight" and dtype == "U8" else dtype), shape
+
+    def layer_violations(self, fields, tensors):
+        return rules(fields, tensors)
+
+    def extra_findings(self, layer, add):
+        w = layer.weight
+        if w is None or len(w.shape) != 2:
+            return
+        for v in _kernel_errors(2 * w.shape[1], layer.fields or {}):
+            add(v.code, v.message, v.suffix)
+
+
+SPEC = ConvRotW4A4Spec(
+    name=NAME,
+    description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
+    tensors=(
+        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                   "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
+        TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,), (n, 1)],
+                   "[N] (one scale per row)"),
+        BIAS,
+    ),
+    targets=(Target("int4-convrot", NAME, True,
+                    "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
+    verify=VerifyLimits(rel_err=0.3, block_sqnr_db=6.0),
+    marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
+    runtime_tensors=("weight", "weight_scale"),
+    runtime_required=("weight", "weight_scale"),
+    deep_scales=("weight_scale",),
+    always_convrot=True,
+    convrot_rules=True,
+    packed=True,
+    weight_bits=4,
+)

@@ -1,0 +1,123 @@
+"""nvfp4 as data: wire name, marker fields, tensor set, and its header rules (torch-free).
+
+Facts (docs/FORMATS.md, nvfp4): ComfyUI ``comfy/quant_ops.py`` registers ``nvfp4`` with storage
+uint8, parameters ``weight_scale``, ``weight_scale_2``, ``input_scale``, ``pre_quant_scale`` and
+group size 16; comfy-kitchen 0.2.40 ``tensor/nvfp4.py`` pads the weight to 16 x 16, packs two
+e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4 layout.
+"""
+
+from __future__ import annotations
+
+from h3quant.formats.spec import (BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
+                                  Violation, scalar, shape_of)
+
+NAME = "nvfp4"
+BLOCK = 16
+BITS_PER_WEIGHT = 4 + 8 / BLOCK  # codes + one e4m3 scale per 16 (the tensor scale aside)
+
+
+def roundup(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def scale_shape(np_: int, kp: int) -> tuple[int, int]:
+    """The blocked block-scale shape of a padded ``[np_, kp]`` weight."""
+    return roundup(np_, 128), roundup(kp // BLOCK, 4)
+
+
+def _scale_shapes(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
+    return [scale_shape(roundup(n, BLOCK), roundup(k, BLOCK))]
+
+
+def rules(fields: dict, tensors: dict) -> list[Violation]:
+    """Every header rule of one nvfp4 layer (what convert and the runtime refuse by)."""
+    out: list[Violation] = []
+    w = tensors.get("weight")
+    if w is None:
+        return [Violation("Q101", "nvfp4 layer has no weight (expected U8 [Np, Kp/2])")]
+    if w.dtype != "U8":
+        out.append(Violation("Q102", f"weight is {w.dtype}, expected U8 (two e2m1 codes per byte)"))
+    if len(shape_of(w)) != 2:
+        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D U8 "
+                                "[Np, Kp/2]")]
+    np_, kp = shape_of(w)[0], 2 * shape_of(w)[1]
+    if np_ % BLOCK or kp % BLOCK:
+        out.append(Violation("Q120", padded_message(np_, kp)))
+    for ts in SPEC.tensors[1:]:
+        t = tensors.get(ts.suffix)
+        if t is None:
+            if ts.required:
+                out.append(Violation("Q101", f"nvfp4 layer has no {ts.suffix} (expected "
+                                     f"{ts.describe()})", ts.suffix))
+            continue
+        if t.dtype not in ts.dtypes:
+            out.append(Violation("Q102", f"{ts.suffix} is {t.dtype}, expected {ts.describe()}",
+                                 ts.suffix))
+        if ts.shapes is not None and shape_of(t) not in ts.shapes(np_, kp, fields):
+            out.append(Violation("Q103", f"{ts.suffix} is {list(shape_of(t))}, expected "
+                                 f"{ts.shape_text} = {list(ts.shapes(np_, kp, fields)[0])} for a "
+                                 f"[{np_}, {kp}] weight", ts.suffix))
+    return out
+
+
+def padded_message(np_: int, kp: int) -> str:
+    return (f"weight [{np_}, {kp // 2}] holds [{np_}, {kp}] codes; nvfp4 pads rows and columns "
+            f"to multiples of {BLOCK} (expected [{roundup(np_, BLOCK)}, {roundup(kp, BLOCK) // 2}])")
+
+
+class NVFP4Spec(FormatSpec):
+    """nvfp4's header rules."""
+
+    def marker(self, target, group_size):
+        return {"format": NAME}
+
+    def same_target(self, layer, fields, marker):
+        return fields["format"] == NAME
+
+    def skip_reason(self, k, marker):
+        if k % BLOCK:
+            return f"K={k} is not a multiple of {BLOCK} (nvfp4 would pad it)"
+        return None
+
+    def planned(self, n, k, marker):
+        np_, kp = roundup(n, BLOCK), roundup(k, BLOCK)
+        return {"weight": ("U8", (np_, kp // 2)), "weight_scale": ("F8_E4M3", scale_shape(np_, kp)),
+                "weight_scale_2": ("F32", ())}
+
+    def keep_declared(self, suffix, dtype, shape, n):
+        return dtype, (() if suffix == "weight_scale_2" else shape)
+
+    def layer_violations(self, fields, tensors):
+        return rules(fields, tensors)
+
+    def extra_findings(self, layer, add):
+        w = layer.weight
+        if w is not None and len(w.shape) == 2 and (w.shape[0] % BLOCK or (2 * w.shape[1]) % BLOCK):
+            add("Q120", padded_message(w.shape[0], 2 * w.shape[1]))
+
+
+SPEC = NVFP4Spec(
+    name=NAME,
+    description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
+                "tensor scale",
+    tensors=(
+        TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)],
+                   "[Np, Kp/2] (N, K rounded up to 16; two codes per byte)"),
+        TensorSpec("weight_scale", ("F8_E4M3",), _scale_shapes,
+                   "[roundup(Np, 128), roundup(Kp/16, 4)] (cuBLAS blocked 128 x 4)"),
+        TensorSpec("weight_scale_2", ("F32",), scalar, "[] (fp32 tensor scale)"),
+        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+        TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
+        BIAS,
+    ),
+    targets=(Target("nvfp4", NAME, False,
+                    "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
+    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=12.0),
+    runtime_tensors=("weight", "weight_scale", "weight_scale_2"),
+    runtime_required=("weight", "weight_scale", "weight_scale_2"),
+    deep_scales=("weight_scale_2",),
+    chunked=False,  # the tensor scale is the whole layer's amax
+    unrowed_outputs=("weight_scale", "weight_scale_2"),
+    packed=True,
+    weight_bits=4,
+)

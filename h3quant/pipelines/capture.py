@@ -1,0 +1,168 @@
+"""``capture``: per-linear input statistics of a checkpoint over the user's own inputs.
+
+    result = capture_statistics("h3.safetensors", ["step0.safetensors", ...], "h3.stats")
+
+Each ``--inputs`` file (``pipelines.inputs_file``: video, audio and text latents, optional
+sigma) is one call of the model; the forward runs block by block over all of them
+(``calibration.capture``) and the statistics file (``calibration.stats``) is written atomically.
+Every input is checked from its header before any work; the output may not name an input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3quant.errors import UsageError
+
+MAX_INPUTS = 4096  # calls per capture (each one holds its hidden state during the run)
+
+
+@dataclass
+class CaptureResult:
+    out: str
+    checkpoint: str  # header checksum
+    blocks: int
+    inputs: list[dict]
+    rows: int  # rows every layer saw
+    widths: dict[str, int]
+    forward: str
+    seconds: float
+    gains: dict[str, dict[str, float]] = field(default_factory=dict)  # layer -> basis -> dB
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "checkpoint": self.checkpoint, "blocks": self.blocks,
+                "inputs": self.inputs, "rows_per_layer": self.rows, "forward": self.forward,
+                "seconds": round(self.seconds, 3), "predicted_gain_db": self.gains,
+                "warnings": self.warnings}
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_inputs(paths, sigma: float) -> list[dict]:
+    """Each inputs file's name, checksum, sigma and recorded seed (checked from its header)."""
+    from h3quant.formats.container.reader import SafetensorsFile
+    from h3quant.pipelines.inputs_file import load_sigma, read_header
+
+    if not paths:
+        raise UsageError("capture needs at least one --inputs file")
+    if len(paths) > MAX_INPUTS:
+        raise UsageError(f"{len(paths)} --inputs files; the limit is {MAX_INPUTS}")
+    out = []
+    for p in paths:
+        dims = read_header(p)
+        own = load_sigma(p)
+        with SafetensorsFile(p, mmap=False) as fh:
+            seed = fh.metadata.get("seed")
+        item = {"file": os.path.basename(p), "sha256": _sha256(p),
+                "sigma": own if own is not None else sigma, **dims}
+        if seed is not None:
+            item["seed"] = seed
+        out.append(item)
+    return out
+
+
+def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, *,
+                       sigma: float = 0.6, device: str = "cpu", through=None,
+                       overwrite: bool = False, predict: bool = True, group_size: int = 256,
+                       progress: bool = False, log=None) -> CaptureResult:
+    """Capture the statistics of ``ckpt``'s DiT block linears over ``inputs`` into ``out``.
+
+    ``through``: run the forward on this checkpoint instead (an already-quantized conversion of
+    ``ckpt``, on the device's runtime path): each block's statistics then come from the inputs
+    the quantized blocks before it produce. ``predict``: the predicted gain of calibrated
+    rounding per layer (plain basis and ConvRot ``group_size``), from the statistics alone."""
+    from tqdm import tqdm
+
+    from h3quant.calibration.capture import capture, layer_widths
+    from h3quant.calibration.fingerprint import checkpoint_fingerprint
+    from h3quant.calibration.stats import VERSION
+    from h3quant.formats.container.atomic import Outputs
+    from h3quant.formats.container.checkpoint import Checkpoint
+    from h3quant.pipelines.inputs_file import load_tensors
+    from h3quant.pipelines.convert.plan import input_paths
+    from h3quant.runtime.model.model import H3Model
+
+    log = log or (lambda msg: None)
+    if not 0.0 < sigma <= 1.0:
+        raise UsageError(f"--sigma must be in (0, 1], got {sigma}")
+    t0 = time.perf_counter()
+    described = describe_inputs([str(p) for p in inputs], sigma)
+    fp = checkpoint_fingerprint(ckpt)
+    with Checkpoint(ckpt) as c:
+        read = input_paths(c, Path(ckpt))
+    if through is not None:
+        with Checkpoint(through) as c:
+            read += input_paths(c, Path(through))
+    read += [Path(p) for p in inputs]
+    with H3Model.open(ckpt, "cpu", linear="reference") as own:
+        widths = layer_widths(own)
+        blocks = len(own.blocks)
+    forward = "float" if through is None else checkpoint_fingerprint(through)
+    with Outputs(inputs=read, overwrite=overwrite, log=log) as outs, \
+            H3Model.open(through or ckpt, device,
+                         linear="runtime" if through is not None else "reference") as model:
+        if through is not None and layer_widths(model) != widths:
+            raise UsageError("--through: its blocks do not have the checkpoint's linears and "
+                             "widths", path=through)
+        staged = outs.add(out, what="statistics")
+
+        def calls():
+            for p, item in zip(inputs, described):
+                v, a, t = load_tensors(p, model.video_channels, model.audio_channels,
+                                       model.text_dim)
+                yield v, a, t, float(item["sigma"])
+
+        meta = {"version": VERSION, "checkpoint": fp, "blocks": blocks, "inputs": described,
+                "forward": forward}
+        bar = tqdm(total=blocks * len(described), unit="call", desc="capture", leave=False,
+                   disable=not progress)
+        try:
+            rows = capture(model, calls(), staged, meta, widths, on_call=lambda: bar.update(1))
+        finally:
+            bar.close()
+    result = CaptureResult(str(out), fp, blocks, described, next(iter(rows.values())), widths,
+                           forward, time.perf_counter() - t0)
+    small = sorted(k for k, w in widths.items() if result.rows < w)
+    if small:
+        result.warnings.append(
+            f"{len(small)} layer(s) saw fewer rows ({result.rows}) than their input width K "
+            f"(e.g. {small[0]}, K={widths[small[0]]}): their Hessian is singular and 'convert "
+            "--calibration' rounds them to nearest; record more steps or larger latents")
+    if predict:
+        result.gains = predicted_gains(out, group_size, progress=progress)
+    return result
+
+
+def predicted_gains(stats_path, group_size: int = 256, *, progress: bool = False
+                    ) -> dict[str, dict[str, float]]:
+    """Predicted gain (dB) of calibrated rounding per layer, in the plain basis (int8) and the
+    ConvRot basis (int8-convrot, w4a8), from the statistics alone (``calibration.gptq``)."""
+    from tqdm import tqdm
+
+    from h3quant.calibration.stats import Statistics
+
+    gains: dict[str, dict[str, float]] = {}
+    with Statistics(stats_path) as st:
+        order = sorted(st.layers, key=lambda k: (int(k.split(".")[1]), k))
+        for key in tqdm(order, desc="predict", leave=False, disable=not progress):
+            lay = st.layers[key]
+            g = {"plain": round(lay.predicted_gain_db(False), 2)}
+            if lay.k % group_size == 0:
+                g[f"convrot{group_size}"] = round(lay.predicted_gain_db(True, group_size), 2)
+            gains[key] = g
+            lay.release()
+    return gains
+
+
+__all__ = ["CaptureResult", "capture_statistics", "describe_inputs", "predicted_gains"]

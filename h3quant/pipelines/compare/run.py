@@ -1,0 +1,224 @@
+"""``compare_files``: the card of several files against one reference (see the package
+docstring and docs/compare.md)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from h3quant.errors import VerifyError
+from h3quant.pipelines.compare.card import BlockDrift, CompareResult, FileCard, Metric, StepDrift
+from h3quant.pipelines.compare.card import rank as rank_cards
+from h3quant.pipelines.compare.facts import FileFacts, file_facts, pick_reference
+from h3quant.pipelines.compare.reference import Dims, ReferenceRun
+from h3quant.pipelines.compare.sampler import euler
+from h3quant.pipelines.compare.sources import forward_path
+from h3quant.pipelines.metrics import error_metrics
+from h3quant.pipelines.verify.model import ModelInputs
+from h3quant.runtime.probe import Probe
+
+MAX_FILES = 256
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _no_progress(desc: str, total: int | None, unit: str):
+    return _NoBar()
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    inputs: ModelInputs = field(default_factory=ModelInputs)
+    sigmas: tuple[float, ...] | None = None  # the sampling run's schedule; None: no sampling run
+    device: str = "auto"
+    mmap: bool = True
+    backend: str | None = None
+    probe: Probe | None = None
+
+
+def metric(got: torch.Tensor, want: torch.Tensor, psnr: bool = False) -> Metric:
+    rel, sqnr, cos = error_metrics(got.float().cpu(), want)
+    out = Metric(sqnr, rel, cos)
+    if psnr:
+        g, r = got.double().cpu().flatten(), want.double().flatten()
+        mse = float(((g - r) ** 2).mean())
+        peak = float(r.abs().max()) if r.numel() else 0.0
+        out.psnr_db = math.inf if mse == 0 else (
+            -math.inf if peak == 0 else 10.0 * math.log10(peak * peak / mse))
+    return out
+
+
+def _check_schedule(sigmas):
+    if sigmas is None:
+        return None
+    from h3quant.runtime.model.schedule import check_schedule
+
+    sched = check_schedule(sigmas)
+    if not all(s > 0 for s in sched[:-1]):
+        raise VerifyError("every sigma of the schedule but the last must be > 0")
+    return sched
+
+
+def compare_files(files, *, reference=None, options: CompareOptions | None = None,
+                  progress=None, log=None) -> CompareResult:
+    """The card of ``files`` against ``reference`` (or, without one, the most precise of the
+    files). ``progress(desc, total, unit)`` returns a bar with ``update`` / ``close`` (files,
+    blocks, steps); ``log(message)`` gets human notes. Raises VerifyError / ContainerError
+    naming the file when a run cannot be set up."""
+    from h3quant import __version__
+    from h3quant.runtime.availability import require_device
+
+    opts = options or CompareOptions()
+    progress = progress or _no_progress
+    files = [str(f) for f in files]
+    if not files:
+        raise VerifyError("give at least one file to compare")
+    if len(files) > MAX_FILES:
+        raise VerifyError(f"{len(files)} files: at most {MAX_FILES} per card")
+    sched = _check_schedule(opts.sigmas)
+    facts = [file_facts(f) for f in files]
+    chosen = reference is None
+    if chosen:
+        if len(files) < 2:
+            raise VerifyError("one file and no reference: give the reference (--reference) or "
+                              "at least two files")
+        ref_facts = pick_reference(facts)
+        facts = [f for f in facts if f is not ref_facts]
+    else:
+        ref_facts = file_facts(reference)
+    dev = require_device(opts.device, probe=opts.probe)
+    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    run = {"inputs": {k: v for k, v in vars(opts.inputs).items()}, "seed": opts.inputs.seed,
+           "schedule": sched, "steps": None if sched is None else len(sched) - 1,
+           "device": str(dev), "dtype": str(dtype).replace("torch.", ""),
+           "reference_dtype": "float32 (CPU)", "h3quant_version": __version__,
+           "sampler": "flow-matching Euler (docs/compare.md)"}
+    notes = []
+    if chosen:
+        notes.append(f"no reference given: the most precise file, {ref_facts.path} "
+                     f"({ref_facts.label}), is the reference")
+    with tempfile.TemporaryDirectory(prefix="h3quant-compare-") as work:
+        ref, ref_card = _reference(ref_facts, opts, sched, dev, dtype, work, progress, log)
+        try:
+            cards = []
+            bar = progress("files", len(facts), "file")
+            try:
+                for f in facts:
+                    if log is not None:
+                        log(f"comparing {f.path} ({f.label})")
+                    cards.append(_file_card(f, ref, opts, sched, dev, dtype, work, progress))
+                    bar.update(1)
+            finally:
+                bar.close()
+        finally:
+            ref.close()
+    rank_cards(cards)
+    return CompareResult(ref_card, cards, chosen, run, notes)
+
+
+def _open(path, device, opts, linear="runtime"):
+    from h3quant.runtime.model.model import H3Model
+
+    return H3Model.open(path, device, mmap=opts.mmap, linear=linear,
+                        backend=opts.backend if linear == "runtime" else None, probe=opts.probe)
+
+
+def _reference(facts: FileFacts, opts, sched, dev, dtype, work, progress, log):
+    if log is not None:
+        log(f"reference {facts.path} ({facts.label}): CPU, float32")
+    linear = "reference" if facts.quantized else "runtime"
+    steps = 0 if sched is None else len(sched) - 1
+    with forward_path(facts.path, work) as fp:
+        with _open(fp, "cpu", opts, linear) as model:
+            if model.head_bank > 1 and sched is None:
+                raise VerifyError(f"final_layer holds a bank of {model.head_bank} output heads: "
+                                  "give the sampler's schedule (--steps N or --sigmas)",
+                                  path=facts.path)
+            bar = progress("reference", len(model.blocks) + steps, "block")
+            try:
+                ref = ReferenceRun(model, opts.inputs, sched, work, bar=bar)
+            finally:
+                bar.close()
+        card = FileCard(facts, "reference")
+        card.notes.append("runs on the CPU in float32" +
+                          (" (its quantized weights in float math)" if facts.quantized else ""))
+        if ref.step_seconds:
+            card.step_seconds = sum(ref.step_seconds) / len(ref.step_seconds)
+        if sched is not None and dev.kind != "cpu":  # its time on the compared device
+            with _open(fp, dev, opts, linear) as model:
+                times: list[float] = []
+                v, a, t = opts.inputs.tensors(model.video_channels, model.audio_channels,
+                                              model.text_dim)
+                euler(model, v, a, t, sched, dtype, lambda i, xv, xa, s: times.append(s),
+                      steps=min(2, len(sched) - 1))
+                card.step_seconds = times[-1]
+                card.notes.append(f"time per step on {dev} ({str(dtype).replace('torch.', '')})")
+    return ref, card
+
+
+def _check_dims(model, ref: ReferenceRun, path: str) -> None:
+    got, want = Dims.of(model), ref.dims
+    if got != want:
+        raise VerifyError(f"the file does not match the reference: hidden {got.hidden} vs "
+                          f"{want.hidden}, {len(got.blocks)} vs {len(want.blocks)} blocks, text "
+                          f"width {got.text_dim} vs {want.text_dim}, {got.head_bank} vs "
+                          f"{want.head_bank} output heads", path=path)
+
+
+def _file_card(facts: FileFacts, ref: ReferenceRun, opts, sched, dev, dtype, work,
+               progress) -> FileCard:
+    card = FileCard(facts, "file")
+    with forward_path(facts.path, work) as fp, _open(fp, dev, opts) as model:
+        _check_dims(model, ref, facts.path)
+        video, audio, text = opts.inputs.tensors(model.video_channels, model.audio_channels,
+                                                 model.text_dim)
+        st = model.start(video.to(dtype), audio.to(dtype), text.to(dtype), opts.inputs.sigma,
+                         sigmas=sched)
+        bar = progress("blocks", len(model.blocks), "block")
+        try:
+            for k, i in enumerate(model.blocks):
+                block = model.load_block(i, dtype)
+                x_in = ref.state(k)
+                with torch.no_grad():
+                    local = block(x_in.to(device=model.tdev, dtype=dtype), st.cond)
+                    st.x = block(st.x, st.cond)
+                del block
+                model.release_block(i)
+                want = ref.state(k + 1)
+                # alone: the block's residual update on the reference's input vs the reference's
+                card.drift.append(BlockDrift(i, error_metrics(st.x.float().cpu(), want)[1],
+                                             error_metrics(local.float().cpu() - x_in,
+                                                           want - x_in)[1]))
+                del local, x_in
+                bar.update(1)
+        finally:
+            bar.close()
+        for name, got, want in zip(("video", "audio"), model.finish(st), ref.outputs):
+            card.outputs[name] = metric(got, want)
+        del st
+        if sched is not None:
+            bar = progress("steps", len(sched) - 1, "step")
+
+            def on_step(i, xv, xa, seconds):
+                rv, ra = ref.trajectory[i]
+                card.steps.append(StepDrift(i, sched[i], ref.heads[i], metric(xv, rv).sqnr_db,
+                                            metric(xa, ra).sqnr_db, seconds))
+                bar.update(1)
+
+            try:
+                xv, xa = euler(model, video, audio, text, sched, dtype, on_step)
+            finally:
+                bar.close()
+            rv, ra = ref.trajectory[-1]
+            card.final = {"video": metric(xv, rv, psnr=True), "audio": metric(xa, ra, psnr=True)}
+            card.step_seconds = sum(s.seconds for s in card.steps) / len(card.steps)
+    return card

@@ -1,0 +1,100 @@
+"""``convert --calibration``: each layer's statistics handed to its codec, and what they gave.
+
+The statistics file (``h3quant capture``) must have been measured on the very checkpoint being
+converted (its header checksum); otherwise the run is refused before any work. Per layer:
+
+* a layer the file has no statistics for, or whose target format has no calibrated encoder, is
+  rounded to nearest (noted in the report);
+* a layer that saw fewer input rows than its input width K is rounded to nearest with a warning:
+  its Hessian is singular, and error feedback steered by the damping alone can be worse than
+  rounding (a measured effect, not a precaution);
+* otherwise the codec chooses its scales as always and its codes by error feedback
+  (``calibration.gptq``). The report gives the predicted gain and the measured output SQNR
+  ``10 log10(tr(W H W^T) / tr(E H E^T))`` on the sampled rows, over the calibration inputs'
+  ``H`` and, with ``--calibration-heldout``, over held-out inputs' ``H`` (float activations).
+"""
+
+from __future__ import annotations
+
+from h3quant.errors import FormatError
+
+
+class Calibration:
+    """The open statistics of one conversion (and the held-out ones, when given)."""
+
+    def __init__(self, options, src, log=None):
+        from h3quant.calibration.fingerprint import checkpoint_fingerprint
+        from h3quant.calibration.stats import Statistics
+
+        self.log = log or (lambda msg: None)
+        fp = checkpoint_fingerprint(src)
+        self.stats = Statistics(options.calibration)
+        self.heldout = None
+        try:
+            self.stats.check_checkpoint(fp)
+            if options.calibration_heldout:
+                self.heldout = Statistics(options.calibration_heldout)
+                self.heldout.check_checkpoint(fp)
+        except BaseException:
+            self.close()
+            raise
+        meta = self.stats.meta
+        rows = sorted(set(meta["rows"].values()))
+        self.log(f"calibration: {len(self.stats.layers)} layers' statistics from "
+                 f"{len(meta['inputs'])} input(s), {rows[0] if rows else 0:,} rows per layer, "
+                 f"forward: {meta.get('forward', 'float')}")
+
+    def for_layer(self, lp, codec, marker) -> tuple[object, dict]:
+        """(the layer's ``LayerStats`` or None to round to nearest, its report entry)."""
+        info: dict = {}
+        st = self.stats.layer(lp.name)
+        if st is None:
+            if codec.spec.write_refusal:
+                raise FormatError(f"the statistics have no entry for this layer; {codec.name} is "
+                                  "written from statistics only", tensor=lp.name)
+            info["note"] = "no statistics for this layer: rounded to nearest"
+            return None, info
+        if st.k != lp.k:
+            raise FormatError(f"the statistics hold K={st.k} for this layer, the weight has "
+                              f"K={lp.k}", tensor=lp.name)
+        info["rows"] = st.rows
+        if not codec.calibrates:
+            info["note"] = f"{codec.name} has no calibrated encoder: rounded to nearest"
+            return None, info
+        if st.rows < st.k and codec.spec.write_refusal:  # written from statistics only
+            info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.name} "
+                            "is written from statistics only)")
+            self.log(f"warning: {lp.name}: {info['note']}")
+        elif st.rows < st.k:
+            info["note"] = (f"only {st.rows} rows for K={st.k} (a singular Hessian): rounded to "
+                            "nearest")
+            self.log(f"warning: {lp.name}: {info['note']}")
+            return None, info
+        convrot = codec.uses_convrot(marker)
+        g = int((marker or {}).get("convrot_groupsize", 256))
+        info["basis"] = f"convrot g={g}" if convrot else "plain"
+        info["predicted_gain_db"] = round(st.predicted_gain_db(convrot, g), 2)
+        self.log(f"calibrating {lp.name}: K={st.k}, {st.rows:,} rows, predicted gain "
+                 f"{info['predicted_gain_db']:+.1f} dB")
+        return st, info
+
+    def output_sqnr(self, lp, ref, w_hat) -> dict:
+        """Output SQNR (dB) of the sampled rows over the calibration (and held-out) inputs."""
+        from h3quant.calibration.gptq import output_sqnr_db
+
+        out = {}
+        for name, stats in (("calibration", self.stats), ("heldout", self.heldout)):
+            st = stats.layer(lp.name) if stats is not None else None
+            if st is not None and st.k == ref.shape[1]:
+                out[name] = round(output_sqnr_db(ref, w_hat, st.hessian()), 3)
+                if stats is self.heldout:
+                    st.release()
+        return out
+
+    def close(self) -> None:
+        for s in (self.stats, self.heldout):
+            if s is not None:
+                s.close()
+
+
+__all__ = ["Calibration"]

@@ -1,0 +1,51 @@
+"""Fixtures shared by the test modules: synthetic H3 files made once per test run (the tiny
+preset, BF16 and quantized) and the default small H3 source of the convert tests.
+
+The helpers these build on are plain functions in tests/helpers/ (importable as ``helpers``:
+pytest puts this directory on sys.path because it holds this conftest.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.h3files import quantize_file, small_h3, write
+
+
+@pytest.fixture(scope="session")
+def tp_files(tmp_path_factory) -> dict[str, Path]:
+    """tiny preset, 1 block: BF16 source, int8 ConvRot (canonical and kn layouts) and W4A8,
+    converted by ``convert`` (the tensor-parallel and API tests)."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.synth import synth_checkpoint
+
+    d = tmp_path_factory.mktemp("h3q-tp")
+    bf16 = d / "bf16.safetensors"
+    synth_checkpoint(bf16, preset="tiny", blocks=1)
+    out = {"dir": d, "bf16": bf16}
+    for key, target in (("int8", "int8-convrot"), ("w4a8", "w4a8")):
+        out[key] = d / f"{key}.safetensors"
+        convert(bf16, out[key], ConvertOptions(target=target, report=False))
+    out["kn"] = d / "kn.safetensors"  # the NPU layout: int8 weights stored [K, N]
+    convert(out["int8"], out["kn"], ConvertOptions(layout="npu", report=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_files(tmp_path_factory) -> dict[str, Path]:
+    """tiny preset, 1 block: BF16 and its int8 ConvRot version quantized by the codecs directly
+    (``helpers.h3files.quantize_file``; the loader, block and verify tests)."""
+    from h3quant.synth import synth_checkpoint
+
+    d = tmp_path_factory.mktemp("h3q-verify")
+    bf16 = d / "bf16.safetensors"
+    synth_checkpoint(bf16, preset="tiny", blocks=1)
+    return {"dir": d, "bf16": bf16, "int8": quantize_file(bf16, d / "int8.safetensors")}
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    """A one-block miniature H3 checkpoint (``helpers.h3files.small_h3``) at tmp_path/in.safetensors;
+    modules that need another source define their own ``src``."""
+    return write(tmp_path / "in.safetensors", small_h3(blocks=1))

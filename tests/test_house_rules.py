@@ -1,0 +1,122 @@
+"""The house rules: a format's wire name and a source layout's name appear only in their own
+package (no special case by name anywhere else), and every format package exports its SPEC and
+CODEC through the one registry."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from h3quant.formats import registry
+from h3quant.h3 import layouts
+from h3quant.runtime.tp.plan import TpError
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "h3quant"
+
+
+def _docstrings(tree) -> set[int]:
+    """ids of the docstring nodes (module, class, function): prose may name a format."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def _literals(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every string literal in ``path`` equal to one of ``names``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _docstrings(tree)
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names
+            and id(n) not in skip]
+
+
+def _owner_of_format(name: str) -> Path:
+    spec = registry.spec(name)
+    codec = registry.get(name)
+    mod = type(codec).__module__ if codec is not None else type(spec).__module__
+    return PKG.joinpath(*mod.split(".")[1:-1])
+
+
+def test_wire_names_live_in_their_own_package():
+    wire = {s.name for s in registry.specs() if s.quantized}
+    hits = []
+    for path in sorted(PKG.rglob("*.py")):
+        for line, name in _literals(path, wire):
+            owner = _owner_of_format(name)
+            allowed = [owner, PKG / "formats" / "comfy_known.py"]
+            if not any(path == a or a in path.parents for a in allowed):
+                hits.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")
+    assert not hits, "wire names outside their format's package:\n" + "\n".join(hits)
+
+
+# "diffusers" is also a LoRA key style: the style registry and the LoRA writer own that word;
+# the demo types user commands (``--naming official``) as a user would.
+_LAYOUT_WORD_OWNERS = ("h3/layouts.py", "h3/lora.py", "synth_lora.py", "cli/demo_cmd.py")
+
+
+def test_layout_names_live_in_the_layouts_registry():
+    names = set(layouts.names())
+    own = {PKG / p for p in _LAYOUT_WORD_OWNERS}
+    hits = [f"{p.relative_to(ROOT)}:{line}: {name!r}"
+            for p in sorted(PKG.rglob("*.py")) if p not in own
+            for line, name in _literals(p, names)]
+    assert not hits, "source layout names outside h3/layouts.py:\n" + "\n".join(hits)
+
+
+def test_the_detector_finds_a_planted_name(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Mentions int8_tensorwise in prose: fine."""\n'
+                   'if fmt == "int8_tensorwise":\n    pass\n')
+    assert _literals(bad, {"int8_tensorwise"}) == [(2, "int8_tensorwise")]
+
+
+def test_every_format_package_exports_spec_and_codec():
+    import importlib
+
+    for pkg in sorted(p for p in (PKG / "formats").iterdir()
+                      if (p / "spec.py").is_file()):
+        mod = importlib.import_module(f"h3quant.formats.{pkg.name}")
+        assert registry.spec(mod.SPEC.name) is mod.SPEC, pkg.name
+        assert mod.CODEC is None or mod.CODEC.spec is mod.SPEC, pkg.name
+
+
+# ----------------------------------------------------------------------------- one dispatch
+def test_tp_int32_matmul_comes_from_the_backend_registry(monkeypatch):
+    """The shared-scale matmul is the first backend of the device's preference order that has
+    one: a backend planted at the head of the CPU order is chosen, with no device-kind test."""
+    import torch
+
+    from h3quant.runtime import backends
+    from h3quant.runtime.backends.base import Backend
+    from h3quant.runtime.devices import Device
+    from h3quant.runtime.probe import StaticProbe
+    from h3quant.runtime.tp.linears import int32_matmul_fn
+
+    class Planted(Backend):
+        name = "planted"
+
+        def int32_matmul(self, device, probe):
+            return lambda q_x, w_t: torch.full((q_x.shape[0], w_t.shape[1]), 7, dtype=torch.int32)
+
+    monkeypatch.setitem(backends.BACKENDS, "planted", Planted())
+    monkeypatch.setitem(backends.PREFERENCE, "cpu", ("planted", *backends.PREFERENCE["cpu"]))
+    fn = int32_matmul_fn(Device("cpu"), StaticProbe())
+    q = torch.ones(2, 4, dtype=torch.int8)
+    assert torch.equal(fn(q, q.t()), torch.full((2, 2), 7, dtype=torch.int32))
+    monkeypatch.setitem(backends.PREFERENCE, "cpu", ("dequant",))  # none has an int32 matmul
+    with pytest.raises(TpError, match="no backend offers one"):
+        int32_matmul_fn(Device("cpu"), StaticProbe())
+
+
+def test_tp_int32_matmul_on_npu_is_the_npu_backends():
+    from h3quant.runtime.backends.npu import NpuBackend
+    from h3quant.runtime.devices import Device
+    from h3quant.runtime.probe import StaticProbe
+
+    with pytest.raises(TpError, match="torch_npu is not importable"):
+        NpuBackend().int32_matmul(Device("npu"), StaticProbe())
