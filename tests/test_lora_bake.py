@@ -39,15 +39,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.float64).numpy()
 
 
-def _expected_delta(lora: dict[str, torch.Tensor], strength: float) -> dict[str, np.ndarray]:
-    """ComfyUI layer name -> float64 delta, from the LoRA's keys (written for this test)."""
-    out: dict[str, np.ndarray] = {}
+def _expected_delta(lora: dict[str, torch.Tensor], strength: float) -> dict[str, list]:
+    """ComfyUI layer name -> [(rows, delta)], from the LoRA's keys (written for this test), in
+    ComfyUI's arithmetic (comfy/weight_adapter/lora.py): ``up @ down`` in fp32 times
+    ``strength * alpha / rank``, an fp32 delta per adapter, added to the weight in order."""
+    out: dict[str, list] = {}
 
     def add(layer, rows, value):
-        shape = {"attn.qkv_proj": (CFG.qkv_out, CFG.hidden), "attn.out_proj": (CFG.hidden, CFG.attn_width),
-                 "mlp.fc1": (CFG.fc1_out, CFG.hidden), "mlp.fc2": (CFG.hidden, CFG.ffn)}[layer.split(".", 2)[2]]
-        acc = out.setdefault(layer, np.zeros(shape))
-        acc[rows] += value
+        out.setdefault(layer, []).append((rows, value))
 
     for key in lora:
         for down_sfx, up_sfx in ((".lora_down.weight", ".lora_up.weight"),
@@ -55,10 +54,10 @@ def _expected_delta(lora: dict[str, torch.Tensor], strength: float) -> dict[str,
             if not key.endswith(down_sfx):
                 continue
             module = key[: -len(down_sfx)]
-            a, b = _np(lora[key]), _np(lora[module + up_sfx])
+            a, b = lora[key].float(), lora[module + up_sfx].float()
             rank = a.shape[0]
             alpha = float(lora[module + ".alpha"]) if module + ".alpha" in lora else rank
-            d = strength * (alpha / rank) * (b @ a)
+            d = ((strength * (alpha / rank)) * torch.mm(b, a)).numpy()
             if module.startswith("diffusion_model."):
                 add(module[len("diffusion_model."):], slice(None), d)
             elif module.startswith("lora_unet_blocks_"):
@@ -83,15 +82,22 @@ def _expected_delta(lora: dict[str, torch.Tensor], strength: float) -> dict[str,
     return out
 
 
+def _merged32(weight: torch.Tensor, parts) -> torch.Tensor:
+    """The fp32 weight with each (rows, fp32 delta) added in order (ComfyUI's model patcher)."""
+    w = weight.to(torch.float32, copy=True)
+    for rows, d in parts:
+        w[rows] += torch.from_numpy(np.ascontiguousarray(d))
+    return w
+
+
 def _expected_bf16(base_t, deltas_list):
     want = dict(base_t)
-    total: dict[str, np.ndarray] = {}
+    parts: dict[str, list] = {}
     for deltas in deltas_list:
-        for layer, d in deltas.items():
-            total[layer] = total.get(layer, 0) + d
-    for layer, d in total.items():
-        w = _np(base_t[layer + ".weight"]) + d
-        want[layer + ".weight"] = torch.from_numpy(w).to(torch.bfloat16)
+        for layer, ps in deltas.items():
+            parts.setdefault(layer, []).extend(ps)
+    for layer, ps in parts.items():
+        want[layer + ".weight"] = _merged32(base_t[layer + ".weight"], ps).to(torch.bfloat16)
     return want
 
 
@@ -197,8 +203,9 @@ def test_survival_is_measured_not_assumed(base, tmp_path):
     rep = convert(base, tmp_path / "i.safetensors", ConvertOptions(loras=(lora_path,)))
     rows = {s["layer"]: s for s in rep.to_dict()["lora"]["survival"]}
     want = _expected_delta(load_file(lora_path), 1.0)
-    for layer, d in want.items():
-        assert rows[layer]["delta_norm"] == pytest.approx(np.linalg.norm(d), rel=1e-6)
+    for layer, parts in want.items():
+        dense = sum(np.asarray(d, dtype=np.float64) for _, d in parts)  # one full-rows part each
+        assert rows[layer]["delta_norm"] == pytest.approx(np.linalg.norm(dense), rel=1e-6)
         assert 0.8 < rows[layer]["kept"] < 1.2
 
 
@@ -258,7 +265,7 @@ def test_int8_base_gives_the_codes_of_quantizing_the_merged_decode(base, tmp_pat
                                      orig_shape=tuple(codes.shape), is_weight=True, convrot=True,
                                      convrot_groupsize=64, transposed=False)
         decoded = ck_tensor.QuantizedTensor(codes, "TensorWiseINT8Layout", params).dequantize()
-        merged = torch.from_numpy(_np(decoded.float()) + d).float()
+        merged = _merged32(decoded.float(), d)
         ref = ck_tensor.QuantizedTensor.from_float(merged, "TensorWiseINT8Layout",
                                                    per_channel=True, convrot=True,
                                                    convrot_groupsize=64)
@@ -318,8 +325,8 @@ def test_lora_onto_fp8_merges_into_the_exact_decode(tmp_path):
     for layer, d in _expected_delta(load_file(lora_path), 1.0).items():
         codes, scale = f8[layer + ".weight"], f8[layer + ".scale_weight"]
         assert codes.dtype == torch.float8_e4m3fn
-        decoded = _np(codes.float() * scale.float().reshape(()))
-        want = torch.from_numpy(decoded + d).to(torch.bfloat16)
+        decoded = codes.float() * scale.float().reshape(())
+        want = _merged32(decoded, d).to(torch.bfloat16)
         assert torch.equal(got[layer + ".weight"], want), layer
 
 
