@@ -11,7 +11,14 @@ int8 NPU ``kn`` layout converted from it):
 - ``model-int8-kitchen``: the same with the automatic backend choice (kitchen when it runs);
 - ``layer-<fmt>-kitchen``: one layer through comfy-kitchen's CUDA kernels (``int8_linear``,
   ``w4a8_int8_linear``, forced to kitchen's ``cuda`` backend) against h3quant's torch-int8
-  result and the layer's own dequantized weights in fp32.
+  result and the layer's own dequantized weights in fp32;
+- ``model-<fmt>`` for every other format h3quant writes (fp8, fp8-e5m2, mxfp8, nvfp4,
+  int4-convrot): ``verify --model`` on the device (each layer decoded to the compute dtype, the
+  way ComfyUI runs a format without its kernel) and on the CPU, the same agreement rule;
+- ``calib-capture``: ``capture`` on the device against ``capture`` on the CPU (the Hessians of
+  every linear agree to fp32 rounding), then ``model-<fmt>-calibrated``: ``convert
+  --calibration`` (int8-convrot, w4a8) from the device's statistics, run by ``verify --model``
+  on the device; its SQNR is printed beside the uncalibrated file's (synthetic inputs).
 
 ``--device cpu`` runs the same checks on the CPU (kitchen's ``eager`` backend), a quick smoke
 test of this script for machines without a GPU (the test suite does that).
@@ -39,27 +46,93 @@ def h3q(*args) -> None:
     subprocess.run([sys.executable, "-m", "h3quant", *map(str, args), "-q"], check=True)
 
 
+# The formats run through their decode on every device (verify --model's decoded path).
+DECODED_TARGETS = ("fp8", "fp8-e5m2", "mxfp8", "nvfp4", "int4-convrot")
+
+
 def make_files(d: Path, blocks: int) -> dict[str, Path]:
+    from h3quant.formats import registry
+
     f = {n: d / f"{n}.safetensors" for n in ("bf16", "int8", "w4a8", "kn", "w4a8-int8")}
     h3q("synth", f["bf16"], "--blocks", blocks)
     h3q("convert", f["bf16"], f["int8"], "--to", "int8-convrot")
     h3q("convert", f["bf16"], f["w4a8"], "--to", "w4a8")
     h3q("convert", f["int8"], f["kn"], "--layout", "npu")
     h3q("convert", f["w4a8"], f["w4a8-int8"], "--to", "int8-convrot")
+    for t in DECODED_TARGETS:
+        if t in registry.targets():
+            f[t] = d / f"{t}.safetensors"
+            h3q("convert", f["bf16"], f[t], "--to", t)
     return f
+
+
+def calibration_checks(files, d: Path, device: str) -> None:
+    """capture on the device vs the CPU; convert --calibration; verify --model on the device."""
+    import time
+
+    import torch
+
+    try:
+        from h3quant.calibration.recorder import write_inputs
+        from h3quant.calibration.stats import Statistics
+        from h3quant.pipelines.capture import capture_statistics
+        from h3quant.runtime.model.model import H3Model
+    except ImportError as exc:
+        line("SKIP", "calib-capture", f"no calibration in this h3quant ({exc})")
+        return
+    src = files["bf16"]
+    ins = []
+    with H3Model.open(src) as m:
+        for s in range(4):
+            g = torch.Generator().manual_seed(100 + s)
+            p = d / f"inputs{s}.safetensors"
+            write_inputs(p, torch.randn(1, m.video_channels, 2, 16, 16, generator=g),
+                         torch.randn(1, m.audio_channels, 2, 32, generator=g),
+                         torch.randn(1, 64, m.text_dim, generator=g), 0.3 + 0.15 * s)
+            ins.append(p)
+    times = {}
+    try:
+        for dev in ("cpu", device):
+            t0 = time.perf_counter()
+            capture_statistics(src, ins, d / f"{dev.replace(':', '')}.stats", device=dev,
+                               overwrite=True, predict=False)
+            times[dev] = time.perf_counter() - t0
+        with Statistics(d / "cpu.stats") as a, \
+                Statistics(d / f"{device.replace(':', '')}.stats") as b:
+            worst = max(float((a.layers[k].hessian() - b.layers[k].hessian()).norm()
+                              / a.layers[k].hessian().norm().clamp_min(1e-30)) for k in a.layers)
+            n = len(a.layers)
+    except Exception as exc:
+        line("FAIL", "calib-capture", f"{type(exc).__name__}: {exc}")
+        return
+    line("PASS" if worst <= 1e-3 else "FAIL", "calib-capture",
+         f"H {device} vs cpu: worst rel diff {worst:.2e} (<= 1e-3) over {n} linears; capture "
+         f"{times[device]:.2f} s on {device}, {times['cpu']:.2f} s on cpu")
+    stats = d / f"{device.replace(':', '')}.stats"
+    for t, plain in (("int8-convrot", "int8"), ("w4a8", "w4a8")):
+        out = d / f"{t}-calibrated.safetensors"
+        try:
+            h3q("convert", src, out, "--to", t, "--calibration", stats)
+        except subprocess.CalledProcessError as exc:
+            line("FAIL", f"model-{plain}-calibrated", f"convert --calibration failed ({exc})")
+            continue
+        model_check(f"model-{plain}-calibrated", out, src, device, None,
+                    compare_with=files[plain])
 
 
 def _sqnr(res) -> dict[str, float]:
     return {o.name: o.sqnr_db for o in res.outputs}
 
 
-def model_check(name, path, ref, device, backend) -> None:
+def model_check(name, path, ref, device, backend, compare_with=None) -> None:
     from h3quant.pipelines.verify import ModelInputs, verify_model
 
     inputs = ModelInputs(frames=2, height=16, width=16, audio_frames=32, text_tokens=64)
     try:
         dev = verify_model(path, reference=ref, device=device, inputs=inputs, backend=backend)
         cpu = verify_model(path, reference=ref, device="cpu", inputs=inputs)
+        plain = None if compare_with is None else verify_model(
+            compare_with, reference=ref, device=device, inputs=inputs, backend=backend)
     except Exception as exc:  # a check's failure is a FAIL line, never a traceback
         line("FAIL", name, f"{type(exc).__name__}: {exc}")
         return
@@ -72,6 +145,8 @@ def model_check(name, path, ref, device, backend) -> None:
     line("PASS" if ok else "FAIL", name,
          f"SQNR dB {device}/cpu: {figs} (limit {limit:g}; spread {spread:.2f} <= "
          f"{SQNR_SPREAD_DB:g}) backends {backends}"
+         + ("" if plain is None else " (uncalibrated on " + device + ": " + " ".join(
+             f"{k} {v:.2f}" for k, v in _sqnr(plain).items()) + ")")
          + ("" if dev.passed and cpu.passed else f" failures {dev.failures + cpu.failures}"))
 
 
@@ -155,7 +230,13 @@ def main() -> int:
                     forced)
         if args.device.startswith("cuda"):
             model_check("model-int8-kitchen", files["int8"], files["bf16"], args.device, None)
+        for t in DECODED_TARGETS:
+            if t in files:
+                model_check(f"model-{t}", files[t], files["bf16"], args.device, None)
+            else:
+                line("SKIP", f"model-{t}", "this h3quant has no such convert target")
         layer_checks(files, args.device)
+        calibration_checks(files, Path(tmp), args.device)
     return 0
 
 
