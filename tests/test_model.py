@@ -253,3 +253,22 @@ def test_synth_writes_what_the_forward_reads(mfiles):
     assert table.shape == (1025, 8) and table.std(0).min() > 0.1  # varies with t
     full, _ = read_tensors(mfiles["full"])
     assert full["time_embedder.proj_in.weight"].shape == (64, 256)
+
+
+@pytest.mark.parametrize("target", ["fp8", "fp8-e5m2", "mxfp8", "nvfp4", "int4-convrot"])
+def test_decoded_formats_run_the_whole_model_on_a_simulated_device(mfiles, target):
+    """Layers the runtime decodes (every format without an int8 grid) are decoded on the
+    device itself: no CPU-only table, Hadamard or buffer meets the device's tensors."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.testing.simdevice import simulated_mps
+
+    path = mfiles["dir"] / f"decoded-{target}.safetensors"
+    if not path.exists():
+        convert(mfiles["pruned"], path, ConvertOptions(target=target))
+    with simulated_mps() as sim:
+        got = _sim_run(path, sim, "mps")
+    v, a, t = _inputs()
+    with H3Model.open(path) as m:
+        cpu = m(v, a, t, SIGMA)
+    for g, c in zip(got, cpu):
+        assert error_metrics(g, c)[1] > 20  # bf16 on the device vs fp32 on the CPU

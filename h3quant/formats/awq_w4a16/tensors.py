@@ -22,7 +22,7 @@ OFFSET = 8
 def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
     """``[R, C]`` bytes -> ``[R, 2C]`` codes in [0, 15], the even column from the low nibble."""
     b = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    out = torch.empty((b.shape[0], b.shape[1] * 2), dtype=torch.uint8)
+    out = torch.empty((b.shape[0], b.shape[1] * 2), dtype=torch.uint8, device=b.device)
     out[:, 0::2] = b & 0x0F
     out[:, 1::2] = b >> 4
     return out

@@ -29,11 +29,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _H: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _h_t(g: int, dtype: torch.dtype) -> torch.Tensor:
-    """``H_g^T`` as a transposed view (the BLAS call, hence the rounding, follows the layout)."""
-    key = (g, dtype)
+def _h_t(g: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """``H_g^T`` as a transposed view (the BLAS call, hence the rounding, follows the layout),
+    on ``device`` (the CPU by default)."""
+    dev = torch.device(device or "cpu")
+    key = (g, dtype, str(dev))
     if key not in _H:
-        _H[key] = hadamard(g).to(dtype).contiguous()
+        _H[key] = hadamard(g, dev).to(dtype).contiguous()
     return _H[key].t()
 
 
@@ -53,7 +55,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """``[R, C]`` int8 bytes -> ``[R, 2C]`` signed codes in [-8, 7]."""
-    out = torch.empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.int8)
+    out = torch.empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.int8,
+                      device=packed.device)
     b = packed.view(torch.int8) if packed.dtype == torch.uint8 else packed
     out[:, 0::2] = (b << 4) >> 4  # arithmetic shifts sign-extend the nibble
     out[:, 1::2] = b >> 4
@@ -62,7 +65,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def _rows(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
-    rot = torch.matmul(w.reshape(n, k // g, g), _h_t(g, w.dtype)).reshape(n, k)
+    rot = torch.matmul(w.reshape(n, k // g, g), _h_t(g, w.dtype, w.device)).reshape(n, k)
     amax = torch.maximum(rot.amax(1, keepdim=True), rot.amin(1, keepdim=True).neg())
     s = amax.clamp_(min=AMAX_MIN) / INT4_MAX
     q = torch.div(rot, s, out=rot).round_().clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
@@ -97,7 +100,7 @@ def decode_int4_convrot(q: torch.Tensor, s: torch.Tensor, group_size: int = 256,
     w_rot = codes * s.to(torch.float32).reshape(-1, 1)
     r, k = w_rot.shape
     g = group_size
-    out = torch.matmul(w_rot.reshape(r, k // g, g), _h_t(g, torch.float32)).reshape(r, k)
+    out = torch.matmul(w_rot.reshape(r, k // g, g), _h_t(g, torch.float32, w_rot.device)).reshape(r, k)
     return out.to(dtype)
 
 
@@ -123,7 +126,7 @@ def w4a4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: i
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     g = group_size
-    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype).t()).reshape(-1, k)  # H itself
+    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype, x.device).t()).reshape(-1, k)  # H itself
     qa, sa = _quantize_rows_int4(x_rot)
     out = qa.to(x.dtype) @ unpack_int4(q).to(x.dtype).t()
     out = out * sa.reshape(-1, 1).to(x.dtype)

@@ -45,7 +45,7 @@ def swizzle(s: torch.Tensor) -> torch.Tensor:
     rows, cols = s.shape
     pr, pc = roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
     if (pr, pc) != (rows, cols):
-        padded = torch.zeros((pr, pc), dtype=s.dtype)
+        padded = torch.zeros((pr, pc), dtype=s.dtype, device=s.device)
         padded[:rows, :cols] = s
         s = padded
     t = s.view(pr // 128, 128, pc // 4, 4).permute(0, 2, 1, 3)  # [rb, cb, 128, 4]

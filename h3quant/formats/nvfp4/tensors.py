@@ -56,7 +56,7 @@ def swizzle(grid: torch.Tensor) -> torch.Tensor:
     r, c = grid.shape
     rp, cp = roundup(r, TILE_ROWS), roundup(c, TILE_COLS)
     if (rp, cp) != (r, c):
-        padded = torch.zeros((rp, cp), dtype=grid.dtype)
+        padded = torch.zeros((rp, cp), dtype=grid.dtype, device=grid.device)
         padded[:r, :c] = grid
         grid = padded
     t = grid.reshape(rp // TILE_ROWS, 4, 32, cp // TILE_COLS, TILE_COLS)  # row = 32 i + j
@@ -76,7 +76,7 @@ def unswizzle(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code (ties to even, sign bit 8 from the float's sign) of fp32 ``v``."""
     a = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.uint8)
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for t in _UP_STRICT:
         code += a > t
     for t in _UP_TIE:
@@ -91,7 +91,8 @@ def pack_hi_first(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_hi_first(packed: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.uint8)
+    out = torch.empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.uint8,
+                      device=packed.device)
     out[:, 0::2] = packed >> 4
     out[:, 1::2] = packed & 0x0F
     return out
@@ -176,7 +177,7 @@ def decode_nvfp4(q: torch.Tensor, weight_scale: torch.Tensor, scale: torch.Tenso
         np_ = weight_scale.shape[0] if rows is not None else r
         grid = block_scales(weight_scale, np_, kp // BLOCK)
     grid = grid[rows] if rows is not None else grid[:r]
-    lut = torch.tensor(_E2M1 + tuple(-x for x in _E2M1), dtype=dtype)
+    lut = torch.tensor(_E2M1 + tuple(-x for x in _E2M1), dtype=dtype, device=q.device)
     vals = lut[unpack_hi_first(q).long()]
     total = scale.reshape(()).to(dtype) * grid.to(dtype)
     return (vals.reshape(r, kp // BLOCK, BLOCK) * total.unsqueeze(-1)).reshape(r, kp)
