@@ -64,7 +64,7 @@ def test_refuses_existing_output_without_overwrite(src, tmp_path):
     (["--group-size", "8"], "power of 4"),
     (["--include", "blocks.(["], "not a valid regular expression"),
     (["--exclude", "*x"], "not a valid regular expression"),
-    (["--to", "fp8"], "fp8"),
+    (["--to", "fp6"], "fp6"),
     (["--workers", "0"], "workers"),
 ])
 def test_usage_errors_exit_2_and_write_nothing(src, tmp_path, args, needle):

@@ -169,3 +169,18 @@ def test_cuda_gate():
     assert StaticProbe(shape_gates={"cpu": g}).shape_gate("cpu") is g
     assert LiveProbe().shape_gate("cuda") is g
     assert LiveProbe().shape_gate("cpu").padded_m(1) == 1
+
+
+def test_a_device_index_beyond_the_machine_is_refused_before_any_work():
+    """``cuda:1`` on a one-GPU machine is a usage error naming the devices there are."""
+    from h3quant.errors import DeviceError
+    from h3quant.runtime.availability import require_device
+    from h3quant.runtime.probe import StaticProbe
+
+    one_gpu = StaticProbe(cuda=True, counts={"cuda": 1})
+    assert str(require_device("cuda:0", probe=one_gpu)) == "cuda:0"
+    assert str(require_device("cuda", probe=one_gpu)) == "cuda"
+    with pytest.raises(DeviceError, match=r"cuda:1: this machine has 1 cuda device\(s\) \(cuda:0\)"):
+        require_device("cuda:1", probe=one_gpu)
+    unknown = StaticProbe(cuda=True)  # a probe that cannot count accepts the index
+    assert str(require_device("cuda:7", probe=unknown)) == "cuda:7"

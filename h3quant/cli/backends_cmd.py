@@ -45,10 +45,10 @@ def backend_rows(device: str, probe=None) -> tuple[str, list[dict]]:
 
 
 def format_rows(device: str, probe=None) -> list[dict]:
-    """Per quantized format: {format, runs, comfy, reason} on ``device``."""
+    """Per quantized format: {format, runs, comfyui, reason} on ``device``."""
     from h3quant.runtime.decoded import format_routes
 
-    return [{"format": r.format, "runs": r.runs, "comfy": r.comfy, "reason": r.reason}
+    return [{"format": r.format, "runs": r.runs, "comfyui": r.comfy, "reason": r.reason}
             for r in format_routes(device, probe)]
 
 
@@ -74,4 +74,4 @@ def command(device, as_json):
     fmts = format_rows(device)
     click.echo("\nper format")
     click.echo(format_table(["format", "h3quant runs", "ComfyUI runs", "why"],
-                            [[r["format"], r["runs"], r["comfy"], r["reason"]] for r in fmts]))
+                            [[r["format"], r["runs"], r["comfyui"], r["reason"]] for r in fmts]))

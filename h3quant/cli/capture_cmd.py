@@ -63,6 +63,8 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, o
     you can see whether the conversion is worth its time. Layers that saw fewer rows than
     their input width are warned about: convert rounds them to nearest.
 
+    Exit status: 0 statistics written, 2 usage or I/O error (nothing written).
+
     \b
     Examples:
       h3quant capture h3.safetensors --inputs steps/*.safetensors --out h3.stats

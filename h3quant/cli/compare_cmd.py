@@ -35,6 +35,8 @@ format h3quant reads) and GGUF (read with the gguf package; pip install 'h3quant
 Files are ranked by the lower of the final video / audio latent SQNR. SQNR and PSNR of a
 latent are not a perceptual metric and no VAE runs (docs/compare.md).
 
+Exit status: 0 card printed, 1 a file breaks a rule (a finding), 2 usage or I/O error (nothing written).
+
 \b
 Examples:
   h3quant compare h3_int8.safetensors h3_w4a8.safetensors h3-Q4_K.gguf --reference h3_bf16.safetensors

@@ -23,4 +23,9 @@ def require_device(spec: str | Device, *, probe: Probe | None = None) -> Device:
     probe = probe or live_probe()
     if not probe.device_available(dev.kind):
         raise DeviceError(unavailable_reason(str(spec), dev.kind))
+    count = probe.device_count(dev.kind) if dev.index is not None else None
+    if count is not None and dev.index is not None and dev.index >= count:
+        have = f"{dev.kind}:0 to {dev.kind}:{count - 1}" if count > 1 else f"{dev.kind}:0"
+        raise DeviceError(f"device {spec}: this machine has {count} {dev.kind} device(s) "
+                          f"({have})")
     return dev

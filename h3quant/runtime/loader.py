@@ -31,6 +31,7 @@ from h3quant.formats import check as rules
 from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
+from h3quant.formats.fp8.spec import E4M3
 from h3quant.formats.layers import Layer, LayerScan, scan_checkpoint
 from h3quant.formats.markers import QuantFormat
 from h3quant.h3.topology import BLOCK_LINEARS
@@ -302,7 +303,7 @@ def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
         si = ckpt.read(t["scale_input"].name).to(torch.float32)
         if si.numel() != 1 or float(si) != 1.0:
             tensors["input_scale"] = si.reshape(())
-    return LoadedLayer(layer.name, tensors, {"format": "float8_e4m3fn"}, "scaled_fp8")
+    return LoadedLayer(layer.name, tensors, {"format": E4M3.name}, "scaled_fp8")
 
 
 _FP8_WEIGHTS = ("F8_E4M3", "F8_E5M2")

@@ -95,6 +95,10 @@ class Probe:
         """``(comfy_kitchen, "")`` or ``(None, why)``; only asked for CUDA devices."""
         raise NotImplementedError
 
+    def device_count(self, kind: str) -> int | None:
+        """How many devices of ``kind`` this machine has (None: not known to this probe)."""
+        return None
+
     def device_available(self, kind: str) -> bool:
         if kind == "cpu":
             return True
@@ -127,6 +131,15 @@ class LiveProbe(Probe):
 
     def cuda_available(self) -> bool:
         return bool(torch.cuda.is_available())
+
+    def device_count(self, kind: str) -> int | None:
+        if kind == "cuda":
+            return int(torch.cuda.device_count()) if self.cuda_available() else 0
+        mod = getattr(torch, kind, None) if kind in ("npu", "xpu") else None
+        try:
+            return int(mod.device_count()) if mod is not None else None
+        except Exception:  # a device module without a usable count: unknown
+            return None
 
     def npu_module(self) -> ModuleType | None:
         self._npu_error = ""
@@ -203,9 +216,13 @@ class StaticProbe(Probe):
     shape_gates: Mapping[str, ShapeGate] = field(default_factory=dict)
     kitchen: ModuleType | None = None
     cuda_cc: tuple[int, int] | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)  # devices per kind (absent: unknown)
 
     def cuda_available(self) -> bool:
         return self.cuda
+
+    def device_count(self, kind: str) -> int | None:
+        return self.counts.get(kind)
 
     def npu_module(self) -> ModuleType | None:
         return self.npu

@@ -26,7 +26,7 @@ QUANT_GROUP = 64  # the int4 kernel's group size: K must be a multiple of it
 AMAX_MIN = 1e-10
 CHUNK_ELEMS = 1 << 21
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_H: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_H: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
 
 
 def _h_t(g: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:

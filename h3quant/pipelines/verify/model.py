@@ -129,6 +129,7 @@ class ModelVerifyResult(Verdict):
 
 
 def _formats(model) -> list[str]:
+    from h3quant.formats.fp8.spec import E4M3
     from h3quant.runtime.loader import has_scaled_fp8_marker
 
     p = model.prefix + "blocks."
@@ -136,7 +137,7 @@ def _formats(model) -> list[str]:
              if n.startswith(p) and lay.fields is not None}
     if has_scaled_fp8_marker(model.ckpt) and any(  # legacy scaled fp8 loads as float8_e4m3fn
             n.startswith(p) and f"{n}.scale_weight" in model.ckpt.tensors for n in model.scan.layers):
-        found.add("float8_e4m3fn")
+        found.add(E4M3.name)
     return sorted(found)
 
 
