@@ -32,9 +32,11 @@ def tiny_lora(base) -> Path:
 
 def test_lora_spec_mistakes_get_distinct_messages(base, tiny_lora, tmp_path):
     out = tmp_path / "o.safetensors"
+    lora_dir = tmp_path / "loras"
+    lora_dir.mkdir()
     cases = {
         f"{tiny_lora}:abc": "strength 'abc' is not a number",
-        str(tmp_path): "is a directory",
+        str(lora_dir): "is a directory",
         str(tmp_path / "missing.safetensors"): "no such file",
         f"{tiny_lora}:nan": "finite number",
     }
@@ -60,7 +62,7 @@ def test_a_json_file_is_not_a_safetensors_file(tmp_path):
 
 
 def test_plan_from_a_wrong_file_says_what_is_wrong(base, tmp_path):
-    for body, needle in (('{"a": 1}', 'lacks the field "units"'), ("[1, 2]", "types"),
+    for body, needle in (('{"a": 1}', "is missing"), ("[1, 2]", "JSON object"),
                          ("{not json", "not JSON")):
         f = tmp_path / "pass.json"
         f.write_text(body)

@@ -12,6 +12,7 @@ import os
 import stat
 
 from h3quant.errors import UsageError
+from h3quant.formats.container import platform
 
 
 def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
@@ -31,9 +32,8 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
     if st.st_size > limit:
         raise UsageError(f"the {what} is {st.st_size:,} bytes; the limit is {limit:,} "
                          "(h3quant.limits)", path=path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(path, flags)
+        fd = platform.open_fd(path, os.O_RDONLY, nonblocking=True)
     except OSError as exc:
         raise UsageError(f"cannot read the {what}: {exc.strerror or exc}", path=path) from None
     try:
