@@ -247,3 +247,29 @@ def device_callback(require_available: bool):
         return None if value is None else check_device(value, require_available=require_available)
 
     return callback
+
+
+def given_options(ctx, names) -> list[str]:
+    """The options among ``names`` (parameter names) the user typed on the command line."""
+    from click.core import ParameterSource
+
+    return ["--" + n.replace("_", "-") for n in names
+            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+
+
+def inputs_from_file(ctx, path, sigma):
+    """The whole-model inputs held in --inputs FILE (None without it); options that conflict
+    with the file (sizes, seed, another sigma) are usage errors."""
+    if path is None:
+        return None
+    wrong = given_options(ctx, ("frames", "height", "width", "audio_frames", "text_tokens", "seed"))
+    if wrong:
+        raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs (the file "
+                               "gives the latents and their sizes)")
+    from h3quant.pipelines.verify.model import ModelInputs
+
+    inputs = ModelInputs.from_file(path, sigma)
+    if given_options(ctx, ("sigma",)) and inputs.sigma != sigma:
+        raise click.UsageError(f"--sigma {sigma:g} conflicts with the sigma {inputs.sigma:g} "
+                               f"held in --inputs {path}")
+    return inputs

@@ -7,6 +7,8 @@ import sys
 import click
 
 from h3quant.cli.common import (
+    given_options,
+    inputs_from_file,
     EXIT_OK,
     MAX_AUDIO_FRAMES,
     MAX_TOKENS,
@@ -96,10 +98,10 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
     from h3quant.pipelines.verify.model import ModelInputs
 
     ctx = click.get_current_context()
-    if sigmas is not None and _given(ctx, ("steps",)):
+    if sigmas is not None and given_options(ctx, ("steps",)):
         raise click.UsageError("--steps and --sigmas cannot be used together")
     schedule = _schedule(steps, sigmas)
-    inputs = _file_inputs(ctx, inputs_file, sigma) or ModelInputs(
+    inputs = inputs_from_file(ctx, inputs_file, sigma) or ModelInputs(
         frames, height, width, audio_frames, text_tokens, sigma, seed)
     every = [p for p in (reference, *files)]
     if len(set(every)) != len(every):
@@ -117,31 +119,6 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
 
         click.echo(render(res))
     sys.exit(EXIT_OK)
-
-
-def _given(ctx, names) -> list[str]:
-    from click.core import ParameterSource
-
-    return ["--" + n.replace("_", "-") for n in names
-            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
-
-
-def _file_inputs(ctx, path, sigma):
-    """The inputs held in --inputs FILE (None without it); conflicting options are usage
-    errors."""
-    if path is None:
-        return None
-    wrong = _given(ctx, ("frames", "height", "width", "audio_frames", "text_tokens", "seed"))
-    if wrong:
-        raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs (the file "
-                               "gives the latents and their sizes)")
-    from h3quant.pipelines.verify.model import ModelInputs
-
-    inputs = ModelInputs.from_file(path, sigma)
-    if _given(ctx, ("sigma",)) and inputs.sigma != sigma:
-        raise click.UsageError(f"--sigma {sigma:g} conflicts with the sigma {inputs.sigma:g} "
-                               f"held in --inputs {path}")
-    return inputs
 
 
 def _schedule(steps, sigmas):

@@ -8,6 +8,8 @@ import click
 
 from h3quant.cli import verify_view as view
 from h3quant.cli.common import (
+    given_options,
+    inputs_from_file,
     progress_enabled,
     EXIT_FINDINGS,
     EXIT_OK,
@@ -96,13 +98,6 @@ _MODEL_ONLY = ("frames", "height", "width", "audio_frames", "text_tokens", "dept
 _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 
 
-def _given(ctx, names) -> list[str]:
-    from click.core import ParameterSource
-
-    return ["--" + n.replace("_", "-") for n in names
-            if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
-
-
 @click.command("verify", help=_HELP.replace("{rows}", f"{MAX_MODEL_ROWS:,}"),
                context_settings={"max_content_width": 100})
 @click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
@@ -175,17 +170,17 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     parallel = tp is not None  # never the environment alone (docs/verify.md)
     schedule = _schedule(steps, sigmas, ctx)
     if whole_model:
-        wrong = _given(ctx, _BLOCK_ONLY + (("plot", "overwrite", "steps", "sigmas") if parallel
+        wrong = given_options(ctx, _BLOCK_ONLY + (("plot", "overwrite", "steps", "sigmas") if parallel
                                            else ("tp_scale", "tp_timeout")))
         mode = "--model --tp" if parallel else "--model"
     else:
-        wrong = _given(ctx, _MODEL_ONLY + (() if parallel else ("tp_scale", "tp_timeout")))
+        wrong = given_options(ctx, _MODEL_ONLY + (() if parallel else ("tp_scale", "tp_timeout")))
         mode = "the per-block mode (add --model)" + ("" if parallel else " without --tp")
     if wrong:
         raise click.UsageError(f"{', '.join(wrong)} cannot be used with {mode}")
     # every file this run reads and writes, checked before anything is read
     _files(ckpt, reference, inputs_file, plot).check(overwrite=overwrite)
-    given_inputs = _file_inputs(ctx, inputs_file, sigma) if whole_model else None
+    given_inputs = inputs_from_file(ctx, inputs_file, sigma) if whole_model else None
     if parallel:
         from h3quant.pipelines.verify.model import ModelInputs
 
@@ -242,7 +237,7 @@ def _schedule(steps, sigmas, ctx):
         return None
     if steps is not None and sigmas is not None:
         raise click.UsageError("--steps and --sigmas cannot be used together")
-    if _given(ctx, ("sigma",)):
+    if given_options(ctx, ("sigma",)):
         raise click.UsageError("--sigma cannot be used with --steps / --sigmas (each step has "
                                "its own sigma)")
     from h3quant.errors import VerifyError
@@ -258,23 +253,6 @@ def _schedule(steps, sigmas, ctx):
     if not out[0] > 0:
         raise click.BadParameter("the first sigma must be > 0", param_hint="--sigmas")
     return out
-
-
-def _file_inputs(ctx, path, sigma):
-    """ModelInputs read from --inputs FILE (None without it); its conflicts are usage errors."""
-    if path is None:
-        return None
-    wrong = _given(ctx, ("frames", "height", "width", "audio_frames", "text_tokens", "seed"))
-    if wrong:
-        raise click.UsageError(f"{', '.join(wrong)} cannot be used with --inputs (the file "
-                               "gives the latents and their sizes)")
-    from h3quant.pipelines.verify.model import ModelInputs
-
-    inputs = ModelInputs.from_file(path, sigma)
-    if _given(ctx, ("sigma",)) and inputs.sigma != sigma:
-        raise click.UsageError(f"--sigma {sigma:g} conflicts with the sigma {inputs.sigma:g} "
-                               f"held in --inputs {path}")
-    return inputs
 
 
 def _run_model(ckpt, reference, device, frames, height, width, audio_frames, text_tokens, sigma,
