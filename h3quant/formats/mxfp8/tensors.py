@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from h3quant.formats.blocked import TILE_COLS, TILE_ROWS, roundup, swizzle, unswizzle  # noqa: F401
+
 BLOCK = 32
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
-TILE_ROWS, TILE_COLS = 128, 4
-
-
-def roundup(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def scale_shape(n: int, k: int) -> tuple[int, int]:
@@ -38,27 +35,6 @@ def e8m0_to_f32(codes: torch.Tensor) -> torch.Tensor:
     """kitchen's reading of e8m0 bytes: ``2**(code - 127)``, with code 0 read as 0.0."""
     bits = codes.to(torch.int32) << 23
     return torch.where(codes == 0, torch.zeros_like(bits), bits).view(torch.float32)
-
-
-def swizzle(s: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] uint8 -> cuBLAS blocked layout [roundup(rows,128), roundup(cols,4)]."""
-    rows, cols = s.shape
-    pr, pc = roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
-    if (pr, pc) != (rows, cols):
-        padded = torch.zeros((pr, pc), dtype=s.dtype, device=s.device)
-        padded[:rows, :cols] = s
-        s = padded
-    t = s.view(pr // 128, 128, pc // 4, 4).permute(0, 2, 1, 3)  # [rb, cb, 128, 4]
-    t = t.reshape(pr // 128, pc // 4, 4, 32, 4).transpose(2, 3)  # [rb, cb, 32, 4, 4]
-    return t.reshape(pr, pc)
-
-
-def unswizzle(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The inverse of ``swizzle``: [roundup(rows,128), roundup(cols,4)] -> [rows, cols]."""
-    pr, pc = roundup(rows, TILE_ROWS), roundup(cols, TILE_COLS)
-    t = s.reshape(pr // 128, pc // 4, 32, 4, 4).transpose(2, 3)  # [rb, cb, 4, 32, 4]
-    t = t.reshape(pr // 128, pc // 4, 128, 4).permute(0, 2, 1, 3)
-    return t.reshape(pr, pc)[:rows, :cols]
 
 
 def _encode_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from h3quant.formats.blocked import TILE_COLS, TILE_ROWS, roundup, swizzle, unswizzle  # noqa: F401
+
 from h3quant.errors import FormatError
 
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-TILE_ROWS, TILE_COLS = 128, 4
 ROW_STEP = 256  # rows per internal chunk (temporaries stay small; faster than 1024 here)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # e2m1 magnitudes by code; round-to-nearest-even thresholds between neighbours:
@@ -34,10 +35,6 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _UP_STRICT = (0.25, 1.25, 2.5, 5.0)  # a tie stays on the lower (even) code
 _UP_TIE = (0.75, 1.75, 3.5)  # a tie moves to the upper (even) code
-
-
-def roundup(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def storage_shapes(n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -49,25 +46,6 @@ def storage_shapes(n: int, k: int) -> dict[str, tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------- block-scale layout
-
-
-def swizzle(grid: torch.Tensor) -> torch.Tensor:
-    """``[R, C]`` block scales (uint8 bytes) -> the blocked ``[roundup(R,128), roundup(C,4)]``."""
-    r, c = grid.shape
-    rp, cp = roundup(r, TILE_ROWS), roundup(c, TILE_COLS)
-    if (rp, cp) != (r, c):
-        padded = torch.zeros((rp, cp), dtype=grid.dtype, device=grid.device)
-        padded[:r, :c] = grid
-        grid = padded
-    t = grid.reshape(rp // TILE_ROWS, 4, 32, cp // TILE_COLS, TILE_COLS)  # row = 32 i + j
-    return t.permute(0, 3, 2, 1, 4).reshape(rp, cp).contiguous()  # tile, j, (i, c)
-
-
-def unswizzle(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of ``swizzle``: the ``[rows, cols]`` grid of a blocked ``[Rp, Cp]`` tensor."""
-    rp, cp = blocked.shape
-    t = blocked.reshape(rp // TILE_ROWS, cp // TILE_COLS, 32, 4, TILE_COLS)  # tile, j, i, c
-    return t.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
 
 
 # --------------------------------------------------------------------------- e2m1 codes
