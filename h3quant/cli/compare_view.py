@@ -101,12 +101,16 @@ def plot_png(res) -> bytes:
     plt = require_matplotlib()
     cards = res.ranked()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    # one colour and marker per file in every panel (a 20-colour map, markers beyond it)
+    cmap = plt.get_cmap("tab20")
+    style = {id(c): (cmap(i % 20), "osD^v"[i // 20 % 5]) for i, c in enumerate(cards)}
     ax = axes[0]
     for c in cards:
         q = c.quality_db
         if q is None or not math.isfinite(q):
             continue
-        ax.scatter([c.facts.size_bytes / 1e6], [q])
+        ax.scatter([c.facts.size_bytes / 1e6], [q], color=style[id(c)][0],
+                   marker=style[id(c)][1])
         ax.annotate(os.path.basename(c.facts.path), (c.facts.size_bytes / 1e6, q),
                     fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axvline(res.reference.facts.size_bytes / 1e6, color="grey", linestyle=":",
@@ -118,8 +122,9 @@ def plot_png(res) -> bytes:
     ax.legend(fontsize=7)
     ax = axes[1]
     for c in cards:
-        ax.plot([d.block for d in c.drift], [_finite(d.sqnr_db) for d in c.drift], marker="o",
-                markersize=3, label=os.path.basename(c.facts.path))
+        ax.plot([d.block for d in c.drift], [_finite(d.sqnr_db) for d in c.drift],
+                color=style[id(c)][0], marker=style[id(c)][1], markersize=3,
+                label=os.path.basename(c.facts.path))
     ax.set_xlabel("block")
     ax.set_ylabel("hidden-state SQNR (dB)")
     ax.set_title("drift per block (one forward)")
@@ -129,7 +134,8 @@ def plot_png(res) -> bytes:
     for c in cards:
         if c.steps:
             ax.plot([s.step + 1 for s in c.steps], [_finite(s.video_sqnr_db) for s in c.steps],
-                    marker="o", markersize=3, label=os.path.basename(c.facts.path))
+                    color=style[id(c)][0], marker=style[id(c)][1], markersize=3,
+                    label=os.path.basename(c.facts.path))
     ax.set_xlabel("sampler step")
     ax.set_ylabel("video latent SQNR (dB)")
     ax.set_title("drift per sampler step")
