@@ -90,6 +90,25 @@ class Violation:
     suffix: str = "weight"
 
 
+def packed_weight(fmt: str, tensors: dict, dtype: str, codes: str, shape: str
+                  ) -> tuple[list[Violation], tuple[int, int] | None]:
+    """The header rules every two-codes-per-byte weight shares: present (Q101), stored as
+    ``dtype`` (Q102) and 2-D (Q103). Returns the violations and the logical ``(N, K)`` (K = twice
+    the stored columns), None when the weight is missing or not 2-D. ``codes`` names what a byte
+    holds ("int4 codes"), ``shape`` the stored shape ("[N, K/2]")."""
+    w = tensors.get("weight")
+    if w is None:
+        return [Violation("Q101", f"{fmt} layer has no weight (expected {dtype} {shape})")], None
+    out: list[Violation] = []
+    if w.dtype != dtype:
+        out.append(Violation("Q102", f"weight is {w.dtype}, expected {dtype} (two {codes} per "
+                             "byte)"))
+    if len(shape_of(w)) != 2:
+        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D {dtype} "
+                                f"{shape}")], None
+    return out, (shape_of(w)[0], 2 * shape_of(w)[1])
+
+
 def shape_of(t) -> tuple[int, ...]:
     return tuple(t.shape)
 

@@ -9,7 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
-from h3quant.formats.spec import (BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 
 NAME = "awq_w4a16"
@@ -39,16 +39,10 @@ def _group_rules(k: int, fields: dict, tensors: dict) -> list[Violation]:
 
 def rules(fields: dict, tensors: dict) -> list[Violation]:
     """Every header rule of one awq_w4a16 layer."""
-    out: list[Violation] = []
-    w = tensors.get("weight")
-    if w is None:
-        return [Violation("Q101", "awq_w4a16 layer has no weight (expected I8 [N, K/2])")]
-    if w.dtype != "I8":
-        out.append(Violation("Q102", f"weight is {w.dtype}, expected I8 (two uint4 codes per byte)"))
-    if len(shape_of(w)) != 2:
-        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D I8 "
-                                "[N, K/2]")]
-    n, k = shape_of(w)[0], 2 * shape_of(w)[1]
+    out, logical = packed_weight("awq_w4a16", tensors, "I8", "uint4 codes", "[N, K/2]")
+    if logical is None:
+        return out
+    n, k = logical
     g = _group(fields, k)
     for suffix in ("weight_scale", "weight_zeros"):
         t = tensors.get(suffix)

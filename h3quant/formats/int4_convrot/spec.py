@@ -11,7 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
-from h3quant.formats.spec import (BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 
 NAME = "convrot_w4a4"
@@ -47,16 +47,10 @@ def _kernel_errors(k: int, fields: dict) -> list[Violation]:
 
 def rules(fields: dict, tensors: dict) -> list[Violation]:
     """Every header rule of one convrot_w4a4 layer (what convert and the runtime refuse by)."""
-    out: list[Violation] = []
-    w = tensors.get("weight")
-    if w is None:
-        return [Violation("Q101", "convrot_w4a4 layer has no weight (expected I8 [N, K/2])")]
-    if w.dtype != "I8":
-        out.append(Violation("Q102", f"weight is {w.dtype}, expected I8 (two int4 codes per byte)"))
-    if len(shape_of(w)) != 2:
-        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D I8 "
-                                "[N, K/2]")]
-    n, k = shape_of(w)[0], 2 * shape_of(w)[1]
+    out, logical = packed_weight("convrot_w4a4", tensors, "I8", "int4 codes", "[N, K/2]")
+    if logical is None:
+        return out
+    n, k = logical
     s = tensors.get("weight_scale")
     if s is None:
         out.append(Violation("Q101", "convrot_w4a4 layer has no weight_scale (expected F32 [N])",

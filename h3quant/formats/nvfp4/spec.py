@@ -8,7 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
-from h3quant.formats.spec import (BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
+from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
 
 NAME = "nvfp4"
@@ -31,16 +31,10 @@ def _scale_shapes(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
 
 def rules(fields: dict, tensors: dict) -> list[Violation]:
     """Every header rule of one nvfp4 layer (what convert and the runtime refuse by)."""
-    out: list[Violation] = []
-    w = tensors.get("weight")
-    if w is None:
-        return [Violation("Q101", "nvfp4 layer has no weight (expected U8 [Np, Kp/2])")]
-    if w.dtype != "U8":
-        out.append(Violation("Q102", f"weight is {w.dtype}, expected U8 (two e2m1 codes per byte)"))
-    if len(shape_of(w)) != 2:
-        return out + [Violation("Q103", f"weight is {list(shape_of(w))}, expected a 2-D U8 "
-                                "[Np, Kp/2]")]
-    np_, kp = shape_of(w)[0], 2 * shape_of(w)[1]
+    out, logical = packed_weight("nvfp4", tensors, "U8", "e2m1 codes", "[Np, Kp/2]")
+    if logical is None:
+        return out
+    np_, kp = logical
     if np_ % BLOCK or kp % BLOCK:
         out.append(Violation("Q120", padded_message(np_, kp)))
     for ts in SPEC.tensors[1:]:
