@@ -149,6 +149,10 @@ class FormatSpec:
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
     write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
+    # the token refiner too), and convert keeps such layers as they are: a layer outside the
+    # DiT blocks stored in it is expected, not flagged (T105).
+    whole_model: bool = False
 
     # ------------------------------------------------------------------ derived facts
     @property
