@@ -15,7 +15,6 @@ from h3quant.pipelines.compare.card import rank as rank_cards
 from h3quant.pipelines.compare.facts import FileFacts, file_facts, pick_reference
 from h3quant.pipelines.compare.reference import Dims, ReferenceRun
 from h3quant.pipelines.compare.sampler import euler
-from h3quant.pipelines.compare.sources import forward_path
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.model import ModelInputs
 from h3quant.runtime.probe import Probe
@@ -137,31 +136,30 @@ def _reference(facts: FileFacts, opts, sched, dev, dtype, work, progress, log):
         log(f"reference {facts.path} ({facts.label}): CPU, float32")
     linear = "reference" if facts.quantized else "runtime"
     steps = 0 if sched is None else len(sched) - 1
-    with forward_path(facts.path, work) as fp:
-        with _open(fp, "cpu", opts, linear) as model:
-            if model.head_bank > 1 and sched is None:
-                raise VerifyError(f"final_layer holds a bank of {model.head_bank} output heads: "
-                                  "give the sampler's schedule (--steps N or --sigmas)",
-                                  path=facts.path)
-            bar = progress("reference", len(model.blocks) + steps, "block")
-            try:
-                ref = ReferenceRun(model, opts.inputs, sched, work, bar=bar)
-            finally:
-                bar.close()
-        card = FileCard(facts, "reference")
-        card.notes.append("runs on the CPU in float32" +
-                          (" (its quantized weights in float math)" if facts.quantized else ""))
-        if ref.step_seconds:
-            card.step_seconds = sum(ref.step_seconds) / len(ref.step_seconds)
-        if sched is not None and dev.kind != "cpu":  # its time on the compared device
-            with _open(fp, dev, opts, linear) as model:
-                times: list[float] = []
-                v, a, t = opts.inputs.tensors(model.video_channels, model.audio_channels,
-                                              model.text_dim)
-                euler(model, v, a, t, sched, dtype, lambda i, xv, xa, s: times.append(s),
-                      steps=min(2, len(sched) - 1))
-                card.step_seconds = times[-1]
-                card.notes.append(f"time per step on {dev} ({str(dtype).replace('torch.', '')})")
+    with _open(facts.path, "cpu", opts, linear) as model:
+        if model.head_bank > 1 and sched is None:
+            raise VerifyError(f"final_layer holds a bank of {model.head_bank} output heads: "
+                              "give the sampler's schedule (--steps N or --sigmas)",
+                              path=facts.path)
+        bar = progress("reference", len(model.blocks) + steps, "block")
+        try:
+            ref = ReferenceRun(model, opts.inputs, sched, work, bar=bar)
+        finally:
+            bar.close()
+    card = FileCard(facts, "reference")
+    card.notes.append("runs on the CPU in float32" +
+                      (" (its quantized weights in float math)" if facts.quantized else ""))
+    if ref.step_seconds:
+        card.step_seconds = sum(ref.step_seconds) / len(ref.step_seconds)
+    if sched is not None and dev.kind != "cpu":  # its time on the compared device
+        with _open(facts.path, dev, opts, linear) as model:
+            times: list[float] = []
+            v, a, t = opts.inputs.tensors(model.video_channels, model.audio_channels,
+                                          model.text_dim)
+            euler(model, v, a, t, sched, dtype, lambda i, xv, xa, s: times.append(s),
+                  steps=min(2, len(sched) - 1))
+            card.step_seconds = times[-1]
+            card.notes.append(f"time per step on {dev} ({str(dtype).replace('torch.', '')})")
     return ref, card
 
 
@@ -177,7 +175,7 @@ def _check_dims(model, ref: ReferenceRun, path: str) -> None:
 def _file_card(facts: FileFacts, ref: ReferenceRun, opts, sched, dev, dtype, work,
                progress) -> FileCard:
     card = FileCard(facts, "file")
-    with forward_path(facts.path, work) as fp, _open(fp, dev, opts) as model:
+    with _open(facts.path, dev, opts) as model:
         _check_dims(model, ref, facts.path)
         video, audio, text = opts.inputs.tensors(model.video_channels, model.audio_channels,
                                                  model.text_dim)

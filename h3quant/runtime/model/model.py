@@ -176,7 +176,9 @@ class H3Model:
 
             ckpt = open_as_comfy(path, mmap=mmap)
         else:
-            ckpt = Checkpoint(path, mmap=mmap)
+            from h3quant.formats.sources import open_source
+
+            ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place
         try:
             return cls(ckpt, device=device, linear=linear, backend=backend, probe=probe,
                        owns=True)
