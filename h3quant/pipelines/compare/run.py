@@ -42,6 +42,9 @@ class CompareOptions:
     mmap: bool = True
     backend: str | None = None
     probe: Probe | None = None
+    # the planner's predicted frontier over the reference: None draws it when the reference
+    # is a float file; True asks for it (refused for a quantized reference); False skips it
+    frontier: bool | None = None
 
 
 def metric(got: torch.Tensor, want: torch.Tensor, psnr: bool = False) -> Metric:
@@ -94,6 +97,9 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
         facts = [f for f in facts if f is not ref_facts]
     else:
         ref_facts = file_facts(reference)
+    if opts.frontier and ref_facts.quantized:
+        raise VerifyError(f"the planner's frontier needs a float reference; "
+                          f"{ref_facts.path} is {ref_facts.label}", path=ref_facts.path)
     dev = require_device(opts.device, probe=opts.probe)
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     run = {"inputs": {k: v for k, v in vars(opts.inputs).items()}, "seed": opts.inputs.seed,
@@ -121,7 +127,33 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
         finally:
             ref.close()
     rank_cards(cards)
-    return CompareResult(ref_card, cards, chosen, run, notes)
+    result = CompareResult(ref_card, cards, chosen, run, notes)
+    if opts.frontier is not False and not ref_facts.quantized:
+        result.frontier = _frontier(ref_facts, opts, progress, log)
+    return result
+
+
+def _frontier(facts: FileFacts, opts: CompareOptions, progress, log) -> list[dict]:
+    """The planner's predicted frontier over the float reference (``plan.frontier``): one
+    sensitivity pass on the card's inputs, nothing converted."""
+    from h3quant.pipelines.plan.frontier import predicted_frontier
+
+    if log is not None:
+        log(f"planner frontier over {facts.path}: one streamed forward per candidate per block")
+    bar = progress("planner", None, "block")
+
+    def on_block(done, total):
+        bar.total = total
+        bar.update(1)
+
+    try:
+        points = predicted_frontier(facts.path, inputs=opts.inputs, mmap=opts.mmap,
+                                    on_block=on_block)
+    finally:
+        bar.close()
+    keep = ("name", "formats", "predicted_bytes", "predicted_sqnr_db", "predicted_min_sqnr_db",
+            "target_sqnr_db")
+    return [{k: v for k, v in p.to_dict().items() if k in keep} for p in points]
 
 
 def _open(path, device, opts, linear="runtime"):
