@@ -530,7 +530,9 @@ def open_as_comfy(path, *, mmap: bool = True, naming: str = "auto",
     ComfyUI's single file: a plain ``Checkpoint`` when it is one (quantized or not), else a
     ``SourceView`` (official or diffusers shards, fp8 weights decoded: to F32 with
     ``quantized_target``, else rounded once to BF16). Closing it closes the files."""
-    ckpt = Checkpoint(path, mmap=mmap)
+    from h3quant.formats.sources import open_source
+
+    ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place (ComfyUI's names)
     try:
         _, mapping = adopt_mapping(ckpt, naming)
         if mapping.trivial:

@@ -112,7 +112,8 @@ def test_inspect_validate_and_convert_read_an_h3_gguf(h3, tmp_path):
                                   "--no-report", "-q"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h3-Q8_0.gguf", "int8.safetensors"]
-    got, _ = read_all(out)
+    got, meta = read_all(out)
+    assert meta["h3quant.source"] == f.name  # the GGUF file itself, not a copy
     # the converted layer encodes the GGUF's own dequantized values (not the original BF16)
     from h3quant.formats.int8.tensors import decode_int8
 
@@ -123,3 +124,103 @@ def test_inspect_validate_and_convert_read_an_h3_gguf(h3, tmp_path):
     assert (dec - src).norm() / src.norm() < 0.02
     r = CliRunner().invoke(main, ["convert", str(f), str(f)])
     assert r.exit_code == 2 and f.read_bytes()[:4] == b"GGUF"
+
+
+def _writes(tmp_path, monkeypatch):
+    """Every path opened for writing while ``on[0]`` is true (an audit hook: it sees the
+    opens of Python, numpy's memmap and the container's own writers), with TMPDIR moved to a
+    folder of its own."""
+    import os
+    import sys
+    import tempfile
+
+    tmp = tmp_path / "TMPDIR"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    written: list[str] = []
+    on = [False]
+
+    def hook(event, args):
+        if event != "open" or not on[0] or isinstance(args[0], int):
+            return
+        path, mode, flags = args
+        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+            written.append(os.fsdecode(path))
+
+    sys.addaudithook(hook)  # stays installed; silent once ``on[0]`` is false
+    return tmp, written, on
+
+
+def _package_values(path):
+    """Every tensor of a GGUF file, dequantized here by the gguf package itself, under the
+    names ComfyUI gives them (``model.diffusion_model.`` stripped), in their torch shapes."""
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        name = t.name.removeprefix("model.diffusion_model.")
+        shape = tuple(int(v) for v in reversed(t.shape))
+        out[name] = torch.from_numpy(
+            gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).copy())
+    return out
+
+
+@pytest.mark.parametrize("qtype,prefix", [("Q4_0", "model.diffusion_model."), ("Q4_K", "")])
+def test_convert_reads_the_gguf_in_place_no_float_copy(h3, tmp_path, monkeypatch, qtype,
+                                                       prefix):
+    import os
+
+    src_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    src_dir.mkdir()
+    out_dir.mkdir()
+    f = src_dir / f"h3-{qtype}.gguf"
+    write_gguf(h3["tensors"], f, qtype, prefix=prefix)
+    tmp, written, on = _writes(tmp_path, monkeypatch)
+    out = out_dir / "h3.safetensors"
+    on[0] = True
+    try:
+        r = CliRunner().invoke(main, ["convert", str(f), str(out), "--to", "bf16", "-q",
+                                      "--no-report"])
+    finally:
+        on[0] = False
+    assert r.exit_code == 0, r.output
+    assert not any(p.startswith(str(tmp)) for p in written), written  # nothing in TMPDIR
+    beside = [p for p in written if p.startswith(str(out_dir))]
+    assert not [p for p in written if p not in beside and p != os.devnull], written
+    data = [p for p in beside if os.path.basename(p) not in (".lock", "journal.json",
+                                                             "committed")]
+    # the one data file written beside OUT is OUT's own staged copy
+    assert len(data) == 1 and os.path.basename(data[0]).startswith(".h3.safetensors."), beside
+    assert sorted(p.name for p in out_dir.iterdir()) == ["h3.safetensors"]
+    assert sorted(p.name for p in src_dir.iterdir()) == [f.name] and not list(tmp.iterdir())
+    got, meta = read_all(out)
+    want = _package_values(f)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():  # the package's own values (rounded once where OUT is BF16)
+        assert torch.equal(got[name], w.to(got[name].dtype)), name
+    # nothing re-encoded (every layer already float): the input's own header key is kept
+    assert json.loads(meta["h3quant.gguf_source"])["file"] == f.name
+
+
+def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
+    import os
+
+    f = tmp_path / "h3-Q8_0.gguf"
+    write_gguf(h3["tensors"], f, "Q8_0")
+    tmp, written, on = _writes(tmp_path, monkeypatch)
+    on[0] = True
+    try:
+        r = CliRunner().invoke(main, ["compare", str(f), "--reference", str(h3["src"]),
+                                      "--frames", "1", "--height", "4", "--width", "4",
+                                      "--audio-frames", "4", "--text-tokens", "8",
+                                      "--device", "cpu", "--json"])
+    finally:
+        on[0] = False
+    assert r.exit_code == 0, r.output
+    rec = next(x for x in json.loads(r.stdout)["records"] if x["path"] == str(f))
+    assert rec["outputs"]["video"]["sqnr_db"] > 20
+    # the one file any compare writes: the reference's block states, in its own work folder
+    assert [os.path.basename(p) for p in written if p != os.devnull] == \
+        ["reference_states.f32"], written
+    assert not list(tmp.iterdir())

@@ -53,6 +53,9 @@ def render(res) -> str:
     c = res.findings
     out.append(f"findings     {c['error']} errors, {c['warning']} warnings, {c['info']} notes"
                + (" (run `h3quant validate` for details)" if c["error"] or c["warning"] else ""))
+    for n in res.notes:
+        out.append(f"note         {n['code']} {n['name']}" + (f" {n['tensor']}:" if n["tensor"]
+                                                              else ":") + f" {n['message']}")
     out.append(f"data read    {res.bytes_read} bytes (marker tensors only)")
     if nfiles > 1:
         out += ["", format_table(["file", "size"], [[f["path"], human_bytes(f["size"])]

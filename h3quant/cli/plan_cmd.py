@@ -276,9 +276,9 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
                          mmap=not no_mmap, on_block=on_block)
         finally:
             bar.close()
-    model = Model(sens, os.path.getsize(src) if os.path.isfile(src) else
-                  sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)
-                      if f.endswith(".safetensors")))
+    from h3quant.pipelines.plan.frontier import source_bytes
+
+    model = Model(sens, source_bytes(src))
     doc: dict = {"sensitivity": sens.to_dict()}
     text = [render_sensitivity(sens)]
     if target_sqnr is not None or max_size is not None:

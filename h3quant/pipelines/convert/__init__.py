@@ -22,6 +22,7 @@ from typing import cast
 
 from h3quant.formats.container.atomic import Outputs, resolve_stale, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.sources import open_source
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import adopt, survival
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
@@ -39,7 +40,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     options = options or ConvertOptions()
     src, dst = Path(src), Path(dst)
     register_files(None, src, dst, options.loras).check(overwrite=True)
-    with Checkpoint(src, mmap=options.mmap) as ckpt:
+    with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         if mapping.trivial and not options.loras:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
@@ -77,7 +78,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     files = register_files(files, src, dst, options.loras, report_path)
     files.check(overwrite=options.overwrite)
     resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
-    with Checkpoint(src, mmap=options.mmap) as ckpt:
+    with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         source, loras = ckpt, None
         if not mapping.trivial or options.loras:
@@ -156,7 +157,7 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
     (None: it has none); ``ConvertError`` when its layers use several formats."""
     from h3quant.pipelines.convert import bake
 
-    with Checkpoint(Path(src), mmap=mmap) as ckpt:
+    with open_source(Path(src), mmap=mmap) as ckpt:
         _, mapping = adopt.adopt_mapping(ckpt, naming)
         return bake.native_target(adopt.SourceView(ckpt, mapping, True))
 
