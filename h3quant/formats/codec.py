@@ -26,7 +26,7 @@ class Codec:
     calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
     decodes = False  # the runtime may run the layer through ``decode_weight`` (float math)
     kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
-    needs_row0 = False  # encode() needs the layer's first row index (scales tiled across rows)
+    needs_row0 = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
     sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
 
     if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
