@@ -130,7 +130,8 @@ _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuratio
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")
 _r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuration")
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
-_r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
+_r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized (a per-tensor "
+   "float8 layer, as in ComfyUI's fp8_scaled releases, may be any linear)")
 _r("T106", "h3-block-index-limit", E, "block indices stay below 1000 (H3 has 50)")
 # GGUF files (read through the gguf package): FORMATS.md, GGUF.
 _r("G101", "gguf-header", E, "a GGUF file has the GGUF magic and a header the gguf package reads, with "

@@ -224,3 +224,20 @@ def test_presets_table_is_consistent():
             cfg = config_for(name, form=form)
             det = detect(_header(cfg))
             assert det.preset_name == name and det.config == cfg
+
+
+def test_float8_layer_outside_the_blocks_is_not_flagged():
+    """ComfyUI's fp8_scaled releases store every linear (the token refiner too) as a per-tensor
+    float8 layer, and convert keeps such layers: no T105 for them; int8 there still is one."""
+    cfg = config_for("tiny", blocks=2)
+    tensors = _header(cfg)
+    quant = {}
+    for layer in ("token_refiner.blocks.0.mlp.fc1", "token_refiner.blocks.0.mlp.fc2"):
+        n, k = tensors[f"{layer}.weight"].shape
+        tensors[f"{layer}.weight"] = SimpleNamespace(dtype="F8_E4M3", shape=(n, k))
+        tensors[f"{layer}.weight_scale"] = SimpleNamespace(dtype="F32", shape=())
+        tensors[f"{layer}.comfy_quant"] = SimpleNamespace(dtype="U8", shape=(28,))
+        quant[layer] = "float8_e4m3fn"
+    quant.update(_quantize(tensors, ["token_refiner.blocks.1.mlp.fc1"], INT8))
+    found = check(tensors, detect(tensors), quant)
+    assert [(f.code, f.tensor) for f in found] == [("T105", "token_refiner.blocks.1.mlp.fc1")]

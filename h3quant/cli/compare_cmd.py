@@ -7,6 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     given_options,
     inputs_from_file,
     EXIT_OK,
@@ -50,9 +51,8 @@ Examples:
 
 
 @click.command("compare", help=_HELP, context_settings={"max_content_width": 100})
-@click.argument("files", nargs=-1, required=True,
-                type=click.Path(dir_okay=True, path_type=str))
-@click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
+@click.argument("files", nargs=-1, required=True, type=CHECKPOINT)
+@click.option("--reference", type=CHECKPOINT, default=None,
               help="The reference file (default: the most precise of FILE...).")
 @click.option("--device", default="auto", show_default=True, callback=device_callback(True),
               help="Where the files run: auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")

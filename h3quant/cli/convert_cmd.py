@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     WORKERS,
     emit_json,
     guard,
@@ -52,7 +53,7 @@ def _group_size(ctx, param, value):
 
 
 @click.command("convert")
-@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.argument("dst", metavar="[OUT]", required=False, type=click.Path(path_type=str))
 @click.option("--to", "target", type=click.Choice(_TARGETS), default="int8-convrot",
               show_default=True,

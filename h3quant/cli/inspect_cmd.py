@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     emit_json,
     format_table,
     guard,
@@ -106,7 +107,7 @@ Examples:
   h3quant inspect model.safetensors.index.json --json # sharded, machine-readable
   h3quant inspect shards_dir/ --no-mmap
   h3quant inspect my_lora.safetensors                 # a LoRA: style, rank, H3 layers""")
-@click.argument("ckpt", type=click.Path(path_type=str))
+@click.argument("ckpt", type=CHECKPOINT)
 @click.option("--layers", is_flag=True,
               help="Add a table with one row per layer: format, N, K, size, bits per weight, "
                    "marker source, tensor dtypes.")

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from h3quant.cli.common import SEED, emit_json, finite_float, format_table, guard, \
+from h3quant.cli.common import CHECKPOINT, SEED, emit_json, finite_float, format_table, guard, \
     handle_errors, log, mmap_option, progress_enabled
 from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
@@ -121,7 +121,7 @@ Examples:
   h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
   h3quant verify planned.safetensors --model --reference h3_bf16.safetensors
   h3quant plan h3_bf16.safetensors --from sens.json --frontier --plot frontier.png""")
-@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "

@@ -156,6 +156,10 @@ class FormatSpec:
     row_scale: str | None = None
     relayout_note: str | None = None
     grid_note: str | None = None
+    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
+    # the token refiner too), and convert keeps such layers as they are: a layer outside the
+    # DiT blocks stored in it is expected, not flagged (T105).
+    whole_model: bool = False
 
     # ------------------------------------------------------------------ derived facts
     @property

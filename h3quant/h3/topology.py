@@ -423,6 +423,9 @@ def check(tensors: dict, detection: Detection | None,
             continue  # ComfyUI's scaled-fp8 marker: judged by the marker rules (Q131)
         found.append(Finding("T103", "not part of the detected H3 configuration", tensor=name))
     for layer, fmt in sorted(quantized.items()):
+        fspec = registry.spec(_fmt(fmt))
+        if fspec is not None and fspec.whole_model:
+            continue  # ComfyUI's own releases store every linear so (the fp8_scaled files)
         if not is_h3_block_linear(layer):
             why = " (the token refiner is never quantized in released files)" \
                 if "token_refiner." in layer else ""

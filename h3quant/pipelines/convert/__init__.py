@@ -46,6 +46,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
         source, loras = _view(ckpt, mapping, options)
         options = _promoted(options, loras)
         plan = build_plan(source, src, dst, options, dry_run=dry_run)
+        plan.warnings += getattr(source, "notes", [])
     if not mapping.trivial:
         plan.naming = _naming(det, mapping)
     if loras is not None:
@@ -90,6 +91,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             for line in loras.skipped:
                 log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
+        plan.warnings += getattr(source, "notes", [])
         for path in input_paths(source, src):
             files.read(path, "input shard")
         for stats in (options.calibration, options.calibration_heldout):
@@ -171,14 +173,18 @@ def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
         quantized = bake.quantized_layers(view)
         loras = lora.load(options.loras, bake.logical_shapes(view, quantized),
                           options.lora_skip_unmatched)
+        if view.kept & loras.layers:  # merged in float from the fp8 decode, then written BF16
+            view.unkeep(loras.layers)
+            quantized = bake.quantized_layers(view)
         bake.apply(view, loras, quantized)
     return cast(Checkpoint, view), loras
 
 
 def _untouched_fp8(mapping, options: ConvertOptions) -> frozenset[str]:
     """The fp8 weights this conversion copies rather than re-encodes (no preset, filter or
-    rule picks their layer): shown as BF16 (rounded once, as ComfyUI computes with them), not
-    widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
+    rule picks their layer): kept as float8 layers (codes and scale unchanged) where their
+    stored form allows, else shown as BF16 (rounded once, as ComfyUI computes with them);
+    never widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
     from h3quant.pipelines.convert.options import is_h3, preset_selects, wide_rules
 
     from types import SimpleNamespace
