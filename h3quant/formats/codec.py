@@ -1,16 +1,18 @@
 """The narrow codec: a format's tensor work (encode, decode, the runtime's weights).
 
-A codec is built from its format's ``FormatSpec`` (``codec.spec``) and only adds what needs
-tensors: which stored tensors to read to decode rows, decoding them, encoding float rows (with
-an optional calibration object, for encoders that use one), the grid the int8 runtime
-multiplies, and the checks on tensor values. Header facts (name, targets, limits, planned
-tensors ...) are the spec's; ``codec.name`` and the like read through to it. Importing a codec
+A codec is built from its format's ``FormatSpec`` and only adds what needs tensors: which
+stored tensors to read to decode rows, decoding them, encoding float rows (with an optional
+calibration object, for encoders that use one), the grid the int8 runtime multiplies, and the
+checks on tensor values, plus the few switches about that work (``calibrates``, ``decodes``,
+``kernel``, ``needs_row0``, ``sampled_by_column``). Header facts (name, targets, limits,
+planned tensors, the tensors to transpose or to read for a grid ...) are the spec's alone:
+callers read them as ``codec.spec.<field>``; a codec does not forward them. Importing a codec
 never imports torch; its methods do, on first use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from h3quant.formats.spec import FormatSpec, RowRange, Violation
 
@@ -22,14 +24,17 @@ class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
     calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+    decodes = False  # the runtime may run the layer through ``decode_weight`` (float math)
+    kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
+    needs_row0 = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
+    sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
+
+    if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
+        def decode_weight(self, tensors: dict, fields: dict | None,
+                          dtype: torch.dtype) -> torch.Tensor: ...
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
-
-    def __getattr__(self, name: str) -> Any:  # header facts: the spec's
-        if name == "spec":
-            raise AttributeError(name)
-        return getattr(self.spec, name)
 
     def __repr__(self) -> str:
         return f"<codec {self.spec.name}>"
@@ -73,6 +78,12 @@ class Codec:
     def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
         return grid
+
+    def grid_origin(self, q: torch.Tensor) -> str | None:
+        """Whether int8 codes ``q`` [n, K] (rows of another layer) lie exactly on this format's
+        decoded int8 grid, as a layer converted from this format keeps them: a short description
+        of that grid (its table, its group), or None."""
+        return None
 
     def row_range(self, tensors: dict, th) -> RowRange:
         """verify's reference-free check of the int8 grid: the legal per-row code peak."""

@@ -149,6 +149,13 @@ class FormatSpec:
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
     write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # Moving stored codes instead of quantizing (convert's relayout and grid conversions): the
+    # tensor of per-row scales copied beside the codes (a layout variant and its canonical
+    # format both name it), and the plan's note for each way (a relayout: the canonical
+    # format's ``relayout_note``; a conversion through the grid: the source's ``grid_note``).
+    row_scale: str | None = None
+    relayout_note: str | None = None
+    grid_note: str | None = None
     # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
     # the token refiner too), and convert keeps such layers as they are: a layer outside the
     # DiT blocks stored in it is expected, not flagged (T105).

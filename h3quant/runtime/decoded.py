@@ -28,7 +28,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def decodes(codec) -> bool:
     """Whether the runtime runs layers of ``codec`` through its float decode."""
-    return bool(getattr(codec, "decodes", False)) and hasattr(codec, "decode_weight")
+    return bool(codec.decodes) and hasattr(codec, "decode_weight")
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,20 @@ class FormatRoute:
 
 def route(codec, device: Device, probe: Probe) -> FormatRoute:
     """The route of ``codec``'s layers on ``device`` (for ``backends`` and verify's notes)."""
-    kernel = getattr(codec, "kernel", None)  # (text, minimum CUDA capability) ComfyUI uses
+    kernel = codec.kernel  # (text, minimum CUDA capability) ComfyUI uses
     if device.kind == "cuda" and kernel is not None:
         cap = probe.cuda_capability(device.index)
         if cap is not None and tuple(cap) >= tuple(kernel[1]):
-            return FormatRoute(codec.name, "dequant", kernel[0],
+            return FormatRoute(codec.spec.name, "dequant", kernel[0],
                                f"ComfyUI runs {kernel[0]} on sm_{cap[0]}{cap[1]}; h3quant "
                                "dequantizes (the same weights, float matmul)")
         sm = f"sm_{kernel[1][0]}{kernel[1][1]}"
         have = "an unknown GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
-        return FormatRoute(codec.name, "dequant", "dequant",
+        return FormatRoute(codec.spec.name, "dequant", "dequant",
                            f"{kernel[0]} needs {sm} or newer ({have}); ComfyUI dequantizes to "
                            "the compute dtype too")
-    return FormatRoute(codec.name, "dequant", "dequant",
-                       f"no {codec.name} kernel on {device.kind}; the weight is dequantized to "
+    return FormatRoute(codec.spec.name, "dequant", "dequant",
+                       f"no {codec.spec.name} kernel on {device.kind}; the weight is dequantized to "
                        "the compute dtype (comfy-kitchen's dequantize) and a float matmul runs")
 
 
@@ -88,7 +88,7 @@ class DecodedLinear(torch.nn.Module):
         dev = device if isinstance(device, Device) else parse_device(device, probe=probe)
         codec = layer.codec
         if not decodes(codec):
-            raise FormatError(f"{codec.name} layers have no float decode", tensor=layer.name)
+            raise FormatError(f"{codec.spec.name} layers have no float decode", tensor=layer.name)
         r = route(codec, dev, probe)
         return cls(codec, layer.tensors, layer.fields, layer.bias,
                    (layer.out_features, layer.in_features), dev, r.reason,
@@ -126,7 +126,7 @@ class DecodedLinear(torch.nn.Module):
         return F.linear(x, self.weight_for(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return (f"format={self.codec.name}, in_features={self.in_features}, "
+        return (f"format={self.codec.spec.name}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, device={self.device}, backend=dequant")
 
 
@@ -144,7 +144,7 @@ def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> 
         if decodes(codec):
             out.append(route(codec, dev, probe))
         else:
-            out.append(FormatRoute(codec.name, first, "its int8 path",
+            out.append(FormatRoute(codec.spec.name, first, "its int8 path",
                                    f"int8 grid: the first available int8 backend ({first}); "
                                    "a layer its kernel refuses runs dequant"))
     return out

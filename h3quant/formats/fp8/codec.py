@@ -6,11 +6,16 @@ from dataclasses import replace
 
 from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
-from h3quant.formats.fp8.spec import E4M3, E5M2
+from h3quant.formats.fp8.spec import E4M3, E5M2, Fp8Spec
 
 
 class Fp8Codec(Codec):
     """A per-tensor-scaled fp8 layer; encodes the whole layer (one amax), in row chunks."""
+
+    def __init__(self, spec: Fp8Spec) -> None:
+        super().__init__(spec)
+        self.decodes = spec.decodes  # the runtime runs it through its float decode
+        self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
 
     def _dtype(self):
         import torch

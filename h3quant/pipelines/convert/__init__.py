@@ -164,8 +164,8 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
 
 def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
     """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
-    view = adopt.SourceView(ckpt, mapping, options.codec.quantized,
-                            _untouched_fp8(mapping, options) if options.codec.quantized
+    view = adopt.SourceView(ckpt, mapping, options.codec.spec.quantized,
+                            _untouched_fp8(mapping, options) if options.codec.spec.quantized
                             else frozenset())
     loras = None
     if options.loras:  # read once, resolved against the logical ComfyUI shapes

@@ -22,7 +22,7 @@ from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
 from h3quant.formats import registry
 from h3quant.formats.container.dtypes import itemsize
-from h3quant.formats.int8_kn.tensors import RowTransposer
+from h3quant.formats.transpose import RowTransposer
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
@@ -82,7 +82,7 @@ class SourceRows:
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
-        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.column_sources}
         # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
         self._views = self.codec.row_views(self._whole, self.f)
 
@@ -106,7 +106,7 @@ class SourceRows:
         rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
-        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+        if self.codec.needs_row0:  # block scales laid out across rows
             rows["_row0"] = r0
         rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
@@ -198,10 +198,10 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # pre-transposed outputs (the NPU layout): rows are gathered into slabs and written as
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
-                   for sfx in codec.transposed_outputs}
+                   for sfx in codec.spec.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool, step):
-        _check_planned(lp, out, r1 - r0, codec.unrowed_outputs, codec.transposed_outputs)
-        if codec.quantized:
+        _check_planned(lp, out, r1 - r0, codec.spec.unrowed_outputs, codec.spec.transposed_outputs)
+        if codec.spec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():
             if suffix in transposers:
@@ -230,15 +230,15 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
     else:
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
-    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
-    _check_planned(lp, out, n, opts.codec.unrowed_outputs)
+    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.unrowed_outputs}, 0)
+    _check_planned(lp, out, n, opts.codec.spec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
-    unrowed = opts.codec.unrowed_outputs
-    cols = getattr(opts.codec, "sampled_by_column", ())  # stored [*, N]: sampled as rows
+    unrowed = opts.codec.spec.unrowed_outputs
+    cols = opts.codec.sampled_by_column  # stored [*, N]: sampled as rows
     samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
                              if s not in unrowed or s in cols})
     samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
-    if samples.idx is not None and (unrowed or getattr(opts.codec, "needs_row0", False)):
+    if samples.idx is not None and (unrowed or opts.codec.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
@@ -253,7 +253,7 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
                  workers: int = 1, pool=None, calibration=None) -> Samples:
     """Encode one planned layer with the target's codec (``calibration``: the layer's
     statistics, for a codec that calibrates; None rounds to nearest)."""
-    run = encode_chunked if opts.codec.chunked else encode_whole
+    run = encode_chunked if opts.codec.spec.chunked else encode_whole
     return run(lp, src, opts, sink, progress, workers, pool, calibration)
 
 
