@@ -22,6 +22,10 @@ class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
     calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
+    # activation quantization included) instead of a dequantized weight: the runtime then calls
+    # ``emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    emulation: tuple[str, tuple[str, ...]] | None = None
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
@@ -57,6 +61,11 @@ class Codec:
         import torch
 
         return {"weight": w.to(torch.bfloat16)}
+
+    def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` as ComfyUI computes it on the devices ``emulation`` names."""
+        raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
 
     def report_grid(self, out: dict, marker: dict | None):
         """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""
