@@ -88,3 +88,24 @@ def test_chunks_with_a_partial_last_tile_give_kitchens_bytes(target):
     assert set(got) == set(want)
     for key, t in want.items():
         assert torch.equal(_bits(got[key]), _bits(t)), key
+
+
+@pytest.mark.parametrize("target", ["fp8", "nvfp4"])
+def test_a_quantized_source_streams_its_decoded_rows(src, tmp_path, monkeypatch, target):
+    """From an int8 file: both passes read the decoded fp32 rows; the bytes are kitchen's
+    quantization of the int8 weight decoded here (codes x row scales)."""
+    from h3quant.pipelines.convert import compute
+
+    int8 = tmp_path / "int8.safetensors"
+    convert(src, int8, ConvertOptions(target="int8"))
+    monkeypatch.setattr(compute, "CHUNK_ELEMS", 1 << 14)
+    out = tmp_path / "o.safetensors"
+    convert(int8, out, ConvertOptions(target=target, workers=2))
+    a, b = load_file(int8), load_file(out)
+    layout, kw = LAYOUTS[target]
+    names = [k[:-len(".weight_scale")] for k in a if k.endswith(".weight_scale")]
+    assert len(names) == 4
+    for name in names:
+        w = a[name + ".weight"].float() * a[name + ".weight_scale"].float().reshape(-1, 1)
+        for key, t in kitchen_state(w, layout, name, **kw).items():
+            assert torch.equal(_bits(b[key]), _bits(t)), key
