@@ -32,6 +32,11 @@ class Codec:
     if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
         def decode_weight(self, tensors: dict, fields: dict | None,
                           dtype: torch.dtype) -> torch.Tensor: ...
+    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
+    # activation quantization included) instead of a dequantized weight: the runtime then calls
+    # ``emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    emulation: tuple[str, tuple[str, ...]] | None = None
+    scans = False  # a streamed encoder (``spec.streamed``) needs a first pass (``scan_rows``)
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
@@ -62,6 +67,28 @@ class Codec:
         import torch
 
         return {"weight": w.to(torch.bfloat16)}
+
+    def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` as ComfyUI computes it on the devices ``emulation`` names."""
+        raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
+
+    def scan_rows(self, w: torch.Tensor) -> Any:
+        """A streamed codec's first pass (``spec.streamed``): what rows ``w`` contribute to the
+        layer-wide value (None: the codec needs none)."""
+        return None
+
+    def layer_value(self, parts: list) -> Any:
+        """The layer-wide value from every chunk's ``scan_rows`` (None: none needed)."""
+        return None
+
+    def encode_rows(self, w: torch.Tensor, marker: dict | None, method: str,
+                    value: Any) -> dict[str, torch.Tensor]:
+        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.chunk_rows`` multiples
+        starting at such a multiple) encoded with the layer-wide ``value``. Every output but a
+        0-dim one holds the chunk's stored rows (the last chunk's padding rows included); the
+        bytes equal the same rows of ``encode`` on the whole layer."""
+        return self.encode(w, marker, method)
 
     def report_grid(self, out: dict, marker: dict | None):
         """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""

@@ -132,6 +132,11 @@ class FormatSpec:
     deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
     int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
+    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
+    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
+    streamed: bool = False
+    chunk_rows: int = 1
     unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
     convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)

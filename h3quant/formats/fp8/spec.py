@@ -71,7 +71,8 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
         runtime_tensors=("weight", "weight_scale", "input_scale"),
         runtime_required=("weight", "weight_scale"),
         deep_scales=("weight_scale", "input_scale"),
-        chunked=False,  # one amax over the whole layer; encoded in row chunks inside
+        chunked=False,  # one amax over the whole layer: a first pass, then row chunks
+        streamed=True,
         unrowed_outputs=("weight_scale",),
         weight_bits=8,
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
