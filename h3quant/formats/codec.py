@@ -12,7 +12,7 @@ never imports torch; its methods do, on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from h3quant.formats.spec import FormatSpec, RowRange, Violation
 
