@@ -366,6 +366,23 @@ def test_calibrated_4bit_file_reads_in_kitchen_and_beats_rounding(world, target)
     assert len(gains) == 8 and min(gains) > 0.5, gains
 
 
+@pytest.mark.parametrize("target, basis", [("nvfp4", "plain"), ("int4-convrot", "convrot g=256")])
+def test_4bit_report_calibrates_every_layer(world, target, basis):
+    """The report says each nvfp4 / INT4 ConvRot layer was calibrated (in the basis the format
+    quantizes in), with its predicted gain and output SQNR; no 'rounded to nearest' note."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    out = world["d"] / f"rep_{target}.safetensors"
+    rep = convert(world["src"], out, ConvertOptions(target=target, overwrite=True,
+                                                    calibration=str(world["stats"]))).to_dict()
+    layers = rep["layers"] if isinstance(rep["layers"], list) else list(rep["layers"].values())
+    cal = [lay["calibration"] for lay in layers]
+    assert len(cal) == 8
+    for c in cal:
+        assert c["basis"] == basis and "note" not in c, c
+        assert c["predicted_gain_db"] > 0 and "calibration" in c["output_sqnr_db"]
+
+
 def test_statistics_of_another_checkpoint_are_refused(world, tmp_path):
     other = tmp_path / "other.safetensors"
     synth_checkpoint(other, preset="tiny", blocks=2, seed=4)
