@@ -212,7 +212,7 @@ def few_table(src, a, d, src_w, sa, sb) -> None:
         print("| layer | K | B: RTN | B: calibrated on too few rows | B: calibrated on A |")
         print("|---|---|---|---|---|")
         codec = registry.target_codec("w4a8")
-        marker = codec.marker(registry.target("w4a8"), 256)
+        marker = codec.spec.marker(registry.target("w4a8"), 256)
         for k in ("blocks.3.attn.qkv_proj", "blocks.3.mlp.fc1", "blocks.3.mlp.fc2"):
             lay = sf.layer(k)
             forced = LayerStats.from_hessian(k, lay.hessian(), 1 << 30)

@@ -81,6 +81,8 @@ _r("M112", "header-only-layer", E, "a layer in _quantization_metadata exists in 
 _r("M113", "header-metadata-missing", W, "quantized layers are also described in the header metadata")
 _r("M114", "marker-field", E, "marker fields have the right types and legal values")
 _r("M115", "marker-noncanonical", I, "the marker bytes differ from the canonical ones h3quant writes")
+_r("M116", "metadata-unread", I, "header metadata keys other than format, _quantization_metadata and "
+   "h3quant.* are read by neither ComfyUI's loader nor h3quant (kept, ignored)")
 # Scheme rules: FORMATS.md 3 and 4.
 _r("Q101", "tensor-missing", E, "a layer has every tensor its format needs")
 _r("Q102", "tensor-dtype", E, "each tensor of a quantized layer has the format's dtype")
@@ -128,10 +130,21 @@ _r("D107", "kn-orientation", E, "int8_tensorwise_kn: the [K, N] weight is not ca
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")
-_r("T103", "h3-tensor-extra", W, "no tensor outside the detected H3 configuration")
+_r("T103", "h3-tensor-extra", W, "no extra tensor of an H3 layer (a bias H3's layer lacks: ComfyUI "
+   "ignores it, h3quant's forward would add it)")
 _r("T104", "h3-not-detected", I, "the checkpoint is recognised as an H3 DiT")
-_r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized")
+_r("T105", "h3-quantized-unexpected", W, "only the block linears are quantized (a per-tensor "
+   "float8 layer, as in ComfyUI's fp8_scaled releases, may be any linear)")
 _r("T106", "h3-block-index-limit", E, "block indices stay below 1000 (H3 has 50)")
+_r("T107", "h3-time-table-rows", I, "adaln_t_table has H3's 1025 rows; another count samples the same "
+   "curve more or less densely, and the forward interpolates over the table's own rows")
+_r("T108", "h3-tensor-ignored", I, "a tensor outside H3's layers is an unexpected key: ComfyUI's loader "
+   "and h3quant's forward ignore it")
+_r("T109", "h3-float-dtype", I, "float tensors are stored in H3's dtypes; another float dtype (F16, "
+   "BF16, F32) loads: ComfyUI casts it into its module's dtype, h3quant computes with it (H3's "
+   "fp32 parts in fp32)")
+_r("T110", "h3-name-prefix", I, "tensor names carry no prefix; a full checkpoint's "
+   "model.diffusion_model. is stripped on load")
 # GGUF files (read through the gguf package): FORMATS.md, GGUF.
 _r("G101", "gguf-header", E, "a GGUF file has the GGUF magic and a header the gguf package reads, with "
    "unique tensor names and shapes within the limits")

@@ -16,17 +16,25 @@ gives.
 Row operations (``h3.naming``) move whole rows, so a BF16 source stays bit-exact. fp8
 weights are decoded to fp32 (``float(code) * scale``, the scale per tensor or per
 output row, as ComfyUI's scaled-fp8 loader multiplies it in) and seen as F32 by a quantized
-target, or rounded once to BF16 (nearest even) for ``--to bf16``.
+target, or rounded once to BF16 (nearest even) for ``--to bf16``. An fp8 weight that
+``convert`` leaves alone (``narrow``) keeps its codes byte for byte when it can: with one scale
+per tensor (or none) and no rows moved, it is shown as a per-layer float8 layer (its codes, its
+scale as an F32 ``weight_scale``, a ``comfy_quant`` marker and a header entry), the form
+ComfyUI loads today; otherwise (a per-row scale, rows moved or fused) it is shown as BF16,
+rounded once, and ``notes`` says why.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.fp8.spec import per_tensor_marker
+from h3quant.formats.markers import MARKER_SUFFIX, marker_bytes
 from h3quant.h3 import naming
 from h3quant.h3.naming import (
     COPY,
@@ -216,10 +224,22 @@ class SourceView:
         self._file = _ViewFile(self, source.path.parent / name)
         self.files = [self._file]
         self._entries = staged_entries(mapping, quantized_target)
-        for name in narrow:  # fp8 weights copied, not re-encoded: BF16 (rounded once), not F32
-            if name in self._entries and self._targets_fp8(mapping, name):
-                self._entries[name] = ("BF16", self._entries[name][1])
         self._targets = {t.name: t for t in mapping.targets}
+        # fp8 weights copied, not re-encoded: kept as float8 layers where their stored form
+        # allows it (``_kept``: layer -> marker; ``_extra``: their scale and marker tensors),
+        # else BF16 (rounded once), never widened to F32.
+        self._kept: dict[str, dict] = {}
+        self._extra: dict[str, tuple[str, tuple[int, ...], bytes, str]] = {}
+        self.notes: list[str] = []
+        for name in sorted(narrow):
+            if name in self._entries and self._targets_fp8(mapping, name):
+                why = self._keep(name)
+                if why is not None:
+                    self._entries[name] = ("BF16", self._entries[name][1])
+                    self.notes.append(f"{name}: {why}; written as BF16 (rounded once)")
+        if self._kept:
+            self.notes.append(f"{len(self._kept)} fp8 layer(s) convert leaves alone kept in "
+                              "their float8 codes and scale (byte for byte)")
         # Replaced tensors (``replace``): name -> (dtype, shape, compute, base); hidden tensors
         # and the layers whose header marker entry no longer applies.
         self._replaced: dict[str, tuple] = {}
@@ -234,20 +254,75 @@ class SourceView:
     def _targets_fp8(mapping: Mapping, name: str) -> bool:
         return any(t.name == name and t.fp8 for t in mapping.targets)
 
+    def _keep(self, name: str) -> str | None:
+        """Show fp8 weight ``name`` as a per-layer float8 layer, codes and scale unchanged;
+        the reason it cannot be (None when it is kept)."""
+        t = self._targets[name]
+        src = t.sources[0]
+        marker = per_tensor_marker(src.dtype)
+        if marker is None:
+            return f"fp8 codes of {src.dtype} have no per-layer float8 format"
+        if t.op != COPY or len(t.sources) != 1 or len(src.shape) != 2:
+            return "its rows are moved or fused to fit ComfyUI's layout, so its codes cannot be kept"
+        scale = 1.0
+        if src.scale is not None:
+            info = self.source.info(src.scale)
+            if _count(info.shape) != 1:
+                return "its fp8 scale is per row (ComfyUI's float8 layers hold one per tensor)"
+            scale = _scalar(bytes(self.source.read_bytes(src.scale)), info.dtype)
+            if not (scale > 0 and scale < float("inf")):  # decoding it reports N305
+                return "its fp8 scale is not a finite positive value"
+        layer = name[: -len(".weight")]
+        stem = f"{layer}."
+        if any(n.startswith(stem) and n != name and n[len(stem):] in ("weight_scale", "comfy_quant")
+               for n in self._entries):
+            return "its layer already holds a weight_scale or marker tensor"
+        self._entries[name] = (src.dtype, tuple(src.shape))
+        self._kept[layer] = marker
+        self._extra[f"{layer}.weight_scale"] = ("F32", (), struct.pack("<f", scale), src.name)
+        mbytes = marker_bytes(marker)
+        self._extra[layer + MARKER_SUFFIX] = ("U8", (len(mbytes),), mbytes, src.name)
+        return None
+
+    def unkeep(self, layers) -> None:
+        """Show the kept fp8 layers among ``layers`` as BF16 again (a LoRA merges into them)."""
+        for layer in sorted(set(layers) & set(self._kept)):
+            del self._kept[layer]
+            del self._extra[f"{layer}.weight_scale"]
+            del self._extra[layer + MARKER_SUFFIX]
+            name = f"{layer}.weight"
+            self._entries[name] = ("BF16", self._entries[name][1])
+            self.notes.append(f"{name}: a LoRA is merged into it; written as BF16 (merged in "
+                              "float, rounded once)")
+        self._layout()
+
+    @property
+    def kept(self) -> frozenset[str]:
+        """The layers shown as float8 layers with their source codes and scale."""
+        return frozenset(self._kept)
+
     def _layout(self) -> None:
         """Place the tensors in the virtual file, in the order their sources lie in the shards."""
         def first_source(t: Target):
             info = self.source.info(t.sources[0].name)
             return str(info.file), info.begin
+        def place(name: str):
+            if name in self._extra:  # a kept layer's scale and marker: right after its codes
+                info = self.source.info(self._extra[name][3])
+                return str(info.file), info.begin, 1, name
+            return (*first_source(self._targets[name]), 0, name)
         offset = 0
         infos = {}
-        for t in sorted(self.mapping.targets, key=first_source):
-            if t.name in self._hidden:
+        for name in sorted(list(self._targets) + list(self._extra), key=place):
+            if name in self._hidden:
                 continue
-            dtype, shape = self._replaced.get(t.name, self._entries[t.name])[:2]
+            if name in self._extra:
+                dtype, shape = self._extra[name][:2]
+            else:
+                dtype, shape = self._replaced.get(name, self._entries[name])[:2]
             nbytes = _nbytes(dtype, shape)
-            infos[t.name] = TensorInfo(t.name, dtype, tuple(shape), offset, offset + nbytes,
-                                       self._file.path)
+            infos[name] = TensorInfo(name, dtype, tuple(shape), offset, offset + nbytes,
+                                     self._file.path)
             offset += -(-nbytes // ALIGN) * ALIGN
         self.tensors = dict(sorted(infos.items()))
         self._cache.clear()
@@ -282,6 +357,8 @@ class SourceView:
         """Tensor ``name`` as the mapping alone gives it (no replacement), in its view dtype."""
         from h3quant.formats.container.dtypes import to_torch
 
+        if name.endswith(".weight") and name[: -len(".weight")] in self._kept:
+            return self.source.read(self._targets[name].sources[0].name)  # the codes as stored
         x = build_target(self.source, self._targets[name])
         want = to_torch(self._entries[name][0])
         return x if x.dtype == want else x.to(want)  # fp8 decoded: F32, or rounded once to BF16
@@ -290,7 +367,7 @@ class SourceView:
     @property
     def metadata(self) -> dict[str, str]:
         meta = self.source.metadata
-        if not self._unmarked or HEADER_KEY not in meta:
+        if not self._kept and (not self._unmarked or HEADER_KEY not in meta):
             return meta
         meta = dict(meta)
         try:
@@ -298,6 +375,7 @@ class SourceView:
         except MarkerError:
             return meta  # convert repairs (replaces) an unparseable table itself
         kept = {k: v for k, v in layers.items() if k not in self._unmarked}
+        kept.update(self._kept)
         if kept:
             meta[HEADER_KEY] = header_metadata_value(kept)
         else:
@@ -352,6 +430,8 @@ class SourceView:
 
     def source_name(self, name: str) -> str | None:
         """The source tensor ``name`` is, byte for byte (a plain rename), else None."""
+        if name in self._extra:
+            return None
         t = self._targets[name]
         if t.op != COPY or len(t.sources) != 1 or t.fp8:
             return None
@@ -359,11 +439,13 @@ class SourceView:
 
     def forwarded(self, name: str):
         """A target stored unchanged (same bytes) in a source shard: (file, TensorInfo)."""
+        if name in self._extra or name in self._replaced:
+            return None
         t = self._targets[name]
         src = t.sources[0]
-        if name in self._replaced:
-            return None
-        if t.op != COPY or len(t.sources) != 1 or t.fp8 or self.tensors[name].dtype != src.dtype:
+        kept = name.endswith(".weight") and name[: -len(".weight")] in self._kept
+        if t.op != COPY or len(t.sources) != 1 or (t.fp8 and not kept) \
+                or self.tensors[name].dtype != src.dtype:
             return None
         return self.source.file_of(src.name), self.source.info(src.name)
 
@@ -372,6 +454,8 @@ class SourceView:
         ``cache=False``: built for this caller only)."""
         from h3quant.formats.container.dtypes import to_torch
 
+        if name in self._extra:  # a kept layer's scale or marker: a few bytes
+            return memoryview(self._extra[name][2])
         with self._lock:
             if name in self._cache:
                 self._cache.move_to_end(name)
@@ -397,6 +481,24 @@ class SourceView:
                     len(v) for k, v in self._cache.items() if k != name) > CACHE_EXTRA:
                 self._cache.popitem(last=False)
             return data
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _scalar(raw: bytes, dtype: str) -> float:
+    """The one value of a little-endian F32 / F16 / BF16 tensor (exact in a Python float)."""
+    if dtype == "F32":
+        return float(struct.unpack("<f", raw[:4])[0])
+    if dtype == "F16":
+        return float(struct.unpack("<e", raw[:2])[0])
+    if dtype == "BF16":
+        return float(struct.unpack("<f", b"\x00\x00" + raw[:2])[0])
+    raise FormatError(f"fp8 scale is {dtype}", code="N305")
 
 
 def _u8():
@@ -428,7 +530,9 @@ def open_as_comfy(path, *, mmap: bool = True, naming: str = "auto",
     ComfyUI's single file: a plain ``Checkpoint`` when it is one (quantized or not), else a
     ``SourceView`` (official or diffusers shards, fp8 weights decoded: to F32 with
     ``quantized_target``, else rounded once to BF16). Closing it closes the files."""
-    ckpt = Checkpoint(path, mmap=mmap)
+    from h3quant.formats.sources import open_source
+
+    ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place (ComfyUI's names)
     try:
         _, mapping = adopt_mapping(ckpt, naming)
         if mapping.trivial:

@@ -173,3 +173,43 @@ def test_a_copy_of_the_reference_matches_it_exactly(files, tmp_path):
     assert c["quality_db"] == "inf" and c["final_latent"]["video"]["psnr_db"] == "inf"
     assert all(d["sqnr_db"] == "inf" and d["local_sqnr_db"] == "inf" for d in c["drift"])
     assert all(s["video_sqnr_db"] == "inf" for s in c["steps"]) and len(c["steps"]) == 2
+
+
+def test_the_planner_frontier_over_a_float_reference(files, tmp_path):
+    png, md = tmp_path / "card.png", tmp_path / "card.md"
+    base = [str(files["int8"]), str(files["w4a8"]), *SMALL, "--steps", "0"]
+    r = CliRunner().invoke(main, ["compare", *base, "--reference", str(files["bf16"]), "--json",
+                                  "--plot", str(png), "--markdown", str(md)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    front = doc["frontier"]
+    sizes = [p["predicted_bytes"] for p in front]
+    worse = [float(p["predicted_min_sqnr_db"]) for p in front]  # "inf": the float file
+    assert len(front) >= 3
+    # a frontier: bigger files are predicted better, never worse
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert all(a < b for a, b in zip(worse, worse[1:])), worse
+    for p in front:
+        assert sum(p["formats"].values()) == BLOCKS
+        assert float(p["predicted_min_sqnr_db"]) == min(
+            float(v) for v in p["predicted_sqnr_db"].values())
+    assert front[0]["formats"] == {"w4a8": BLOCKS} and front[-1]["formats"] == {"bf16": BLOCKS}
+    # the noise model's uniform int8 point against the real forward of the int8 file
+    int8_point = next(p for p in front if p["formats"] == {"int8-convrot": BLOCKS})
+    rec = next(x for x in doc["records"] if x["path"] == str(files["int8"]))
+    measured = min(m["sqnr_db"] for m in rec["outputs"].values())
+    assert abs(float(int8_point["predicted_min_sqnr_db"]) - measured) < 3, (int8_point, measured)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "#### Planner frontier (predicted)" in md.read_text()
+    r = CliRunner().invoke(main, ["compare", *base, "--reference", str(files["bf16"]),
+                                  "--json", "--no-frontier"])
+    assert r.exit_code == 0, r.output
+    assert "frontier" not in json.loads(r.stdout)
+    # a quantized reference: no frontier by default, refused when asked for
+    r = CliRunner().invoke(main, ["compare", str(files["w4a8"]), "--reference",
+                                  str(files["int8"]), *SMALL, "--steps", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "frontier" not in json.loads(r.stdout)
+    r = CliRunner().invoke(main, ["compare", str(files["w4a8"]), "--reference",
+                                  str(files["int8"]), *SMALL, "--frontier"])
+    assert r.exit_code == 2 and "float reference" in r.output

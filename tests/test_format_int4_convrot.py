@@ -204,3 +204,80 @@ def test_full_dims_bytes(shape):
     ref = kitchen_quantize(w, LAYOUT, convrot_groupsize=256)
     q, s = encode_int4_convrot(w, 256)
     assert torch.equal(q, ref["weight"]) and torch.equal(s, ref["weight_scale"])
+
+
+def _kitchen_forward(x, q, s, bias, n, k):
+    """ComfyUI's linear of a convrot_w4a4 weight: comfy-kitchen's QuantizedTensor under
+    ``F.linear``, dispatched by kitchen's own registry (its eager backend on the CPU)."""
+    from comfy_kitchen.tensor import QuantizedTensor
+    from comfy_kitchen.tensor.convrot_w4a4 import TensorCoreConvRotW4A4Layout
+
+    params = TensorCoreConvRotW4A4Layout.Params(scale=s, orig_dtype=x.dtype, orig_shape=(n, k),
+                                                 convrot_groupsize=256)
+    return torch.nn.functional.linear(x, QuantizedTensor(q, LAYOUT, params), bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_runtime_linear_on_the_cpu_is_comfyuis_w4a4_forward(kitchen_made, dtype):
+    """The runtime runs a kitchen-written layer as ComfyUI does on the CPU (activations
+    quantized to int4 too), not through the dequantized weight (which verify would flatter)."""
+    from h3quant.runtime.loader import load_blocks
+    from h3quant.runtime.model.block import quantized_linear
+
+    layer = load_blocks(kitchen_made, [0])[0].linear("mlp.fc1")
+    mod = quantized_linear(layer, device="cpu", compute_dtype=dtype)
+    assert mod.backend_name == "emulated" and "int4" in mod.fallback_reason
+    n, k = layer.out_features, layer.in_features
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = layer.bias
+    got = mod(x)
+    q, s = layer.tensors["weight"], layer.tensors["weight_scale"]
+    want = _kitchen_forward(x, q, s, None if bias is None else bias.to(dtype), n, k)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    dequant = torch.nn.functional.linear(x, layer.dequantize(dtype),
+                                         None if bias is None else bias.to(dtype))
+    assert not torch.equal(got, dequant)
+    assert (got.float() - dequant.float()).abs().max() > 1e-2 * dequant.float().abs().max()
+
+
+def test_backends_say_what_runs_int4_convrot():
+    from h3quant.runtime.decoded import format_routes
+    from h3quant.runtime.probe import StaticProbe
+
+    def runs(device, probe):
+        return {r.format: r for r in format_routes(device, probe)}["convrot_w4a4"]
+
+    cpu = runs("cpu", StaticProbe())
+    assert cpu.runs == "emulated" and "int4" in cpu.comfy and "eager" in cpu.comfy
+    gpu = runs("cuda", StaticProbe(cuda=True, cuda_cc=(8, 6)))
+    assert gpu.runs == "dequant" and "int4 MMA" in gpu.comfy
+    fp8 = {r.format: r for r in format_routes("cpu", StaticProbe())}["float8_e4m3fn"]
+    assert fp8.runs == "dequant"
+    res = cli("backends", "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.output
+    import json
+    rows = {r["format"]: r for r in json.loads(res.output)["formats"]}
+    assert rows["convrot_w4a4"]["runs"] == "emulated"
+
+
+def test_verify_runs_the_cpu_forward_within_the_formats_limits(src, tmp_path):
+    """verify judges the emulated forward by the format's own limits (synthetic weights), and
+    still fails a file whose rows were reordered."""
+    from safetensors.torch import save_file
+
+    from h3quant.pipelines.verify.blocks import verify_checkpoint
+
+    out = tmp_path / "int4.safetensors"
+    assert cli("convert", src, out, "--to", "int4-convrot", "-q").exit_code == 0
+    res = verify_checkpoint(out, reference=src, device="cpu")
+    assert res.passed, res.failures
+    assert {c.backend for c in res.layers} == {"emulated"}
+    assert {c.limit for c in res.layers} == {0.35}
+    t = read_all(out)
+    name = block_linear_names(t)[0]
+    for suffix in (".weight", ".weight_scale"):
+        t[name + suffix] = t[name + suffix].flip(0).contiguous()
+    bad = tmp_path / "bad.safetensors"
+    save_file(t, str(bad))
+    res = verify_checkpoint(bad, reference=src, device="cpu")
+    assert not res.passed and any(not c.passed for c in res.layers)

@@ -112,7 +112,8 @@ def test_inspect_validate_and_convert_read_an_h3_gguf(h3, tmp_path):
                                   "--no-report", "-q"])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h3-Q8_0.gguf", "int8.safetensors"]
-    got, _ = read_all(out)
+    got, meta = read_all(out)
+    assert meta["h3quant.source"] == f.name  # the GGUF file itself, not a copy
     # the converted layer encodes the GGUF's own dequantized values (not the original BF16)
     from h3quant.formats.int8.tensors import decode_int8
 
@@ -123,3 +124,140 @@ def test_inspect_validate_and_convert_read_an_h3_gguf(h3, tmp_path):
     assert (dec - src).norm() / src.norm() < 0.02
     r = CliRunner().invoke(main, ["convert", str(f), str(f)])
     assert r.exit_code == 2 and f.read_bytes()[:4] == b"GGUF"
+
+
+def _writes(tmp_path, monkeypatch):
+    """Every path opened for writing while ``on[0]`` is true (an audit hook: it sees the
+    opens of Python, numpy's memmap and the container's own writers), with TMPDIR moved to a
+    folder of its own."""
+    import os
+    import sys
+    import tempfile
+
+    tmp = tmp_path / "TMPDIR"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    written: list[str] = []
+    on = [False]
+
+    def hook(event, args):
+        if event != "open" or not on[0] or isinstance(args[0], int):
+            return
+        path, mode, flags = args
+        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+            written.append(os.fsdecode(path))
+
+    sys.addaudithook(hook)  # stays installed; silent once ``on[0]`` is false
+    return tmp, written, on
+
+
+def _package_values(path):
+    """Every tensor of a GGUF file, dequantized here by the gguf package itself, under the
+    names ComfyUI gives them (``model.diffusion_model.`` stripped), in their torch shapes."""
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        name = t.name.removeprefix("model.diffusion_model.")
+        shape = tuple(int(v) for v in reversed(t.shape))
+        out[name] = torch.from_numpy(
+            gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).copy())
+    return out
+
+
+@pytest.mark.parametrize("qtype,prefix", [("Q4_0", "model.diffusion_model."), ("Q4_K", "")])
+def test_convert_reads_the_gguf_in_place_no_float_copy(h3, tmp_path, monkeypatch, qtype,
+                                                       prefix):
+    import os
+
+    src_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    src_dir.mkdir()
+    out_dir.mkdir()
+    f = src_dir / f"h3-{qtype}.gguf"
+    write_gguf(h3["tensors"], f, qtype, prefix=prefix)
+    tmp, written, on = _writes(tmp_path, monkeypatch)
+    out = out_dir / "h3.safetensors"
+    on[0] = True
+    try:
+        r = CliRunner().invoke(main, ["convert", str(f), str(out), "--to", "bf16", "-q",
+                                      "--no-report"])
+    finally:
+        on[0] = False
+    assert r.exit_code == 0, r.output
+    assert not any(p.startswith(str(tmp)) for p in written), written  # nothing in TMPDIR
+    beside = [p for p in written if p.startswith(str(out_dir))]
+    assert not [p for p in written if p not in beside and p != os.devnull], written
+    data = [p for p in beside if os.path.basename(p) not in (".lock", "journal.json",
+                                                             "committed")]
+    # the one data file written beside OUT is OUT's own staged copy
+    assert len(data) == 1 and os.path.basename(data[0]).startswith(".h3.safetensors."), beside
+    assert sorted(p.name for p in out_dir.iterdir()) == ["h3.safetensors"]
+    assert sorted(p.name for p in src_dir.iterdir()) == [f.name] and not list(tmp.iterdir())
+    got, meta = read_all(out)
+    want = _package_values(f)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():  # the package's own values (rounded once where OUT is BF16)
+        assert torch.equal(got[name], w.to(got[name].dtype)), name
+    # nothing re-encoded (every layer already float): the input's own header key is kept
+    assert json.loads(meta["h3quant.gguf_source"])["file"] == f.name
+
+
+def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
+    import os
+
+    f = tmp_path / "h3-Q8_0.gguf"
+    write_gguf(h3["tensors"], f, "Q8_0")
+    tmp, written, on = _writes(tmp_path, monkeypatch)
+    on[0] = True
+    try:
+        r = CliRunner().invoke(main, ["compare", str(f), "--reference", str(h3["src"]),
+                                      "--frames", "1", "--height", "4", "--width", "4",
+                                      "--audio-frames", "4", "--text-tokens", "8",
+                                      "--device", "cpu", "--json"])
+    finally:
+        on[0] = False
+    assert r.exit_code == 0, r.output
+    rec = next(x for x in json.loads(r.stdout)["records"] if x["path"] == str(f))
+    assert rec["outputs"]["video"]["sqnr_db"] > 20
+    # the one file any compare writes: the reference's block states, in its own work folder
+    assert [os.path.basename(p) for p in written if p != os.devnull] == \
+        ["reference_states.f32"], written
+    assert not list(tmp.iterdir())
+
+
+def test_calibration_statistics_of_a_gguf_file_convert_it_and_only_it(h3, tmp_path):
+    """capture reads a GGUF file in place; its statistics calibrate a convert of that file and
+    are refused for another GGUF file (its header differs)."""
+    from h3quant.calibration.recorder import write_inputs
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.runtime.model.model import H3Model
+
+    f, other = tmp_path / "h3-Q8_0.gguf", tmp_path / "h3-Q4_0.gguf"
+    write_gguf(h3["tensors"], f, "Q8_0")
+    write_gguf(h3["tensors"], other, "Q4_0")
+    with H3Model.open(f) as m:
+        vc, ac, td = m.video_channels, m.audio_channels, m.text_dim
+    ins = []
+    for s in range(5):  # 5 x 256 rows >= K = 1024 (fc2)
+        g = torch.Generator().manual_seed(s)
+        p = tmp_path / f"in{s}.safetensors"
+        write_inputs(p, torch.randn(1, vc, 2, 16, 16, generator=g),
+                     torch.randn(1, ac, 2, 32, generator=g), torch.randn(1, 64, td, generator=g),
+                     0.5, {"seed": str(s)})
+        ins.append(p)
+    stats = tmp_path / "q8.stats"
+    capture_statistics(f, ins, stats, predict=False)
+    out = tmp_path / "int8.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(f), str(out), "--to", "int8-convrot",
+                                  "--calibration", str(stats), "--no-report", "-q"])
+    assert r.exit_code == 0, r.output
+    plain = tmp_path / "plain.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(f), str(plain), "--to", "int8-convrot",
+                                  "--no-report", "-q"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes() != plain.read_bytes()  # the statistics chose other codes
+    r = CliRunner().invoke(main, ["convert", str(other), str(tmp_path / "x.safetensors"),
+                                  "--to", "int8-convrot", "--calibration", str(stats), "-q"])
+    assert r.exit_code == 2, r.output
+    assert "another checkpoint" in r.output or "measured on" in r.output, r.output

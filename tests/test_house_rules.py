@@ -87,6 +87,53 @@ def test_every_format_package_exports_spec_and_codec():
         assert mod.CODEC is None or mod.CODEC.spec is mod.SPEC, pkg.name
 
 
+def _format_packages() -> set[str]:
+    """Every format package (a folder of h3quant/formats with a spec.py), as a module name."""
+    return {f"h3quant.formats.{p.name}" for p in (PKG / "formats").iterdir()
+            if (p / "spec.py").is_file()}
+
+
+def _format_imports(path: Path, packages: set[str]) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` of one of ``packages`` or a module inside one
+    (``import a.b``, ``from a.b import c``, ``from a import b``; at any depth of the file)."""
+    def hit(mod: str) -> bool:
+        return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if hit(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            out += [(node.lineno, m) for m in mods if hit(m)][:1]
+    return sorted(out)
+
+
+def test_pipelines_import_no_format_package():
+    """A pipeline asks the registry (specs, codecs and their hooks), never a format package."""
+    packages = _format_packages()
+    owners = {".".join(("h3quant", *_owner_of_format(s.name).relative_to(PKG).parts))
+              for s in registry.specs() if registry.get(s.name) is not None}
+    assert owners - {"h3quant.formats"} <= packages and len(packages) >= 8, (owners, packages)
+    hits = [f"{p.relative_to(ROOT)}:{line}: {mod}"
+            for p in sorted((PKG / "pipelines").rglob("*.py"))
+            for line, mod in _format_imports(p, packages)]
+    assert not hits, "pipelines importing a format package:\n" + "\n".join(hits)
+
+
+def test_the_import_detector_finds_planted_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from h3quant.formats import registry\n"
+                   "from h3quant.formats.w4a8.codebook import X\n"
+                   "def f():\n    import h3quant.formats.int8_kn.tensors\n"
+                   "from h3quant.formats import fp8\n"
+                   "from h3quant.formats.int8x import y\n")
+    got = _format_imports(bad, {"h3quant.formats.w4a8", "h3quant.formats.int8_kn",
+                                "h3quant.formats.fp8", "h3quant.formats.int8"})
+    assert got == [(2, "h3quant.formats.w4a8.codebook"), (4, "h3quant.formats.int8_kn.tensors"),
+                   (5, "h3quant.formats.fp8")]
+
+
 # ----------------------------------------------------------------------------- one dispatch
 def test_tp_int32_matmul_comes_from_the_backend_registry(monkeypatch):
     """The shared-scale matmul is the first backend of the device's preference order that has

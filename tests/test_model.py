@@ -267,8 +267,10 @@ def test_decoded_formats_run_the_whole_model_on_a_simulated_device(mfiles, targe
         convert(mfiles["pruned"], path, ConvertOptions(target=target))
     with simulated_mps() as sim:
         got = _sim_run(path, sim, "mps")
-    v, a, t = _inputs()
+    # the CPU in the device's bf16: INT4 ConvRot quantizes the activations to int4 (ComfyUI's
+    # eager path), and bf16 and fp32 activations round to different codes
+    v, a, t = _inputs(dtype=torch.bfloat16)
     with H3Model.open(path) as m:
-        cpu = m(v, a, t, SIGMA)
+        cpu = [o.float() for o in m(v, a, t, SIGMA)]
     for g, c in zip(got, cpu):
-        assert error_metrics(g, c)[1] > 20  # bf16 on the device vs fp32 on the CPU
+        assert error_metrics(g, c)[1] > 20  # the same bf16 math on the device and the CPU

@@ -199,7 +199,8 @@ def test_fp8_decodes_exactly(comfy, tmp_path, dtype, per_row, scale_name):
         assert torch.equal(got[name], want.to(torch.bfloat16)), name
     assert not any(n.endswith(scale_name) for n in got)
     # int8-convrot from fp8 equals int8-convrot from the exact fp32 decode; the linears it
-    # copies rather than re-encodes are written BF16 (rounded once), not widened to F32
+    # copies rather than re-encodes are written BF16 (rounded once) with a per-row scale, and
+    # kept in float8 (codes and scale as stored) with a per-tensor one; never widened to F32
     from h3quant.h3.topology import is_h3_block_linear
 
     ref = dict(comfy)
@@ -209,8 +210,21 @@ def test_fp8_decodes_exactly(comfy, tmp_path, dtype, per_row, scale_name):
     save_file(ref, tmp_path / "r" / "f8.safetensors")
     convert(tmp_path / "r" / "f8.safetensors", tmp_path / "ref8.safetensors", _opts())
     convert(tmp_path / "f8.safetensors", tmp_path / "got8.safetensors", _opts())
-    assert (tmp_path / "got8.safetensors").read_bytes() == \
-        (tmp_path / "ref8.safetensors").read_bytes()
+    if per_row:
+        assert (tmp_path / "got8.safetensors").read_bytes() == \
+            (tmp_path / "ref8.safetensors").read_bytes()
+        return
+    got, want = load_file(tmp_path / "got8.safetensors"), load_file(tmp_path / "ref8.safetensors")
+    kept = {n[: -len(".weight")] for n in expected if not is_h3_block_linear(n[: -len(".weight")])}
+    assert kept
+    for stem in kept:
+        assert torch.equal(got[f"{stem}.weight"].view(torch.uint8),
+                           src[f"{stem}.weight"].view(torch.uint8)), stem
+        assert torch.equal(got[f"{stem}.weight_scale"], src[f"{stem}.{scale_name}"].reshape(()))
+    assert set(got) - set(want) == {f"{s}.{x}" for s in kept for x in ("weight_scale", "comfy_quant")}
+    for name in want:
+        if name[: -len(".weight")] not in kept:
+            assert torch.equal(got[name], want[name]), name
 
 
 def test_dry_run_shows_the_map_and_writes_nothing(comfy, tmp_path):

@@ -342,3 +342,28 @@ def test_cli_calibrated_plan_writes_a_recipe_convert_reproduces(src, sens_cal, s
     assert bad.exit_code == 2 and "another statistics" in bad.output, bad.output
     nostat = r.invoke(main, ["plan", str(src), "--formats", "w4a8+gptq", "-q"])
     assert nostat.exit_code == 2 and "--calibration" in nostat.output, nostat.output
+
+
+def test_a_larger_but_noisier_format_does_not_stop_the_search():
+    """Options are ordered by size; when the next larger one is noisier (as mxfp8 can be next
+    to int8 ConvRot), the search must still reach past it. Exhaustive search over the 3^2
+    assignments, written here, gives the smallest file that meets the target."""
+    import itertools
+
+    from h3quant.pipelines.plan.sensitivity import OUTPUTS, Sensitivity, UnitResult
+
+    noise = {"a": 1.0, "b": 4.0}  # per unit: format a (small, quiet), b (larger, noisy)
+    size = {"a": 100, "b": 110}
+    units = [UnitResult(f"blocks.{i}", i, f, size[f], 400, {o: noise[f] for o in OUTPUTS},
+                        {o: 0.0 for o in OUTPUTS}) for i in range(2) for f in ("a", "b")]
+    sens = Sensitivity("x", {}, ["a", "b"], False, 2, "", {o: 1000.0 for o in OUTPUTS}, units)
+    model = Model(sens, 800)
+    target = 28.0  # 10 log10(1000 / 1.5): one unit float, the other in "a"
+    got = choose(model, target_sqnr=target)
+    best = None
+    for combo in itertools.product(["a", "b", FLOAT], repeat=2):
+        a = dict(zip(["blocks.0", "blocks.1"], combo))
+        pred = model.predict(a)
+        if pred.min_sqnr_db >= target and (best is None or pred.bytes < best.bytes):
+            best = pred
+    assert best is not None and got.min_sqnr_db >= target and got.bytes == best.bytes

@@ -164,7 +164,8 @@ def test_custom_config_and_prefix():
     det = detect(_header(custom, "model.diffusion_model."))
     assert det.preset_name == "custom" and det.prefix == "model.diffusion_model."
     assert (det.config.hidden, det.config.heads, det.config.ffn) == (768, 6, 2048)
-    assert check(_header(custom, "model.diffusion_model."), det, {}) == []
+    # the prefix is a note (ComfyUI strips it on load), nothing else
+    assert [f.code for f in check(_header(custom, "model.diffusion_model."), det, {})] == ["T110"]
 
 
 def test_not_h3():
@@ -201,9 +202,12 @@ def test_check_missing_wrong_extra_and_unexpected_quantized():
         by_code.setdefault(f.code, []).append(f.tensor)
     assert by_code["T101"] == ["blocks.1.attn.k_norm.weight"]
     assert by_code["T102"] == ["blocks.2.mlp.fc2.weight"]
-    assert sorted(by_code["T103"]) == ["blocks.0.attn.qkv_proj.bias", "lora.up.weight"]
+    # a bias H3's linear lacks (the forward would add it) is a warning; a tensor outside H3's
+    # layers, which ComfyUI and h3quant ignore, a note
+    assert by_code["T103"] == ["blocks.0.attn.qkv_proj.bias"]
+    assert by_code["T108"] == ["lora.up.weight"]
     assert by_code["T105"] == ["token_refiner.blocks.0.mlp.fc1"]
-    assert set(by_code) == {"T101", "T102", "T103", "T105"}
+    assert set(by_code) == {"T101", "T102", "T103", "T105", "T108"}
     s = summary(det, quant)
     assert s["block_linears"]["quantized"] == 1 and s["other_quantized"] == 1
 
@@ -224,3 +228,20 @@ def test_presets_table_is_consistent():
             cfg = config_for(name, form=form)
             det = detect(_header(cfg))
             assert det.preset_name == name and det.config == cfg
+
+
+def test_float8_layer_outside_the_blocks_is_not_flagged():
+    """ComfyUI's fp8_scaled releases store every linear (the token refiner too) as a per-tensor
+    float8 layer, and convert keeps such layers: no T105 for them; int8 there still is one."""
+    cfg = config_for("tiny", blocks=2)
+    tensors = _header(cfg)
+    quant = {}
+    for layer in ("token_refiner.blocks.0.mlp.fc1", "token_refiner.blocks.0.mlp.fc2"):
+        n, k = tensors[f"{layer}.weight"].shape
+        tensors[f"{layer}.weight"] = SimpleNamespace(dtype="F8_E4M3", shape=(n, k))
+        tensors[f"{layer}.weight_scale"] = SimpleNamespace(dtype="F32", shape=())
+        tensors[f"{layer}.comfy_quant"] = SimpleNamespace(dtype="U8", shape=(28,))
+        quant[layer] = "float8_e4m3fn"
+    quant.update(_quantize(tensors, ["token_refiner.blocks.1.mlp.fc1"], INT8))
+    found = check(tensors, detect(tensors), quant)
+    assert [(f.code, f.tensor) for f in found] == [("T105", "token_refiner.blocks.1.mlp.fc1")]

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3quant.cli import main
-from h3quant.pipelines.verify.provenance import grid_table
+from h3quant.formats.w4a8.grid import grid_table
 
 pytestmark = pytest.mark.slow  # whole-model / verify runs on module-wide files: the slow subset
 

@@ -16,7 +16,9 @@ the device, plain matmul), kitchen (comfy-kitchen's CUDA kernels). The first ava
 the device's preference order runs each int8 layer (see `h3quant verify`, which shows it per
 layer). The per-format table says what runs each format's layers: fp8 and mxfp8 layers are
 dequantized to the compute dtype and run as a float matmul, as ComfyUI does where it has no
-kernel for them (it has fp8 kernels on CUDA sm_89+, mxfp8 on sm_100+).
+kernel for them (it has fp8 kernels on CUDA sm_89+, mxfp8 on sm_100+). INT4 ConvRot
+(convrot_w4a4) layers run "emulated" on the CPU, MPS and XPU: ComfyUI's forward there
+(comfy-kitchen's eager path) quantizes the activations to int4 too, and h3quant runs the same.
 
 \b
 Exit status: 0 listed, 2 bad device string.

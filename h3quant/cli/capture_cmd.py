@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT_PATH,
     device_callback,
     emit_json,
     finite_float,
@@ -19,7 +20,7 @@ from h3quant.cli.common import (
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.argument("ckpt", type=CHECKPOINT_PATH)
 @click.option("--inputs", "inputs", multiple=True, required=True,
               type=click.Path(path_type=Path),
               help="An inputs file (video, audio and text latents, optional sigma: the file "
@@ -34,7 +35,7 @@ from h3quant.cli.common import (
 @click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
               help="Where the forward and the accumulation run: cpu, cuda, cuda:N, mps, npu "
                    "(fp32 math everywhere).")
-@click.option("--through", type=click.Path(path_type=Path), default=None,
+@click.option("--through", type=CHECKPOINT_PATH, default=None,
               help="Run the forward through this checkpoint instead (an uncalibrated "
                    "conversion of CKPT, on the device's runtime path): each block is then "
                    "measured on the inputs the quantized blocks before it produce. The "

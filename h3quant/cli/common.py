@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Set as AbstractSet
+from pathlib import Path
 
 import click
 
@@ -212,6 +213,27 @@ class _Finite(click.ParamType):
 
 def finite_float(lo: float | None = None, hi: float | None = None) -> click.ParamType:
     return _Finite(lo, hi)
+
+
+class _Checkpoint(click.Path):
+    """A checkpoint argument: a path, or ``ORG/NAME[@REV][:SUBFOLDER]`` read from the local
+    Hugging Face cache (``formats.container.hf_cache``; never downloaded)."""
+
+    def __init__(self, path_type: type = str):
+        super().__init__(dir_okay=True, path_type=path_type)
+
+    def convert(self, value, param, ctx):
+        from h3quant.formats.container.hf_cache import resolve
+
+        try:
+            value = resolve(os.fspath(value))
+        except H3QuantError as exc:
+            self.fail(str(exc), param, ctx)
+        return super().convert(value, param, ctx)
+
+
+CHECKPOINT = _Checkpoint()
+CHECKPOINT_PATH = _Checkpoint(path_type=Path)
 
 
 # the documented limits (h3quant.limits): H3 has 50 blocks; verify activations are tokens x

@@ -7,6 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     given_options,
     inputs_from_file,
     EXIT_OK,
@@ -50,9 +51,8 @@ Examples:
 
 
 @click.command("compare", help=_HELP, context_settings={"max_content_width": 100})
-@click.argument("files", nargs=-1, required=True,
-                type=click.Path(dir_okay=True, path_type=str))
-@click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
+@click.argument("files", nargs=-1, required=True, type=CHECKPOINT)
+@click.option("--reference", type=CHECKPOINT, default=None,
               help="The reference file (default: the most precise of FILE...).")
 @click.option("--device", default="auto", show_default=True, callback=device_callback(True),
               help="Where the files run: auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
@@ -88,12 +88,19 @@ Examples:
               default=None, metavar="FILE",
               help="Also draw size against quality, the per-block and the per-step drift to a "
                    "PNG (needs matplotlib: pip install 'h3quant[plot]').")
+@click.option("--frontier/--no-frontier", default=None,
+              help="Also give the planner's predicted frontier over the reference (size "
+                   "against predicted output SQNR for per-block choices of int8-convrot, w4a8 "
+                   "and float; in the card, --json, --markdown and --plot). Default: on when "
+                   "the reference is a float file. Its cost: one planner sensitivity pass, one "
+                   "streamed forward per candidate format per block (as h3quant plan), on the "
+                   "CPU in float32; nothing is converted.")
 @click.option("--overwrite", is_flag=True, help="Replace existing --markdown / --plot files.")
 @mmap_option
 @handle_errors
 def command(files, reference, device, steps, sigmas, frames, height, width, audio_frames,
-            text_tokens, sigma, seed, inputs_file, as_json, markdown_path, plot_path, overwrite,
-            no_mmap):
+            text_tokens, sigma, seed, inputs_file, as_json, markdown_path, plot_path, frontier,
+            overwrite, no_mmap):
     from h3quant.pipelines.compare.run import CompareOptions, compare_files
     from h3quant.pipelines.verify.model import ModelInputs
 
@@ -108,7 +115,7 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
         raise click.UsageError("a file is named twice (FILE... and --reference must differ)")
     outputs = _check_outputs(every, inputs_file, markdown_path, plot_path, overwrite)
     opts = CompareOptions(inputs, None if schedule is None else tuple(schedule), device,
-                          not no_mmap)
+                          not no_mmap, frontier=frontier)
     res = guard("comparing", compare_files, files, reference=reference, options=opts,
                 progress=_bar_factory(), log=log)
     _write(res, markdown_path, plot_path, overwrite, outputs)

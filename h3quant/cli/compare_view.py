@@ -46,6 +46,18 @@ def rows(res) -> list[list]:
     return out
 
 
+FRONTIER_HEADERS = ["point", "formats (blocks)", "MB", "video dB", "audio dB"]
+FRONTIER_NOTE = ("planner frontier: predicted by h3quant plan's additive noise model from one "
+                 "sensitivity pass over the reference on these inputs (one forward's output "
+                 "SQNR; nothing converted), the points no other point beats")
+
+
+def frontier_rows(res) -> list[list]:
+    return [[p["name"], ", ".join(f"{k} {v}" for k, v in sorted(p["formats"].items())),
+             _mb(p["predicted_bytes"]), _db(p["predicted_sqnr_db"]["video"]),
+             _db(p["predicted_sqnr_db"]["audio"])] for p in res.frontier or ()]
+
+
 def _preamble(res) -> list[str]:
     run = res.run
     steps = run["steps"]
@@ -76,6 +88,9 @@ def render(res) -> str:
         for n in c.notes:
             lines.append(f"note: {os.path.basename(c.facts.path)}: {n}")
     lines += [f"note: {n}" for n in res.notes]
+    if res.frontier:
+        lines += ["", format_table(FRONTIER_HEADERS, frontier_rows(res), right={2, 3, 4}),
+                  "", FRONTIER_NOTE + "."]
     return "\n".join(lines)
 
 
@@ -86,10 +101,16 @@ def markdown(res) -> str:
     out = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     out += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows(res)]
     pre = [f"- {line}" for line in _preamble(res)]
+    front: list[str] = []
+    if res.frontier:
+        front = ["", "#### Planner frontier (predicted)", "",
+                 "| " + " | ".join(FRONTIER_HEADERS) + " |", "|" + "---|" * len(FRONTIER_HEADERS)]
+        front += ["| " + " | ".join(cell(x) for x in r) + " |" for r in frontier_rows(res)]
+        front += ["", FRONTIER_NOTE[0].upper() + FRONTIER_NOTE[1:] + "."]
     return "\n".join(["### h3quant compare", ""] + pre + [""] + out + [
         "", "SQNR / PSNR against the reference's latents on the same inputs and noise; no VAE "
             "decode and no perceptual metric. Made with `h3quant compare` (docs/compare.md).",
-        ""])
+        *front, ""])
 
 
 def plot_png(res) -> bytes:
@@ -115,6 +136,8 @@ def plot_png(res) -> bytes:
                     fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axvline(res.reference.facts.size_bytes / 1e6, color="grey", linestyle=":",
                label=f"reference ({os.path.basename(res.reference.facts.path)})")
+    if res.frontier:
+        _draw_frontier(ax, res, cards, style)
     ax.set_xlabel("file size (MB)")
     ax.set_ylabel("quality: final latent SQNR (dB)" if res.run["steps"] else
                   "quality: output SQNR (dB)")
@@ -153,6 +176,34 @@ def plot_png(res) -> bytes:
     finally:
         plt.close(fig)
     return buf.getvalue()
+
+
+def _draw_frontier(ax, res, cards, style) -> None:
+    """The planner's predicted frontier (one forward's output SQNR, the worse output) as a
+    stepped line; with a sampling run the files' own one-forward output SQNR is drawn too
+    (hollow markers), the quantity the frontier predicts."""
+    pts = [(p["predicted_bytes"] / 1e6, p["predicted_min_sqnr_db"]) for p in res.frontier
+           if p["predicted_min_sqnr_db"] is not None
+           and math.isfinite(p["predicted_min_sqnr_db"])]
+    if pts:
+        ax.plot([x for x, _ in pts], [y for _, y in pts], color="black", linestyle="--",
+                marker="+", drawstyle="steps-post", linewidth=1,
+                label="planner frontier (predicted one-forward SQNR)")
+        for p in res.frontier:
+            y = p["predicted_min_sqnr_db"]
+            if y is not None and math.isfinite(y):
+                ax.annotate(p["name"], (p["predicted_bytes"] / 1e6, y), fontsize=6,
+                            color="dimgrey", xytext=(3, -9), textcoords="offset points")
+    if res.run["steps"]:
+        ax.set_ylabel("SQNR (dB): final latent (filled), one forward (hollow, frontier)")
+        first = True
+        for c in cards:
+            vals = [m.sqnr_db for m in c.outputs.values()]
+            if vals and math.isfinite(min(vals)):
+                ax.scatter([c.facts.size_bytes / 1e6], [min(vals)], facecolors="none",
+                           edgecolors=[style[id(c)][0]], marker=style[id(c)][1],
+                           label="files: one-forward output SQNR" if first else None)
+                first = False
 
 
 def _finite(x: float) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     WORKERS,
     emit_json,
     guard,
@@ -52,7 +53,7 @@ def _group_size(ctx, param, value):
 
 
 @click.command("convert")
-@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.argument("dst", metavar="[OUT]", required=False, type=click.Path(path_type=str))
 @click.option("--to", "target", type=click.Choice(_TARGETS), default="int8-convrot",
               show_default=True,
@@ -217,13 +218,6 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
-    from h3quant.formats.gguf.reader import is_gguf
-
-    if is_gguf(src):  # a GGUF source: converted from a float copy made beside OUT
-        from h3quant.cli.convert_gguf import from_gguf
-
-        from_gguf(ctx, src, dst, quiet)
-        return
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)

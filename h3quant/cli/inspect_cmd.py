@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     emit_json,
     format_table,
     guard,
@@ -52,6 +53,9 @@ def render(res) -> str:
     c = res.findings
     out.append(f"findings     {c['error']} errors, {c['warning']} warnings, {c['info']} notes"
                + (" (run `h3quant validate` for details)" if c["error"] or c["warning"] else ""))
+    for n in res.notes:
+        out.append(f"note         {n['code']} {n['name']}" + (f" {n['tensor']}:" if n["tensor"]
+                                                              else ":") + f" {n['message']}")
     out.append(f"data read    {res.bytes_read} bytes (marker tensors only)")
     if nfiles > 1:
         out += ["", format_table(["file", "size"], [[f["path"], human_bytes(f["size"])]
@@ -106,7 +110,7 @@ Examples:
   h3quant inspect model.safetensors.index.json --json # sharded, machine-readable
   h3quant inspect shards_dir/ --no-mmap
   h3quant inspect my_lora.safetensors                 # a LoRA: style, rank, H3 layers""")
-@click.argument("ckpt", type=click.Path(path_type=str))
+@click.argument("ckpt", type=CHECKPOINT)
 @click.option("--layers", is_flag=True,
               help="Add a table with one row per layer: format, N, K, size, bits per weight, "
                    "marker source, tensor dtypes.")

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from h3quant.cli.common import SEED, emit_json, finite_float, format_table, guard, \
+from h3quant.cli.common import CHECKPOINT, SEED, emit_json, finite_float, format_table, guard, \
     handle_errors, log, mmap_option, progress_enabled
 from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
@@ -124,7 +124,7 @@ Examples:
   h3quant plan h3_bf16.safetensors --calibration h3.stats --target-sqnr 30 --out recipe.json
   h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json \\
       --calibration h3.stats""")
-@click.argument("src", metavar="IN", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "
@@ -291,9 +291,9 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
                          mmap=not no_mmap, on_block=on_block, calibration=calibration)
         finally:
             bar.close()
-    model = Model(sens, os.path.getsize(src) if os.path.isfile(src) else
-                  sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)
-                      if f.endswith(".safetensors")))
+    from h3quant.pipelines.plan.frontier import source_bytes
+
+    model = Model(sens, source_bytes(src))
     doc: dict = {"sensitivity": sens.to_dict()}
     text = [render_sensitivity(sens)]
     if target_sqnr is not None or max_size is not None:

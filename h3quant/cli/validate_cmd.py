@@ -7,6 +7,7 @@ import sys
 import click
 
 from h3quant.cli.common import (
+    CHECKPOINT,
     EXIT_FINDINGS,
     EXIT_OK,
     emit_json,
@@ -51,7 +52,7 @@ Examples:
   h3quant validate model.safetensors --deep          # also read and check every value
   h3quant validate model.safetensors.index.json --json
   h3quant validate --codes                           # list every rule""")
-@click.argument("ckpt", type=click.Path(path_type=str), required=False)
+@click.argument("ckpt", type=CHECKPOINT, required=False)
 @click.option("--deep", is_flag=True,
               help="Also read tensor data: finite positive scales, int8 code range, codebooks, "
                    "finite float weights (one layer at a time, bounded memory).")

@@ -8,6 +8,7 @@ import click
 
 from h3quant.cli import verify_view as view
 from h3quant.cli.common import (
+    CHECKPOINT,
     given_options,
     inputs_from_file,
     progress_enabled,
@@ -100,8 +101,8 @@ _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 
 @click.command("verify", help=_HELP.replace("{rows}", f"{MAX_MODEL_ROWS:,}"),
                context_settings={"max_content_width": 100})
-@click.argument("ckpt", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--reference", type=click.Path(dir_okay=True, path_type=str), default=None,
+@click.argument("ckpt", type=CHECKPOINT)
+@click.option("--reference", type=CHECKPOINT, default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
 @click.option("--device", default="auto", show_default=True, callback=device_callback(True),
               help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n] (checked before any work).")

@@ -1,10 +1,12 @@
 """The narrow codec: a format's tensor work (encode, decode, the runtime's weights).
 
-A codec is built from its format's ``FormatSpec`` (``codec.spec``) and only adds what needs
-tensors: which stored tensors to read to decode rows, decoding them, encoding float rows (with
-an optional calibration object, for encoders that use one), the grid the int8 runtime
-multiplies, and the checks on tensor values. Header facts (name, targets, limits, planned
-tensors ...) are the spec's; ``codec.name`` and the like read through to it. Importing a codec
+A codec is built from its format's ``FormatSpec`` and only adds what needs tensors: which
+stored tensors to read to decode rows, decoding them, encoding float rows (with an optional
+calibration object, for encoders that use one), the grid the int8 runtime multiplies, and the
+checks on tensor values, plus the few switches about that work (``calibrates``, ``decodes``,
+``kernel``, ``needs_row0``, ``sampled_by_column``). Header facts (name, targets, limits,
+planned tensors, the tensors to transpose or to read for a grid ...) are the spec's alone:
+callers read them as ``codec.spec.<field>``; a codec does not forward them. Importing a codec
 never imports torch; its methods do, on first use.
 """
 
@@ -22,14 +24,22 @@ class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
     calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+    decodes = False  # the runtime may run the layer through ``decode_weight`` (float math)
+    kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
+    needs_row0 = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
+    sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
+
+    if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
+        def decode_weight(self, tensors: dict, fields: dict | None,
+                          dtype: torch.dtype) -> torch.Tensor: ...
+    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
+    # activation quantization included) instead of a dequantized weight: the runtime then calls
+    # ``emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    emulation: tuple[str, tuple[str, ...]] | None = None
+    scans = False  # a streamed encoder (``spec.streamed``) needs a first pass (``scan_rows``)
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
-
-    def __getattr__(self, name: str) -> Any:  # header facts: the spec's
-        if name == "spec":
-            raise AttributeError(name)
-        return getattr(self.spec, name)
 
     def __repr__(self) -> str:
         return f"<codec {self.spec.name}>"
@@ -58,6 +68,28 @@ class Codec:
 
         return {"weight": w.to(torch.bfloat16)}
 
+    def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` as ComfyUI computes it on the devices ``emulation`` names."""
+        raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
+
+    def scan_rows(self, w: torch.Tensor) -> Any:
+        """A streamed codec's first pass (``spec.streamed``): what rows ``w`` contribute to the
+        layer-wide value (None: the codec needs none)."""
+        return None
+
+    def layer_value(self, parts: list) -> Any:
+        """The layer-wide value from every chunk's ``scan_rows`` (None: none needed)."""
+        return None
+
+    def encode_rows(self, w: torch.Tensor, marker: dict | None, method: str,
+                    value: Any) -> dict[str, torch.Tensor]:
+        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.chunk_rows`` multiples
+        starting at such a multiple) encoded with the layer-wide ``value``. Every output but a
+        0-dim one holds the chunk's stored rows (the last chunk's padding rows included); the
+        bytes equal the same rows of ``encode`` on the whole layer."""
+        return self.encode(w, marker, method)
+
     def report_grid(self, out: dict, marker: dict | None):
         """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""
         return out["weight"].float(), None
@@ -73,6 +105,12 @@ class Codec:
     def runtime_weights(self, tensors: dict, grid: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) a runtime linear is built from, given the layer's int8 grid."""
         return grid
+
+    def grid_origin(self, q: torch.Tensor) -> str | None:
+        """Whether int8 codes ``q`` [n, K] (rows of another layer) lie exactly on this format's
+        decoded int8 grid, as a layer converted from this format keeps them: a short description
+        of that grid (its table, its group), or None."""
+        return None
 
     def row_range(self, tensors: dict, th) -> RowRange:
         """verify's reference-free check of the int8 grid: the legal per-row code peak."""

@@ -127,7 +127,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
     t = layer.tensors
     codec = registry.get(fmt) if fmt is not None else None
     if codec is not None:  # supported formats: their scale tensors must be finite and > 0
-        for suffix in codec.deep_scales:
+        for suffix in codec.spec.deep_scales:
             info = t.get(suffix)
             if info is None or info.dtype not in FLOAT_DTYPES | {"F8_E4M3", "U8"}:
                 continue

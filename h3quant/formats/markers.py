@@ -127,5 +127,15 @@ def header_metadata_value(layers: dict[str, dict]) -> str:
     return json.dumps(body)
 
 
+# header metadata keys something reads: safetensors' own, ComfyUI's marker table, h3quant's
+# provenance (``h3quant.*``)
+READ_METADATA = frozenset({"format", HEADER_KEY})
+
+
+def unread_metadata(metadata: dict[str, str]) -> list[str]:
+    """The header metadata keys neither ComfyUI's loader nor h3quant reads (kept, ignored)."""
+    return sorted(k for k in metadata if k not in READ_METADATA and not k.startswith("h3quant."))
+
+
 def layer_of_marker(tensor_name: str) -> str:
     return tensor_name[: -len(MARKER_SUFFIX)]

@@ -132,6 +132,11 @@ class FormatSpec:
     deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
     int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
+    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
+    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
+    streamed: bool = False
+    chunk_rows: int = 1
     unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
     convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
@@ -149,6 +154,17 @@ class FormatSpec:
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
     write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # Moving stored codes instead of quantizing (convert's relayout and grid conversions): the
+    # tensor of per-row scales copied beside the codes (a layout variant and its canonical
+    # format both name it), and the plan's note for each way (a relayout: the canonical
+    # format's ``relayout_note``; a conversion through the grid: the source's ``grid_note``).
+    row_scale: str | None = None
+    relayout_note: str | None = None
+    grid_note: str | None = None
+    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
+    # the token refiner too), and convert keeps such layers as they are: a layer outside the
+    # DiT blocks stored in it is expected, not flagged (T105).
+    whole_model: bool = False
 
     # ------------------------------------------------------------------ derived facts
     @property

@@ -421,13 +421,56 @@ def check(tensors: dict, detection: Detection | None,
             continue
         if suffix == SCALED_FP8_MARKER or name == SCALED_FP8_MARKER:
             continue  # ComfyUI's scaled-fp8 marker: judged by the marker rules (Q131)
-        found.append(Finding("T103", "not part of the detected H3 configuration", tensor=name))
+        if f"{layer}.weight" in expected:  # e.g. a bias on a linear H3 has without one
+            found.append(Finding("T103", "not part of the detected H3 configuration; ComfyUI "
+                                 "ignores it, h3quant's forward would use it", tensor=name))
+        else:
+            found.append(Finding("T108", "not part of H3: an unexpected key ComfyUI's loader "
+                                 "ignores, as h3quant does", tensor=name))
+    found += _variant_notes(tensors, detection, expected, quantized)
     for layer, fmt in sorted(quantized.items()):
+        fspec = registry.spec(_fmt(fmt))
+        if fspec is not None and fspec.whole_model:
+            continue  # ComfyUI's own releases store every linear so (the fp8_scaled files)
         if not is_h3_block_linear(layer):
             why = " (the token refiner is never quantized in released files)" \
                 if "token_refiner." in layer else ""
             found.append(Finding("T105", f"quantized as {fmt} but not one of the DiT block "
                                  f"linears{why}", tensor=layer))
+    return found
+
+
+FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
+
+
+def _variant_notes(tensors: dict, detection: Detection, expected: dict,
+                   quantized: dict) -> list[Finding]:
+    """Notes (T107, T109, T110) on what ComfyUI loads although H3's release differs."""
+    found: list[Finding] = []
+    cfg, prefix = detection.config, detection.prefix
+    default_rows = PRESETS["full"].t_table_rows
+    if cfg.form == "pruned" and prefix + "adaln_t_table" in tensors \
+            and cfg.t_table_rows != default_rows:
+        found.append(Finding("T107", f"{cfg.t_table_rows} rows where H3 has {default_rows}: the "
+                             "same time curve sampled "
+                             f"{'more' if cfg.t_table_rows > default_rows else 'less'} densely, "
+                             "interpolated over its own rows", tensor=prefix + "adaln_t_table"))
+    cast: dict[tuple[str, str], list[str]] = {}
+    for name, (dtype, _) in expected.items():
+        info = tensors.get(name)
+        layer = name[: -len(".weight")] if name.endswith(".weight") else None
+        if info is None or layer in quantized:
+            continue
+        got = getattr(info, "dtype", None)
+        if got in FLOATS and dtype in FLOATS and got != dtype:
+            cast.setdefault((got, dtype), []).append(name)
+    for (got, want), names in sorted(cast.items()):
+        found.append(Finding("T109", f"{len(names)} tensor(s) stored in {got} where H3 keeps "
+                             f"{want} (first shown); it loads as stored, cast on use",
+                             tensor=sorted(names)[0]))
+    if prefix:
+        found.append(Finding("T110", f"every H3 tensor name carries the prefix {prefix!r}, "
+                             "stripped on load"))
     return found
 
 

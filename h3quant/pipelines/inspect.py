@@ -50,6 +50,7 @@ class InspectResult:
     naming: dict  # {naming, evidence, fp8_scaled, error} (pipelines.naming_view)
     metadata_keys: list[str]
     findings: dict[str, int]  # container + marker findings by severity (validate details them)
+    notes: list[dict]  # the notes among them (info findings: what ComfyUI loads, H3 differs)
     bytes_read: int  # tensor-data bytes read (marker tensors only)
     layers: list[dict] | None  # one row per layer with layers=True
     mix: list[dict] | None = field(default=None)  # per-layer formats of a mixed file (see layer_mix)
@@ -161,8 +162,12 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         from h3quant.pipelines.validate import header_findings
 
         counts = {s.value: 0 for s in Severity}
+        notes = []
         for f in header_findings(ckpt, (layer_scan, reader)):
             counts[f.level.value] += 1
+            if f.level is Severity.INFO:
+                notes.append({"code": f.code, "name": f.name, "tensor": f.tensor,
+                              "message": f.message})
 
         return InspectResult(
             path=str(ckpt.path),
@@ -184,6 +189,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
             naming=naming_view.summary(ckpt),
             metadata_keys=sorted(ckpt.metadata),
             findings=counts,
+            notes=notes,
             bytes_read=reader.bytes_read,
             layers=[r.to_dict() for r in reports] if layers else None,
             mix=layer_mix(layer_scan),

@@ -16,6 +16,7 @@ from h3quant.errors import ContainerError, H3QuantError
 from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.check import check_layer
+from h3quant.formats.markers import unread_metadata
 from h3quant.pipelines import naming_view
 from h3quant.pipelines.layer_scan import scan
 
@@ -127,6 +128,12 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
                     if not (f.code == "M109" and f.tensor in scaled))
     findings.extend(_guard("scaled fp8 marker", where, findings,
                            naming_view.scaled_fp8_findings, ckpt) or [])
+    unread = unread_metadata(ckpt.metadata)
+    if unread:
+        findings.append(Finding("M116", f"{len(unread)} metadata key(s) neither ComfyUI's "
+                                f"loader nor h3quant reads, kept and ignored: "
+                                f"{', '.join(unread[:8])}" + (" ..." if len(unread) > 8 else ""),
+                                file=where))
     checked["stages"].append("markers")
     checked["layers"] = len(layer_scan.layers)
     checked["quantized_layers"] = len(layer_scan.quantized)

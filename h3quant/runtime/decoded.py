@@ -9,6 +9,11 @@ runs a plain ``F.linear`` in that dtype. ``DecodedLinear`` does the same: the co
 stored tensors straight into the activation dtype (kitchen's order of operations and rounding),
 on the layer's device, and a float matmul follows. Nothing here names a format: a new format
 plugs in by giving its codec ``decode_weight``.
+
+Where ComfyUI instead runs a format's emulated forward (comfy-kitchen's eager path, which also
+quantizes the activations), the codec says so with ``emulation`` (what runs, on which device
+kinds) and ``emulated_linear``; ``DecodedLinear`` then calls that on those devices (backend
+``emulated``) and never builds the float weight.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def decodes(codec) -> bool:
     """Whether the runtime runs layers of ``codec`` through its float decode."""
-    return bool(getattr(codec, "decodes", False)) and hasattr(codec, "decode_weight")
+    return bool(codec.decodes) and hasattr(codec, "decode_weight")
 
 
 @dataclass(frozen=True)
@@ -41,44 +46,57 @@ class FormatRoute:
     reason: str
 
 
+def emulates(codec, device: Device) -> bool:
+    """Whether ComfyUI runs ``codec``'s emulated forward on ``device`` (so the runtime does)."""
+    emulation = getattr(codec, "emulation", None)  # (text, device kinds)
+    return emulation is not None and device.kind in emulation[1]
+
+
 def route(codec, device: Device, probe: Probe) -> FormatRoute:
     """The route of ``codec``'s layers on ``device`` (for ``backends`` and verify's notes)."""
-    kernel = getattr(codec, "kernel", None)  # (text, minimum CUDA capability) ComfyUI uses
+    if emulates(codec, device):
+        text = codec.emulation[0]
+        return FormatRoute(codec.spec.name, "emulated", text,
+                           f"ComfyUI runs {text} on {device.kind}; h3quant runs the same "
+                           "computation (the codec's emulated forward)")
+    kernel = codec.kernel  # (text, minimum CUDA capability) ComfyUI uses
     if device.kind == "cuda" and kernel is not None:
         cap = probe.cuda_capability(device.index)
         if cap is not None and tuple(cap) >= tuple(kernel[1]):
-            return FormatRoute(codec.name, "dequant", kernel[0],
+            return FormatRoute(codec.spec.name, "dequant", kernel[0],
                                f"ComfyUI runs {kernel[0]} on sm_{cap[0]}{cap[1]}; h3quant "
                                "dequantizes (the same weights, float matmul)")
         sm = f"sm_{kernel[1][0]}{kernel[1][1]}"
         have = "an unknown GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
-        return FormatRoute(codec.name, "dequant", "dequant",
+        return FormatRoute(codec.spec.name, "dequant", "dequant",
                            f"{kernel[0]} needs {sm} or newer ({have}); ComfyUI dequantizes to "
                            "the compute dtype too")
-    return FormatRoute(codec.name, "dequant", "dequant",
-                       f"no {codec.name} kernel on {device.kind}; the weight is dequantized to "
+    return FormatRoute(codec.spec.name, "dequant", "dequant",
+                       f"no {codec.spec.name} kernel on {device.kind}; the weight is dequantized to "
                        "the compute dtype (comfy-kitchen's dequantize) and a float matmul runs")
 
 
 class DecodedLinear(torch.nn.Module):
-    """``y = act(x) W^T + b`` with ``W`` the codec's decode of the stored tensors, in ``x.dtype``.
+    """``y = act(x) W^T + b`` with ``W`` the codec's decode of the stored tensors, in ``x.dtype``;
+    with ``emulated``, the codec's emulated forward of the stored tensors instead.
 
     The decoded weight is kept for the activation dtype it was last built for (one copy)."""
 
-    backend_name = "dequant"
-
     def __init__(self, codec, tensors: dict, fields: dict | None, bias: torch.Tensor | None,
                  shape: tuple[int, int], device: Device, reason: str,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype = torch.bfloat16, *, emulated: bool = False) -> None:
         super().__init__()
         self.codec, self.fields, self.device = codec, fields, device
         self.fallback_reason = reason
+        self.emulated = emulated
+        self.backend_name = "emulated" if emulated else "dequant"
         tdev = device.torch_device
         self._tensors = {s: t.to(tdev) for s, t in tensors.items() if s != "bias"}
         self.register_buffer("bias", None if bias is None else bias.to(tdev))
         self._shape = (int(shape[0]), int(shape[1]))
         self._cached: torch.Tensor | None = None
-        self.weight_for(compute_dtype)
+        if not emulated:
+            self.weight_for(compute_dtype)
 
     @classmethod
     def from_layer(cls, layer, *, device="cpu", probe: Probe | None = None,
@@ -88,11 +106,11 @@ class DecodedLinear(torch.nn.Module):
         dev = device if isinstance(device, Device) else parse_device(device, probe=probe)
         codec = layer.codec
         if not decodes(codec):
-            raise FormatError(f"{codec.name} layers have no float decode", tensor=layer.name)
+            raise FormatError(f"{codec.spec.name} layers have no float decode", tensor=layer.name)
         r = route(codec, dev, probe)
         return cls(codec, layer.tensors, layer.fields, layer.bias,
                    (layer.out_features, layer.in_features), dev, r.reason,
-                   compute_dtype or torch.bfloat16)
+                   compute_dtype or torch.bfloat16, emulated=emulates(codec, dev))
 
     @property
     def out_features(self) -> int:
@@ -123,11 +141,14 @@ class DecodedLinear(torch.nn.Module):
             raise FormatError(f"activation last dim {x.shape[-1] if x.dim() else None} != {width}")
         x = apply_input_act(x, input_act)
         bias = None if self.bias is None else torch.as_tensor(self.bias).to(x.dtype)
+        if self.emulated:
+            return self.codec.emulated_linear(x, self._tensors, self.fields, bias)
         return F.linear(x, self.weight_for(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return (f"format={self.codec.name}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, device={self.device}, backend=dequant")
+        return (f"format={self.codec.spec.name}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, device={self.device}, "
+                f"backend={self.backend_name}")
 
 
 def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> list[FormatRoute]:
@@ -144,7 +165,7 @@ def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> 
         if decodes(codec):
             out.append(route(codec, dev, probe))
         else:
-            out.append(FormatRoute(codec.name, first, "its int8 path",
+            out.append(FormatRoute(codec.spec.name, first, "its int8 path",
                                    f"int8 grid: the first available int8 backend ({first}); "
                                    "a layer its kernel refuses runs dequant"))
     return out

@@ -38,6 +38,7 @@ from h3quant.h3.topology import BLOCK_LINEARS
 
 _BLOCK_RE = re.compile(r"^(.*?)blocks\.(\d+)\.")
 
+LEGACY_FP8_FORMAT = E4M3.name  # the format a legacy scaled-fp8 layer loads as
 
 
 @dataclass
@@ -95,12 +96,12 @@ class LoadedLayer:
         shape = tuple(self.weight.shape)
         if len(shape) != 2:
             return shape[0], shape[-1]
-        return self.codec.logical_shape(shape, self.fields)
+        return self.codec.spec.logical_shape(shape, self.fields)
 
     @property
     def convrot(self) -> bool:
         """Whether the int8 grid is in the rotated basis (W4A8 always is)."""
-        return self.codec.uses_convrot(self.fields)
+        return self.codec.spec.uses_convrot(self.fields)
 
     @property
     def convrot_groupsize(self) -> int:
@@ -135,7 +136,7 @@ class LoadedLayer:
     @property
     def decodes(self) -> bool:
         """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
-        return self.is_quantized and bool(getattr(self.codec, "decodes", False))
+        return self.is_quantized and bool(self.codec.decodes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's
@@ -224,7 +225,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
             f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
-    extra = sorted(set(layer.tensors) - set(codec.runtime_tensors) - {"bias", "comfy_quant"})
+    extra = sorted(set(layer.tensors) - set(codec.spec.runtime_tensors) - {"bias", "comfy_quant"})
     if "weight_correction" in extra:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)
@@ -303,7 +304,7 @@ def legacy_scaled_fp8(ckpt: Checkpoint, layer: Layer) -> LoadedLayer | None:
         si = ckpt.read(t["scale_input"].name).to(torch.float32)
         if si.numel() != 1 or float(si) != 1.0:
             tensors["input_scale"] = si.reshape(())
-    return LoadedLayer(layer.name, tensors, {"format": E4M3.name}, "scaled_fp8")
+    return LoadedLayer(layer.name, tensors, {"format": LEGACY_FP8_FORMAT}, "scaled_fp8")
 
 
 _FP8_WEIGHTS = ("F8_E4M3", "F8_E5M2")

@@ -50,8 +50,6 @@ class AWQW4A16Codec(Codec):
                                "them through their float decode (dequant)", code="Q105")
 
     calibrates = True
-    chunked = False  # written whole: its scales are stored [K/G, N], not by row
-    unrowed_outputs = ("weight_scale", "weight_zeros")
     sampled_by_column = ("weight_scale", "weight_zeros")  # report samples: their rows, [n, K/G]
 
     def encode(self, w, marker, method, pool=None, calibration=None):

@@ -6,11 +6,19 @@ from dataclasses import replace
 
 from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
-from h3quant.formats.fp8.spec import E4M3, E5M2
+from h3quant.formats.fp8.spec import E4M3, E5M2, Fp8Spec
 
 
 class Fp8Codec(Codec):
-    """A per-tensor-scaled fp8 layer; encodes the whole layer (one amax), in row chunks."""
+    """A per-tensor-scaled fp8 layer: one amax over the whole layer (a first pass over its
+    rows), then row chunks."""
+
+    scans = True
+
+    def __init__(self, spec: Fp8Spec) -> None:
+        super().__init__(spec)
+        self.decodes = spec.decodes  # the runtime runs it through its float decode
+        self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
 
     def _dtype(self):
         import torch
@@ -43,6 +51,24 @@ class Fp8Codec(Codec):
         from h3quant.formats.fp8.tensors import encode_fp8
 
         q, s = encode_fp8(w, self._dtype(), pool=pool)
+        return {"weight": q, "weight_scale": s}
+
+    def scan_rows(self, w):
+        from h3quant.formats.fp8.tensors import amax_of
+
+        return amax_of(w)
+
+    def layer_value(self, parts):
+        import torch
+
+        from h3quant.formats.fp8.tensors import scale_from_amax
+
+        return scale_from_amax(torch.stack(parts).amax(), self._dtype())
+
+    def encode_rows(self, w, marker, method, value):
+        from h3quant.formats.fp8.tensors import encode_fp8
+
+        q, s = encode_fp8(w, self._dtype(), scale=value)
         return {"weight": q, "weight_scale": s}
 
     def report_grid(self, out, marker):

@@ -71,10 +71,12 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
         runtime_tensors=("weight", "weight_scale", "input_scale"),
         runtime_required=("weight", "weight_scale"),
         deep_scales=("weight_scale", "input_scale"),
-        chunked=False,  # one amax over the whole layer; encoded in row chunks inside
+        chunked=False,  # one amax over the whole layer: a first pass, then row chunks
+        streamed=True,
         unrowed_outputs=("weight_scale",),
         weight_bits=8,
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
+        whole_model=True,
     )
 
 
@@ -87,3 +89,13 @@ E5M2 = _spec("float8_e5m2", "fp8-e5m2", "F8_E5M2", 57344.0, VerifyLimits(0.12, 1
              "fp8 e5m2 codes with one fp32 scale per tensor (ComfyUI's float8_e5m2)")
 SPECS = (E4M3, E5M2)
 SPEC = E4M3
+
+
+def per_tensor_marker(code_dtype: str) -> dict | None:
+    """The marker of the per-layer fp8 format whose codes are ``code_dtype`` (``F8_E4M3`` ...):
+    what a legacy scaled-fp8 layer (codes + one ``scale_weight``) is written as, codes and
+    scale unchanged, with its scale as ``weight_scale``. None for another dtype."""
+    for s in SPECS:
+        if s.code_dtype == code_dtype:
+            return s.marker(None, 0)
+    return None

@@ -29,14 +29,18 @@ def tensor_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     An all-zero weight would give scale 0 (and NaN codes in kitchen); it gets scale 1 instead
     (codes all zero), the only deviation from kitchen, which never produces a usable file there."""
-    amax = _amax(w)
+    return scale_from_amax(amax_of(w), dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor_scale`` from the weight's ``amax(|w|)`` (in the weight's dtype)."""
     scale = (amax / fp8_max(dtype)).to(torch.float32)
     if float(scale) == 0.0:
         scale = torch.ones((), dtype=torch.float32)
     return scale.reshape(())
 
 
-def _amax(w: torch.Tensor) -> torch.Tensor:
+def amax_of(w: torch.Tensor) -> torch.Tensor:
     """``amax(|w|)`` over the tensor in its dtype, row chunk by row chunk (no full |w| copy)."""
     flat = w.reshape(-1)
     step = CHUNK_ELEMS

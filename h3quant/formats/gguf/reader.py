@@ -93,6 +93,11 @@ class GgufFile:
             qtype = getattr(t.tensor_type, "name", str(t.tensor_type))
             self.tensors[name] = GgufTensor(name, t.name, qtype, shape, int(t.n_bytes), i)
 
+    @property
+    def header_length(self) -> int:
+        """Bytes before the tensor data: the magic, metadata and tensor descriptions."""
+        return int(self._reader.data_offset)
+
     # -------------------------------------------------------------------------- header fields
     def _field(self, key):
         return self._reader.get_field(key)
@@ -154,23 +159,68 @@ class GgufFile:
     def total_bytes(self) -> int:
         return os.path.getsize(self.path)
 
+    def info(self, name: str) -> GgufTensor:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ContainerError("no such tensor in the GGUF file", path=self.path, tensor=name)
+        return info
+
+    def _blocks(self, info: GgufTensor):
+        """(raw bytes of the tensor as uint8 numpy over the file's mapping, values per block,
+        bytes per block)."""
+        import numpy as np
+
+        from gguf.constants import GGML_QUANT_SIZES
+
+        t = self._reader.tensors[info.index]
+        sizes = GGML_QUANT_SIZES.get(t.tensor_type)
+        if sizes is None:
+            raise UnsupportedError(f"GGUF type {info.qtype} has no known block size",
+                                   path=self.path, tensor=info.name)
+        return np.asarray(t.data).reshape(-1).view(np.uint8), sizes[0], sizes[1]
+
+    def byte_range(self, name: str, first: int, stop: int) -> tuple[int, int]:
+        """(offset in the file, length) of the stored blocks holding values
+        ``[first, stop)`` (in the original shape's row-major order)."""
+        info = self.info(name)
+        raw, per_block, block_bytes = self._blocks(info)
+        b0, b1 = first // per_block, -(-stop // per_block)
+        begin = self._reader.tensors[info.index].data_offset
+        return begin + b0 * block_bytes, (b1 - b0) * block_bytes
+
+    def read_values(self, name: str, first: int = 0, stop: int | None = None):
+        """Values ``[first, stop)`` of the tensor, flat, in the original shape's row-major
+        order, as float32 numpy: only the blocks holding them are dequantized (by the gguf
+        package's own ``gguf.quants.dequantize``)."""
+        import numpy as np
+
+        from gguf.quants import dequantize
+
+        info = self.info(name)
+        stop = info.numel if stop is None else stop
+        if not 0 <= first <= stop <= info.numel:
+            raise ContainerError(f"values [{first}, {stop}) outside the tensor's {info.numel}",
+                                 path=self.path, tensor=name)
+        if first == stop:
+            return np.empty(0, np.float32)
+        raw, per_block, block_bytes = self._blocks(info)
+        b0, b1 = first // per_block, -(-stop // per_block)
+        t = self._reader.tensors[info.index]
+        try:
+            values = dequantize(raw[b0 * block_bytes:b1 * block_bytes], t.tensor_type)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise UnsupportedError(f"GGUF type {info.qtype} cannot be dequantized by the gguf "
+                                   f"package ({e})", path=self.path, tensor=name) from None
+        values = values.reshape(-1)[first - b0 * per_block:stop - b0 * per_block]
+        return values.astype(np.float32, copy=False)
+
     def read(self, name: str):
         """The tensor as float32 numpy in its original shape (dequantized by the gguf package's
         own ``gguf.quants.dequantize``)."""
         import numpy as np
 
-        from gguf.quants import dequantize
-
-        info = self.tensors.get(name)
-        if info is None:
-            raise ContainerError("no such tensor in the GGUF file", path=self.path, tensor=name)
-        t = self._reader.tensors[info.index]
-        try:
-            values = dequantize(np.asarray(t.data), t.tensor_type)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise UnsupportedError(f"GGUF type {info.qtype} cannot be dequantized by the gguf "
-                                   f"package ({e})", path=self.path, tensor=name) from None
-        return np.ascontiguousarray(values.astype(np.float32, copy=False).reshape(info.shape))
+        info = self.info(name)
+        return np.ascontiguousarray(self.read_values(name).reshape(info.shape))
 
     def close(self) -> None:
         self._reader = None  # drops the memory map

@@ -14,6 +14,10 @@ def _g(fields) -> int:
 class ConvRotW4A4Codec(Codec):
     decodes = True  # the runtime may run it through decode_weight (dequantizing)
     kernel = ("int4 MMA (comfy-kitchen TensorCoreConvRotW4A4Layout)", (7, 5))
+    # comfy-kitchen 0.2.40 implements convrot_w4a4_linear on these devices with its eager
+    # backend only (its CUDA kernel needs sm_75, its Ascend one runs on NPUs): ComfyUI's forward
+    # there quantizes the activations to int4 too, and the runtime runs the same computation.
+    emulation = ("comfy-kitchen eager W4A4 (activations quantized to int4)", ("cpu", "mps", "xpu"))
 
     def source_tensors(self, fields, tensors):
         return ["weight", "weight_scale"], []

@@ -76,6 +76,8 @@ def rules(fields: dict, tensors: dict) -> list[Violation]:
 class ConvRotW4A4Spec(FormatSpec):
     """convrot_w4a4's header rules."""
 
+    decodes = True  # no int8 grid: the runtime runs it through its codec (verify: its own limits)
+
     def describe(self, fields):
         f = fields or {}
         text = f"{NAME} g={f.get('convrot_groupsize', 256)}"
@@ -124,7 +126,10 @@ SPEC = ConvRotW4A4Spec(
     ),
     targets=(Target("int4-convrot", NAME, True,
                     "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
-    verify=VerifyLimits(rel_err=0.3, block_sqnr_db=6.0),
+    # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
+    # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
+    # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
+    verify=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
     marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
     runtime_tensors=("weight", "weight_scale"),
     runtime_required=("weight", "weight_scale"),

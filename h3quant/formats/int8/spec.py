@@ -86,6 +86,8 @@ class Int8Spec(FormatSpec):
         return []
 
 
+RELAYOUT_NOTE = "pure relayout: same int8 codes and scales, transposed (no requantization)"
+
 SPEC = Int8Spec(
     name=NAME,
     description="int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
@@ -108,4 +110,6 @@ SPEC = Int8Spec(
     int8_codes=True,
     convrot_rules=True,
     weight_bits=8,
+    row_scale="weight_scale",
+    relayout_note=RELAYOUT_NOTE,
 )

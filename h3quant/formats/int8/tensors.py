@@ -167,7 +167,9 @@ def decode_int8(
     out = torch.empty((n, k), dtype=dtype, device=q.device)
     step = _row_step(k)
     for i in range(0, n, step):
-        w = q[i:i + step].to(torch.float32) * (s if s.dim() == 0 else s[i:i + step])
+        # contiguous: a transposed view (the kn layout's rows) must round like stored rows
+        w = q[i:i + step].to(torch.float32, memory_format=torch.contiguous_format)
+        w = w * (s if s.dim() == 0 else s[i:i + step])
         if convrot:
             w = rotate_exact(w, group_size) if exact else rotate_chunk_(w, group_size, torch.empty_like(w))
         out[i:i + step] = w

@@ -2,7 +2,7 @@
 
 The encoder returns canonical row chunks (``weight`` rows ``[n, K]``); the spec's
 ``transposed_outputs`` tells the writer to transpose them into the ``[K, N]`` tensor
-(``h3quant.formats.int8_kn.tensors.RowTransposer``).
+(``h3quant.formats.transpose.RowTransposer``).
 """
 
 from __future__ import annotations

@@ -83,4 +83,6 @@ SPEC = Int8KnSpec(
     column_sources=("weight",),
     layout="npu",
     canonical=CANONICAL_NAME,
+    row_scale=INT8_SPEC.row_scale,
+    relayout_note=INT8_SPEC.relayout_note,
 )

@@ -115,7 +115,9 @@ SPEC = MxSpec(
     runtime_tensors=("weight", "weight_scale", "input_scale"),
     runtime_required=("weight", "weight_scale"),
     deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
-    chunked=False,  # the blocked scales hold 128 rows per tile: whole layer, 128-row chunks
+    chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
+    streamed=True,
+    chunk_rows=128,
     unrowed_outputs=("weight_scale",),
     weight_bits=8,
 )

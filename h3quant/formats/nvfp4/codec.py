@@ -9,6 +9,7 @@ from h3quant.formats.spec import Violation
 
 class NVFP4Codec(Codec):
     needs_row0 = True  # block scales are laid out by 128-row tile, not by row
+    scans = True  # the tensor scale is the layer's amax: a first pass over the rows
     decodes = True  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
     kernel = ("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0))
 
@@ -65,6 +66,23 @@ class NVFP4Codec(Codec):
         from h3quant.formats.nvfp4.tensors import encode_nvfp4
 
         return encode_nvfp4(w)
+
+    def scan_rows(self, w):
+        from h3quant.formats.nvfp4.tensors import amax_of
+
+        return amax_of(w)
+
+    def layer_value(self, parts):
+        import torch
+
+        from h3quant.formats.nvfp4.tensors import scale_from_amax
+
+        return scale_from_amax(torch.stack(parts).amax())
+
+    def encode_rows(self, w, marker, method, value):
+        from h3quant.formats.nvfp4.tensors import encode_nvfp4
+
+        return encode_nvfp4(w, scale=value)
 
     def report_grid(self, out, marker):
         from h3quant.formats.nvfp4.tensors import decode_nvfp4

@@ -106,11 +106,15 @@ SPEC = NVFP4Spec(
     ),
     targets=(Target("nvfp4", NAME, False,
                     "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
-    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=12.0),
+    # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
+    # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
+    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
     runtime_tensors=("weight", "weight_scale", "weight_scale_2"),
     runtime_required=("weight", "weight_scale", "weight_scale_2"),
     deep_scales=("weight_scale_2",),
-    chunked=False,  # the tensor scale is the whole layer's amax
+    chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
+    streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
+    chunk_rows=128,
     unrowed_outputs=("weight_scale", "weight_scale_2"),
     packed=True,
     weight_bits=4,

@@ -81,10 +81,20 @@ def unpack_hi_first(packed: torch.Tensor) -> torch.Tensor:
 
 def tensor_scale(w: torch.Tensor) -> torch.Tensor:
     """``amax|W| / 2688`` in ``w``'s dtype, as an fp32 scalar (``weight_scale_2``)."""
+    return scale_from_amax(amax_of(w))
+
+
+def amax_of(w: torch.Tensor) -> torch.Tensor:
+    """``amax|W|`` in ``w``'s dtype, ``ROW_STEP`` rows at a time (0 for no rows)."""
     amax = torch.zeros((), dtype=w.dtype)
     for r0 in range(0, w.shape[0], ROW_STEP):
         part = w[r0:r0 + ROW_STEP]
         amax = torch.maximum(amax, torch.maximum(part.amax(), part.amin().neg()))
+    return amax
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``tensor_scale`` from the weight's ``amax|W|`` (in the weight's dtype)."""
     return (amax.abs() / (E4M3_MAX * E2M1_MAX)).to(torch.float32)
 
 

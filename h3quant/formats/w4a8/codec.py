@@ -71,6 +71,11 @@ class W4A8Codec(Codec):
                                 group_size=int(fields.get("group_size", GROUP)),
                                 codebook=whole.get("weight_codebook"))
 
+    def grid_origin(self, q):
+        from h3quant.formats.w4a8.grid import grid_origin
+
+        return grid_origin(q)
+
     def row_range(self, tensors, th):
         """The decoded grid of a well-encoded row peaks near 127 (``th.w4a8_row_peak_min``)."""
         low = th.w4a8_row_peak_min

@@ -185,4 +185,5 @@ SPEC = W4A8Spec(
     grid_rows=("weight", "weight_s_rel"),
     grid_whole=("weight_codebook",),
     grid_scale="weight_s_channel",
+    grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
 )

@@ -80,6 +80,9 @@ class CompareResult:
     reference_chosen: bool  # True: the reference was not named, the most precise file was taken
     run: dict  # inputs, seed, schedule, device, dtype, h3quant version: enough to rerun it
     notes: list[str] = field(default_factory=list)
+    # the planner's predicted frontier over the float reference (plan.frontier.Point dicts,
+    # smallest first); None when it was not drawn
+    frontier: list[dict] | None = None
 
     def ranked(self) -> list[FileCard]:
         return sorted(self.files, key=lambda c: (c.rank or math.inf))
@@ -90,7 +93,10 @@ class CompareResult:
         for c in [self.reference] + self.ranked():
             records.append({**c.to_dict(), "reference": self.reference.facts.path,
                             "reference_chosen": self.reference_chosen, "run": self.run})
-        return json_safe({"records": records, "notes": self.notes})
+        out: dict = {"records": records, "notes": self.notes}
+        if self.frontier is not None:
+            out["frontier"] = self.frontier
+        return json_safe(out)
 
 
 def rank(cards: list[FileCard]) -> None:

@@ -15,7 +15,6 @@ from h3quant.pipelines.compare.card import rank as rank_cards
 from h3quant.pipelines.compare.facts import FileFacts, file_facts, pick_reference
 from h3quant.pipelines.compare.reference import Dims, ReferenceRun
 from h3quant.pipelines.compare.sampler import euler
-from h3quant.pipelines.compare.sources import forward_path
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.model import ModelInputs
 from h3quant.runtime.probe import Probe
@@ -43,6 +42,9 @@ class CompareOptions:
     mmap: bool = True
     backend: str | None = None
     probe: Probe | None = None
+    # the planner's predicted frontier over the reference: None draws it when the reference
+    # is a float file; True asks for it (refused for a quantized reference); False skips it
+    frontier: bool | None = None
 
 
 def metric(got: torch.Tensor, want: torch.Tensor, psnr: bool = False) -> Metric:
@@ -95,6 +97,9 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
         facts = [f for f in facts if f is not ref_facts]
     else:
         ref_facts = file_facts(reference)
+    if opts.frontier and ref_facts.quantized:
+        raise VerifyError(f"the planner's frontier needs a float reference; "
+                          f"{ref_facts.path} is {ref_facts.label}", path=ref_facts.path)
     dev = require_device(opts.device, probe=opts.probe)
     dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
     run = {"inputs": {k: v for k, v in vars(opts.inputs).items()}, "seed": opts.inputs.seed,
@@ -122,7 +127,33 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
         finally:
             ref.close()
     rank_cards(cards)
-    return CompareResult(ref_card, cards, chosen, run, notes)
+    result = CompareResult(ref_card, cards, chosen, run, notes)
+    if opts.frontier is not False and not ref_facts.quantized:
+        result.frontier = _frontier(ref_facts, opts, progress, log)
+    return result
+
+
+def _frontier(facts: FileFacts, opts: CompareOptions, progress, log) -> list[dict]:
+    """The planner's predicted frontier over the float reference (``plan.frontier``): one
+    sensitivity pass on the card's inputs, nothing converted."""
+    from h3quant.pipelines.plan.frontier import predicted_frontier
+
+    if log is not None:
+        log(f"planner frontier over {facts.path}: one streamed forward per candidate per block")
+    bar = progress("planner", None, "block")
+
+    def on_block(done, total):
+        bar.total = total
+        bar.update(1)
+
+    try:
+        points = predicted_frontier(facts.path, inputs=opts.inputs, mmap=opts.mmap,
+                                    on_block=on_block)
+    finally:
+        bar.close()
+    keep = ("name", "formats", "predicted_bytes", "predicted_sqnr_db", "predicted_min_sqnr_db",
+            "target_sqnr_db")
+    return [{k: v for k, v in p.to_dict().items() if k in keep} for p in points]
 
 
 def _open(path, device, opts, linear="runtime"):
@@ -137,31 +168,30 @@ def _reference(facts: FileFacts, opts, sched, dev, dtype, work, progress, log):
         log(f"reference {facts.path} ({facts.label}): CPU, float32")
     linear = "reference" if facts.quantized else "runtime"
     steps = 0 if sched is None else len(sched) - 1
-    with forward_path(facts.path, work) as fp:
-        with _open(fp, "cpu", opts, linear) as model:
-            if model.head_bank > 1 and sched is None:
-                raise VerifyError(f"final_layer holds a bank of {model.head_bank} output heads: "
-                                  "give the sampler's schedule (--steps N or --sigmas)",
-                                  path=facts.path)
-            bar = progress("reference", len(model.blocks) + steps, "block")
-            try:
-                ref = ReferenceRun(model, opts.inputs, sched, work, bar=bar)
-            finally:
-                bar.close()
-        card = FileCard(facts, "reference")
-        card.notes.append("runs on the CPU in float32" +
-                          (" (its quantized weights in float math)" if facts.quantized else ""))
-        if ref.step_seconds:
-            card.step_seconds = sum(ref.step_seconds) / len(ref.step_seconds)
-        if sched is not None and dev.kind != "cpu":  # its time on the compared device
-            with _open(fp, dev, opts, linear) as model:
-                times: list[float] = []
-                v, a, t = opts.inputs.tensors(model.video_channels, model.audio_channels,
-                                              model.text_dim)
-                euler(model, v, a, t, sched, dtype, lambda i, xv, xa, s: times.append(s),
-                      steps=min(2, len(sched) - 1))
-                card.step_seconds = times[-1]
-                card.notes.append(f"time per step on {dev} ({str(dtype).replace('torch.', '')})")
+    with _open(facts.path, "cpu", opts, linear) as model:
+        if model.head_bank > 1 and sched is None:
+            raise VerifyError(f"final_layer holds a bank of {model.head_bank} output heads: "
+                              "give the sampler's schedule (--steps N or --sigmas)",
+                              path=facts.path)
+        bar = progress("reference", len(model.blocks) + steps, "block")
+        try:
+            ref = ReferenceRun(model, opts.inputs, sched, work, bar=bar)
+        finally:
+            bar.close()
+    card = FileCard(facts, "reference")
+    card.notes.append("runs on the CPU in float32" +
+                      (" (its quantized weights in float math)" if facts.quantized else ""))
+    if ref.step_seconds:
+        card.step_seconds = sum(ref.step_seconds) / len(ref.step_seconds)
+    if sched is not None and dev.kind != "cpu":  # its time on the compared device
+        with _open(facts.path, dev, opts, linear) as model:
+            times: list[float] = []
+            v, a, t = opts.inputs.tensors(model.video_channels, model.audio_channels,
+                                          model.text_dim)
+            euler(model, v, a, t, sched, dtype, lambda i, xv, xa, s: times.append(s),
+                  steps=min(2, len(sched) - 1))
+            card.step_seconds = times[-1]
+            card.notes.append(f"time per step on {dev} ({str(dtype).replace('torch.', '')})")
     return ref, card
 
 
@@ -177,7 +207,7 @@ def _check_dims(model, ref: ReferenceRun, path: str) -> None:
 def _file_card(facts: FileFacts, ref: ReferenceRun, opts, sched, dev, dtype, work,
                progress) -> FileCard:
     card = FileCard(facts, "file")
-    with forward_path(facts.path, work) as fp, _open(fp, dev, opts) as model:
+    with _open(facts.path, dev, opts) as model:
         _check_dims(model, ref, facts.path)
         video, audio, text = opts.inputs.tensors(model.video_channels, model.audio_channels,
                                                  model.text_dim)

@@ -22,6 +22,7 @@ from typing import cast
 
 from h3quant.formats.container.atomic import Outputs, resolve_stale, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.sources import open_source
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import adopt, survival
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
@@ -39,13 +40,14 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     options = options or ConvertOptions()
     src, dst = Path(src), Path(dst)
     register_files(None, src, dst, options.loras).check(overwrite=True)
-    with Checkpoint(src, mmap=options.mmap) as ckpt:
+    with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         if mapping.trivial and not options.loras:
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
         source, loras = _view(ckpt, mapping, options)
         options = _promoted(options, loras)
         plan = build_plan(source, src, dst, options, dry_run=dry_run)
+        plan.warnings += getattr(source, "notes", [])
     if not mapping.trivial:
         plan.naming = _naming(det, mapping)
     if loras is not None:
@@ -76,7 +78,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     files = register_files(files, src, dst, options.loras, report_path)
     files.check(overwrite=options.overwrite)
     resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
-    with Checkpoint(src, mmap=options.mmap) as ckpt:
+    with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         source, loras = ckpt, None
         if not mapping.trivial or options.loras:
@@ -90,6 +92,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             for line in loras.skipped:
                 log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
+        plan.warnings += getattr(source, "notes", [])
         for path in input_paths(source, src):
             files.read(path, "input shard")
         for stats in (options.calibration, options.calibration_heldout):
@@ -154,15 +157,15 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
     (None: it has none); ``ConvertError`` when its layers use several formats."""
     from h3quant.pipelines.convert import bake
 
-    with Checkpoint(Path(src), mmap=mmap) as ckpt:
+    with open_source(Path(src), mmap=mmap) as ckpt:
         _, mapping = adopt.adopt_mapping(ckpt, naming)
         return bake.native_target(adopt.SourceView(ckpt, mapping, True))
 
 
 def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
     """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
-    view = adopt.SourceView(ckpt, mapping, options.codec.quantized,
-                            _untouched_fp8(mapping, options) if options.codec.quantized
+    view = adopt.SourceView(ckpt, mapping, options.codec.spec.quantized,
+                            _untouched_fp8(mapping, options) if options.codec.spec.quantized
                             else frozenset())
     loras = None
     if options.loras:  # read once, resolved against the logical ComfyUI shapes
@@ -171,14 +174,18 @@ def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
         quantized = bake.quantized_layers(view)
         loras = lora.load(options.loras, bake.logical_shapes(view, quantized),
                           options.lora_skip_unmatched)
+        if view.kept & loras.layers:  # merged in float from the fp8 decode, then written BF16
+            view.unkeep(loras.layers)
+            quantized = bake.quantized_layers(view)
         bake.apply(view, loras, quantized)
     return cast(Checkpoint, view), loras
 
 
 def _untouched_fp8(mapping, options: ConvertOptions) -> frozenset[str]:
     """The fp8 weights this conversion copies rather than re-encodes (no preset, filter or
-    rule picks their layer): shown as BF16 (rounded once, as ComfyUI computes with them), not
-    widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
+    rule picks their layer): kept as float8 layers (codes and scale unchanged) where their
+    stored form allows, else shown as BF16 (rounded once, as ComfyUI computes with them);
+    never widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
     from h3quant.pipelines.convert.options import is_h3, preset_selects, wide_rules
 
     from types import SimpleNamespace

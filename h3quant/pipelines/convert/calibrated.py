@@ -50,7 +50,7 @@ class Calibration:
         st = self.stats.layer(lp.name)
         if st is None:
             if codec.spec.write_refusal:
-                raise FormatError(f"the statistics have no entry for this layer; {codec.name} is "
+                raise FormatError(f"the statistics have no entry for this layer; {codec.spec.name} is "
                                   "written from statistics only", tensor=lp.name)
             info["note"] = "no statistics for this layer: rounded to nearest"
             return None, info
@@ -59,10 +59,10 @@ class Calibration:
                               f"K={lp.k}", tensor=lp.name)
         info["rows"] = st.rows
         if not codec.calibrates:
-            info["note"] = f"{codec.name} has no calibrated encoder: rounded to nearest"
+            info["note"] = f"{codec.spec.name} has no calibrated encoder: rounded to nearest"
             return None, info
         if st.rows < st.k and codec.spec.write_refusal:  # written from statistics only
-            info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.name} "
+            info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.spec.name} "
                             "is written from statistics only)")
             self.log(f"warning: {lp.name}: {info['note']}")
         elif st.rows < st.k:
@@ -70,7 +70,7 @@ class Calibration:
                             "nearest")
             self.log(f"warning: {lp.name}: {info['note']}")
             return None, info
-        convrot = codec.uses_convrot(marker)
+        convrot = codec.spec.uses_convrot(marker)
         g = int((marker or {}).get("convrot_groupsize", 256))
         info["basis"] = f"convrot g={g}" if convrot else "plain"
         info["predicted_gain_db"] = round(st.predicted_gain_db(convrot, g), 2)

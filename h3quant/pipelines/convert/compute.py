@@ -22,7 +22,7 @@ from h3quant.errors import FormatError
 from h3quant.pipelines.convert.io import Reader
 from h3quant.formats import registry
 from h3quant.formats.container.dtypes import itemsize
-from h3quant.formats.int8_kn.tensors import RowTransposer
+from h3quant.formats.transpose import RowTransposer
 from h3quant.pipelines.convert.layers import LayerPlan
 from h3quant.pipelines.convert.options import REPORT_ROWS, ConvertOptions
 
@@ -82,7 +82,7 @@ class SourceRows:
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
-        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.column_sources}
+        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.column_sources}
         # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
         self._views = self.codec.row_views(self._whole, self.f)
 
@@ -106,7 +106,7 @@ class SourceRows:
         rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
-        if getattr(self.codec, "needs_row0", False):  # block scales laid out across rows
+        if self.codec.needs_row0:  # block scales laid out across rows
             rows["_row0"] = r0
         rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
@@ -198,10 +198,10 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # pre-transposed outputs (the NPU layout): rows are gathered into slabs and written as
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
-                   for sfx in codec.transposed_outputs}
+                   for sfx in codec.spec.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool, step):
-        _check_planned(lp, out, r1 - r0, codec.unrowed_outputs, codec.transposed_outputs)
-        if codec.quantized:
+        _check_planned(lp, out, r1 - r0, codec.spec.unrowed_outputs, codec.spec.transposed_outputs)
+        if codec.spec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():
             if suffix in transposers:
@@ -230,15 +230,15 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
     else:
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
-    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.unrowed_outputs}, 0)
-    _check_planned(lp, out, n, opts.codec.unrowed_outputs)
+    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.unrowed_outputs}, 0)
+    _check_planned(lp, out, n, opts.codec.spec.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
-    unrowed = opts.codec.unrowed_outputs
-    cols = getattr(opts.codec, "sampled_by_column", ())  # stored [*, N]: sampled as rows
+    unrowed = opts.codec.spec.unrowed_outputs
+    cols = opts.codec.sampled_by_column  # stored [*, N]: sampled as rows
     samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
                              if s not in unrowed or s in cols})
     samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
-    if samples.idx is not None and (unrowed or getattr(opts.codec, "needs_row0", False)):
+    if samples.idx is not None and (unrowed or opts.codec.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
@@ -249,12 +249,102 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     return samples
 
 
+def _stream_step(k: int, multiple: int) -> int:
+    """Rows per streamed chunk: about ``CHUNK_ELEMS`` weights, a multiple of ``multiple``."""
+    step = rows_per_chunk(k)
+    return max(multiple, (step + multiple - 1) // multiple * multiple)
+
+
+def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
+                    workers: int = 1, pool=None) -> Samples:
+    """Codecs with one layer-wide value (fp8's and nvfp4's amax; mxfp8 only needs 128-row
+    chunks), in two passes over the rows: the first gives the value, the second encodes row
+    chunks with it and writes each output at its rows' offset. Memory holds a few chunks, as
+    ``encode_chunked`` does; the bytes equal one ``encode`` of the whole layer. Outputs that
+    are not indexed by row (a scalar, the blocked scale tiles) are gathered in memory (small)
+    and written at the end, as ``encode_whole`` writes them."""
+    n, k = lp.n, lp.k
+    codec, marker = opts.codec, lp.out_fields
+    spec = codec.spec
+    step = _stream_step(k, spec.chunk_rows)
+    value = None
+    if codec.scans:  # the first pass: the layer-wide value
+
+        def scan(r0, r1):
+            part = codec.scan_rows(src.rows(r0, r1))
+            src.release(r0, r1)
+            return part
+
+        value = codec.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
+    planned = {e.name[len(lp.name) + 1:]: (tuple(e.shape), e.dtype) for e in lp.produced.values()}
+    planned.pop("comfy_quant", None)
+    unrowed = spec.unrowed_outputs
+    gathered: dict[str, torch.Tensor] = {}
+    samples = Samples.for_layer(n, opts.report)
+    lock = threading.Lock()
+
+    def task(r0, r1):
+        if r1 < n:
+            src.prefetch(r1, min(n, r1 + step))
+        w = src.rows(r0, r1)
+        out = codec.encode_rows(w, marker, opts.rotation, value)
+        with lock:
+            samples.take(r0, r1, w, **{s: v[:r1 - r0] for s, v in out.items() if s not in unrowed})
+        src.release(r0, r1)
+        return r0, r1, out
+
+    for r0, r1, out in _chunked(n, k, task, workers, pool, step):
+        _check_streamed(lp, out, planned, r0, r1)
+        _check_finite(lp, {s: v for s, v in out.items() if s not in unrowed}, r0)
+        for suffix, tensor in out.items():
+            if suffix not in unrowed:
+                sink.write_tensor(f"{lp.name}.{suffix}", tensor, r0 * _row_bytes(lp, suffix))
+            elif tensor.dim() == 0:
+                gathered[suffix] = tensor
+            else:
+                whole = gathered.get(suffix)
+                if whole is None:  # zero bytes (an e8m0 tensor has no 0.0 to fill with)
+                    whole = torch.empty(planned[suffix][0], dtype=tensor.dtype)
+                    whole.view(torch.uint8).zero_()
+                    gathered[suffix] = whole
+                whole[r0:r0 + tensor.shape[0]] = tensor
+        progress(sum(i.nbytes for i in src.used()) * (r1 - r0) // max(n, 1))
+    for suffix, tensor in gathered.items():
+        sink.write_tensor(f"{lp.name}.{suffix}", tensor)
+    samples.extra = dict(gathered)
+    if samples.idx is not None and (unrowed or getattr(codec, "needs_row0", False)):
+        samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
+    if lp.marker is not None:
+        sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
+    return samples
+
+
+def _check_streamed(lp: LayerPlan, out: dict[str, torch.Tensor], planned: dict, r0: int,
+                    r1: int) -> None:
+    """A streamed chunk's outputs are the planned tensors' rows from ``r0``: ``r1 - r0`` of
+    them (the last chunk: up to the planned end, padding included); a 0-dim one whole."""
+    def fits(suffix: str) -> bool:
+        got, want = tuple(out[suffix].shape), planned[suffix][0]
+        if not want:
+            return got == want
+        return got == ((want[0] - r0 if r1 >= lp.n else r1 - r0), *want[1:])
+
+    if set(out) != set(planned) or not all(fits(sfx) for sfx in out):
+        got = ", ".join(f"{sfx} {list(v.shape)}" for sfx, v in sorted(out.items()))
+        raise FormatError(f"encoder returned {got} for rows {r0}..{r1}; the plan expects "
+                          + ", ".join(f"{sfx} {list(sh)}" for sfx, (sh, _) in
+                                      sorted(planned.items())), tensor=lp.name)
+
+
 def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
                  workers: int = 1, pool=None, calibration=None) -> Samples:
     """Encode one planned layer with the target's codec (``calibration``: the layer's
     statistics, for a codec that calibrates; None rounds to nearest)."""
-    run = encode_chunked if opts.codec.chunked else encode_whole
-    return run(lp, src, opts, sink, progress, workers, pool, calibration)
+    if opts.codec.spec.chunked:
+        return encode_chunked(lp, src, opts, sink, progress, workers, pool, calibration)
+    if opts.codec.spec.streamed and calibration is None:
+        return encode_streamed(lp, src, opts, sink, progress, workers, pool)
+    return encode_whole(lp, src, opts, sink, progress, workers, pool, calibration)
 
 
 def _marker_tensor(lp: LayerPlan) -> torch.Tensor:

@@ -210,14 +210,14 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
     if lopts is None:  # keep: written as it is in the input
         selected = False
         lopts = opts
-    elif not lopts.codec.quantized:  # dequantizing: quantized layers, and named wider floats
+    elif not lopts.codec.spec.quantized:  # dequantizing: quantized layers, and named wider floats
         by_rule = not quantized and rule in wide and linear and w.dtype != "BF16"
         selected = opts.filtered(layer.name) and (quantized or by_rule)
     else:
         preset_pick = preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
         by_rule = not preset_pick and rule in wide and linear
         selected = opts.filtered(layer.name) and (preset_pick or by_rule)
-    if selected and by_rule and lopts.codec.quantized and skip_reason(layer, res.fields, lopts):
+    if selected and by_rule and lopts.codec.spec.quantized and skip_reason(layer, res.fields, lopts):
         selected = False  # a broad rule meets a layer its format cannot take: left as it is
     if candidates is not None and opts.layers and opts.filtered(layer.name) and (
             quantized or preset_selects(preset, layer.name, w.dtype, len(w.shape), False)
@@ -233,7 +233,7 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
         lp.options = opts
     if selected:
         check_supported(layer, res.fields)
-        lp.reason = (skip_reason(layer, res.fields, opts) if opts.codec.quantized
+        lp.reason = (skip_reason(layer, res.fields, opts) if opts.codec.spec.quantized
                      else empty_reason(layer))
         if lp.reason and rule is not None:  # a rule names a format this layer cannot take
             raise ConvertError(f"rule {rule + 1} {base.layers[rule].text!r}: layer "
@@ -261,9 +261,9 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
     n, k, name = lp.n, lp.k, lp.name
     codec = opts.codec
     marker = opts.marker()
-    specs = codec.planned(n, k, marker)
+    specs = codec.spec.planned(n, k, marker)
     if marker is None:
-        lp.target = codec.describe(None)
+        lp.target = codec.spec.describe(None)
     else:
         lp.out_fields = _keep_fpmm(lp.src_fields, marker)
         lp.target = registry.describe(lp.out_fields)
@@ -271,7 +271,7 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
         specs["comfy_quant"] = ("U8", (len(lp.marker),))
     lp.produced = {f"{name}.{s}": Entry(f"{name}.{s}", d, sh) for s, (d, sh) in specs.items()}
     lp.via = conversion_via(lp.src_fields, codec, marker)
-    note = describe_via(lp.via)
+    note = describe_via(lp.via, lp.src_fields, codec)
     if note:
         lp.notes.append(note)
     for suffix, info in lp.inputs.items():
@@ -301,7 +301,7 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
             continue
         dtype, shape = info.dtype, tuple(info.shape)
         if keep_opts is not None:
-            dtype, shape = keep_opts.codec.keep_declared(suffix, dtype, shape, n)
+            dtype, shape = keep_opts.codec.spec.keep_declared(suffix, dtype, shape, n)
             if (dtype, shape) != (info.dtype, tuple(info.shape)):
                 lp.notes.append(f"{suffix} re-declared {dtype} {list(shape)} "
                                 f"(was {info.dtype} {list(info.shape)}; same bytes)")

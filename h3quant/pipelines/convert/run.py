@@ -36,7 +36,7 @@ def check_source_scales(lp, reader) -> None:
     """Refuse a source layer whose scales break ``validate --deep``'s rules (NaN, infinite,
     zero or negative): re-encoding them would write a clean-looking file with garbage weights."""
     codec = registry.codec_for(lp.src_fields, tensor=lp.name)
-    for suffix in codec.deep_scales:
+    for suffix in codec.spec.deep_scales:
         info = lp.inputs.get(suffix)
         if info is None or not info.shape and info.nbytes == 0:
             continue
@@ -154,7 +154,7 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
         elif lp.action == "convert":
             src = CheckedRows(lp, reader)
             st, info = (None, None)
-            if plan.calibration is not None and opts.codec.quantized:
+            if plan.calibration is not None and opts.codec.spec.quantized:
                 st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
                 entry["calibration"] = info
             samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool,

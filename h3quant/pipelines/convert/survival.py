@@ -72,8 +72,8 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
     else:
         lopts = lp.options or options  # a --layer / --recipe rule's target, else --to
         codec = lopts.codec
-        fmt = codec.describe(lp.out_fields)
-        if codec.chunked:
+        fmt = codec.spec.describe(lp.out_fields)
+        if codec.spec.chunked:
             changed = 0
 
             def gen():

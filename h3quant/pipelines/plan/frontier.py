@@ -113,6 +113,41 @@ def frontier(src, model: Model, targets: list[float] | None = None, *, margin: f
     return points
 
 
+def source_bytes(src) -> int:
+    """The float input's size: a file's, or the ``.safetensors`` files of a folder."""
+    if os.path.isfile(src):
+        return os.path.getsize(src)
+    return sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)
+               if f.endswith(".safetensors"))
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """The points no other point beats (smaller or equal size with a higher predicted SQNR),
+    smallest first: predicted SQNR rises with size along them."""
+    best = -math.inf
+    out: list[Point] = []
+    for p in sorted(points, key=lambda p: (p.predicted_bytes, -p.predicted_min)):
+        if p.predicted_min > best:
+            out.append(p)
+            best = p.predicted_min
+    return out
+
+
+def predicted_frontier(src, *, inputs=None, formats=None, targets: int = 5,
+                       mmap: bool = True, on_block=None) -> list[Point]:
+    """The planner's predicted frontier of a float checkpoint, nothing converted: one
+    sensitivity pass (``sensitivity.measure``, one streamed forward per candidate per block,
+    on ``inputs``), the uniform files and ``targets`` planner files between them, the points
+    no other point beats (``pareto``)."""
+    from h3quant.pipelines.plan.sensitivity import DEFAULT_FORMATS, measure
+
+    sens = measure(src, formats=formats or DEFAULT_FORMATS, inputs=inputs, mmap=mmap,
+                   on_block=on_block)
+    model = Model(sens, source_bytes(src))
+    return pareto(frontier(src, model, default_targets(model, targets), measure=False,
+                           mmap=mmap))
+
+
 def plot(points: list[Point], plt) -> bytes:
     """Size (MB) against the worse output's SQNR, predicted and measured (matplotlib ``plt``):
     the PNG's bytes (the caller writes them through the output rules)."""

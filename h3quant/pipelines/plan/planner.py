@@ -10,8 +10,8 @@ codec's planned tensors); the file size is the float input's minus what the unit
 ``choose`` is a greedy search over the units' options, ordered smallest first:
 
 * ``target_sqnr``: start from the smallest format everywhere; while the predicted quality is
-  below the target, take the one-step upgrade (a unit to its next larger option) that removes
-  the most normalised excess noise per added byte; then try to step back down every unit whose
+  below the target, take the upgrade (a unit to any larger option) that removes the most
+  normalised excess noise per added byte; then try to step back down every unit whose
   saving keeps the target (largest saving first).
 * ``max_size``: start from the smallest format everywhere (refused when even that is too big);
   take the upgrade with the largest drop of normalised noise per added byte that still fits,
@@ -98,11 +98,13 @@ class Model:
 
 
 def _upgrades(model: Model, assign: dict[str, str]):
+    """Every larger option of every unit: with many candidate formats the next larger one may
+    be noisier (mxfp8 is larger than int8 ConvRot and, on some blocks, worse), and a search
+    that looked only one step up would stop there short of a better, larger option."""
     for unit, fmt in assign.items():
         opts = model.options[unit]
-        i = opts.index(fmt)
-        if i + 1 < len(opts):
-            yield unit, opts[i + 1]
+        for up in opts[opts.index(fmt) + 1:]:
+            yield unit, up
 
 
 def choose(model: Model, *, target_sqnr: float | None = None,

@@ -192,10 +192,10 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
-    marker = codec.marker(registry.target(cand.target), cand.group_size)
+    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
     assert marker is not None  # candidates are quantized formats
     k = int(layer.weight.shape[1])
-    why = codec.skip_reason(k, marker)
+    why = codec.spec.skip_reason(k, marker)
     if why:
         raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
     st = None
@@ -223,7 +223,7 @@ def _candidate_linear(layer, device, compute_dtype):
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
 
     codec = layer.codec
-    if not getattr(codec, "decodes", False):
+    if not codec.decodes:
         return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
     rows, whole = codec.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}
@@ -243,10 +243,10 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
-    marker = codec.marker(registry.target(cand.target), cand.group_size)
+    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
     assert marker is not None  # candidates are quantized formats
     total = len(marker_bytes(marker))
-    for dtype, shape in codec.planned(n, k, marker).values():
+    for dtype, shape in codec.spec.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
     return total
 

@@ -129,15 +129,14 @@ class ModelVerifyResult(Verdict):
 
 
 def _formats(model) -> list[str]:
-    from h3quant.formats.fp8.spec import E4M3
-    from h3quant.runtime.loader import has_scaled_fp8_marker
+    from h3quant.runtime.loader import LEGACY_FP8_FORMAT, has_scaled_fp8_marker
 
     p = model.prefix + "blocks."
     found = {lay.fields["format"] for n, lay in model.scan.layers.items()
              if n.startswith(p) and lay.fields is not None}
     if has_scaled_fp8_marker(model.ckpt) and any(  # legacy scaled fp8 loads as float8_e4m3fn
             n.startswith(p) and f"{n}.scale_weight" in model.ckpt.tensors for n in model.scan.layers):
-        found.add(E4M3.name)
+        found.add(LEGACY_FP8_FORMAT)
     return sorted(found)
 
 

@@ -6,11 +6,9 @@ would fail a file that is exactly what it should be. Such a layer is judged by W
 when either
 
 - the header says so: its name is listed in ``h3quant.from_w4a8`` (written by ``convert``), or
-- its data says so: it is a ConvRot int8 layer and every group of ``GROUP`` codes of the
-  sampled rows (``SAMPLE_ROWS`` rows, their first ``SAMPLE_COLS`` codes) is
-  ``clamp(round(level * s), -127, 127)`` for one positive e4m3 ``s`` and a 16-level table
-  shared by the layer (W4A8's frozen Lloyd-Max table or the uniform ``code - 8`` table; a
-  fitted table is not recognised from the data, only from the header).
+- its data says so: it is a ConvRot int8 layer and its sampled rows (``SAMPLE_ROWS`` rows, their
+  first ``SAMPLE_COLS`` codes) lie on W4A8's decoded grid, as W4A8's codec tells
+  (``Codec.grid_origin``, found through the registry).
 
 Everything else (a float layer, a W4A8 layer, an int8 layer made from floats) is judged as
 stored. The rule is in docs/verify.md.
@@ -22,13 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from h3quant.formats.w4a8.codebook import FROZEN_CODEBOOK
+from h3quant.formats import registry
 from h3quant.h3 import provenance as origin
 
 W4A8 = origin.W4A8
-GROUP = 16  # W4A8's group of codes sharing one e4m3 scale (the group size h3quant writes)
 SAMPLE_ROWS = 256  # rows the grid test reads per layer (evenly spaced) ...
-SAMPLE_COLS = 1024  # ... and codes of each (64 groups of 16)
+SAMPLE_COLS = 1024  # ... and codes of each (64 groups of W4A8's 16)
 REASON_HEADER = "header says converted from W4A8"
 REASON_GRID = "rows on a W4A8 grid"
 
@@ -41,37 +38,10 @@ class Judgement:
     reason: str = ""  # why judged_as differs from stored ("" when it does not)
 
 
-def _tables() -> dict[str, torch.Tensor]:
-    return {"frozen Lloyd-Max": FROZEN_CODEBOOK.float(),
-            "uniform": torch.arange(-8, 8, dtype=torch.float32)}
-
-
-def _e4m3_positive() -> torch.Tensor:
-    """Every positive finite e4m3 value (bit patterns 0x01..0x7E)."""
-    return torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-
-
-def _membership(table: torch.Tensor) -> torch.Tensor:
-    """[S, 255] bool: code v (+127) is a level of the grid of scale number s."""
-    s = _e4m3_positive()
-    grid = (table[None, :] * s[:, None]).round().clamp(-127, 127).long() + 127  # as decode does
-    member = torch.zeros(s.numel(), 255, dtype=torch.bool)
-    member.scatter_(1, grid, True)
-    return member
-
-
-def grid_table(q: torch.Tensor, group: int = GROUP) -> str | None:
-    """The name of the W4A8 level table every group of ``q`` [n, K] sits on, or None. An
-    all-zero ``q`` is on no grid (nothing to tell)."""
-    if q.dim() != 2 or q.shape[1] % group or not q.numel() or not bool(q.any()):
-        return None
-    for name, table in _tables().items():
-        member = _membership(table)
-        g = q.reshape(-1, group).long() + 127
-        # chunk by chunk, stopping at the first group off the grid (int8 from floats: at once)
-        if all(bool(member[:, g[i:i + 512]].all(-1).any(0).all()) for i in range(0, g.shape[0], 512)):
-            return name
-    return None
+def grid_origin(q: torch.Tensor) -> str | None:
+    """The W4A8 grid int8 codes ``q`` [n, K] lie on (its codec's description), or None."""
+    codec = registry.get(W4A8)
+    return codec.grid_origin(q) if codec is not None else None
 
 
 def _sampled_rows(q: torch.Tensor) -> torch.Tensor:
@@ -90,10 +60,9 @@ def judge(layer, from_header: set[str]) -> Judgement:
         return Judgement(layer.name, stored, W4A8, REASON_HEADER)
     if layer.convrot:
         q, _ = layer.int8_grid()
-        table = grid_table(_sampled_rows(q))
-        if table is not None:
-            return Judgement(layer.name, stored, W4A8,
-                             f"{REASON_GRID} ({table} levels, groups of {GROUP})")
+        grid = grid_origin(_sampled_rows(q))
+        if grid is not None:
+            return Judgement(layer.name, stored, W4A8, f"{REASON_GRID} ({grid})")
     return Judgement(layer.name, stored, stored)
 
 

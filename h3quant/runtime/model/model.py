@@ -72,6 +72,18 @@ def read_float(ckpt: Checkpoint, name: str) -> torch.Tensor:
     return ckpt.read(name)
 
 
+def stored_dtypes(tensors: dict, prefix: str = "") -> dict[str, torch.dtype]:
+    """The torch dtype H3 keeps each float tensor in (``h3.topology``), for the tensors of the
+    detected configuration; empty when the configuration is not recognised."""
+    from h3quant.formats.container.dtypes import to_torch
+    from h3quant.h3.topology import detect, expected_tensors
+
+    det = detect(tensors)
+    if det is None:
+        return {}
+    return {n: to_torch(d) for n, (d, _) in expected_tensors(det.config, prefix).items()}
+
+
 def load_time_embedding(ckpt: Checkpoint, prefix: str = "") -> TimeEmbedding:
     """The curve table (pruned form) or the time embedder (full form) of the checkpoint."""
     if prefix + "adaln_t_table" in ckpt.tensors:
@@ -140,8 +152,11 @@ class H3Model:
         self.refiner = sorted({int(n.split(".")[2 + p.count(".")]) for n in ckpt.tensors
                                if n.startswith(p + "token_refiner.blocks.")})
 
-        def f(name):
-            return read_float(ckpt, p + name).to(self.tdev)
+        wide = {n for n, d in stored_dtypes(ckpt.tensors, p).items() if d == torch.float32}
+
+        def f(name):  # a tensor H3 keeps in F32 (its fp32 parts) read as F32 when stored
+            x = read_float(ckpt, p + name)  # narrower: widened exactly, as ComfyUI's load casts
+            return x.to(self.tdev, dtype=torch.float32 if p + name in wide else x.dtype)
 
         self.video_proj = (f("video_patch_proj.weight"), f("video_patch_proj.bias"))
         self.audio_proj = (f("audio_patch_proj.weight"), f("audio_patch_proj.bias"))
@@ -176,7 +191,9 @@ class H3Model:
 
             ckpt = open_as_comfy(path, mmap=mmap)
         else:
-            ckpt = Checkpoint(path, mmap=mmap)
+            from h3quant.formats.sources import open_source
+
+            ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place
         try:
             return cls(ckpt, device=device, linear=linear, backend=backend, probe=probe,
                        owns=True)
