@@ -27,6 +27,7 @@ from h3quant.pipelines.plan.sensitivity import (
     OUTPUTS,
     PlanError,
     Sensitivity,
+    split_calibrated,
     sqnr_db,
     unit_pattern,
 )
@@ -175,7 +176,10 @@ def choose(model: Model, *, target_sqnr: float | None = None,
 
 
 def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
-    """The recipe rules giving each unit its format (one rule per format; float units: keep)."""
+    """The recipe rules giving each unit its format (one rule per format; float units: keep).
+    A calibrated candidate (``w4a8+gptq``) is its plain format here: convert writes it
+    calibrated when given the statistics (``--calibration``), which ``calibrated_formats``
+    tells."""
     from h3quant.pipelines.convert.recipe import Rule, parse_format
 
     by: dict[str, list[str]] = {}
@@ -188,6 +192,12 @@ def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
         if fmt == FLOAT:
             rules.append(Rule(pattern, None))
         else:
-            target, opts = parse_format(fmt)
+            target, opts = parse_format(split_calibrated(fmt)[0])
             rules.append(Rule(pattern, target, opts.get("group_size")))
     return tuple(rules)
+
+
+def calibrated_formats(assignment: dict[str, str]) -> list[str]:
+    """The calibrated candidates (``+gptq``) an assignment uses: its recipe reproduces them
+    only when converted with the same statistics (``convert --recipe R --calibration S``)."""
+    return sorted({f for f in assignment.values() if split_calibrated(f)[1]})
