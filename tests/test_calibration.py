@@ -414,6 +414,7 @@ def test_too_few_rows_round_to_nearest_with_a_warning(world):
     _tensors_equal(rtn, out)  # every layer rounded to nearest: the uncalibrated bytes
 
 
+@pytest.mark.slow
 def test_capture_cli_warns_and_prints_gains(world, tmp_path):
     ins = world["inputs"][:2]  # 512 rows: below fc2's K = 1024
     args = ["capture", str(world["src"]), "--out", str(tmp_path / "s.stats")]
@@ -435,6 +436,7 @@ def test_capture_help_has_examples():
     assert r.exit_code == 0 and "Examples:" in r.output and "--through" in r.output
 
 
+@pytest.mark.slow
 def test_capture_through_a_quantized_file(world):
     """--through: the forward runs on the quantized blocks; the statistics stay the source's."""
     from h3quant.calibration.fingerprint import checkpoint_fingerprint

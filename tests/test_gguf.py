@@ -203,6 +203,7 @@ def test_convert_reads_the_gguf_in_place_no_float_copy(h3, tmp_path, monkeypatch
     assert json.loads(meta["h3quant.gguf_source"])["file"] == f.name
 
 
+@pytest.mark.slow
 def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
     import os
 
@@ -226,6 +227,7 @@ def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
     assert not list(tmp.iterdir())
 
 
+@pytest.mark.slow
 def test_calibration_statistics_of_a_gguf_file_convert_it_and_only_it(h3, tmp_path):
     """capture reads a GGUF file in place; its statistics calibrate a convert of that file and
     are refused for another GGUF file (its header differs)."""
