@@ -193,6 +193,7 @@ def test_capture_equals_a_forward_hook(world):
         assert s.meta["inputs"][0]["seed"] == "0" and len(s.meta["inputs"][0]["sha256"]) == 64
 
 
+@pytest.mark.slow
 def test_capture_is_deterministic(world):
     from h3quant.pipelines.capture import capture_statistics
 
@@ -329,6 +330,7 @@ def _kitchen_scales(target, w):
     return {k[len("x."):]: v for k, v in sd.items() if k != "x.weight"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["nvfp4", "int4-convrot"])
 def test_calibrated_4bit_file_reads_in_kitchen_and_beats_rounding(world, target):
     """Real statistics: kitchen's scales kept, codes moved, comfy-kitchen's dequantize of the
