@@ -11,9 +11,10 @@ For each block linear (its real [N, K] at ``--dims``), with synthetic low-rank i
   magnitudes (``calibration.capture.Recording``), against its floor: ``X^T X`` alone (one GEMM);
 - ``factor``: the Cholesky factor of the damped inverse Hessian (``gptq.inverse_factor``: three
   float64 factorisations of K x K; this IS the floor of that step, timed once);
-- ``feedback``: the codec's calibrated encode minus the factor (per-column rounding, in-block
-  rank-1 updates, the blocked GEMMs), against its GEMM floor: the same blocked products
-  ``Err [N, B] @ U[B, rest]`` alone;
+- ``feedback``: the codec's calibrated encode minus its uncalibrated encode (per-column
+  rounding, in-block rank-1 updates, the blocked GEMMs), against its GEMM floor: the same
+  blocked products ``Err [N, B] @ U[B, rest]`` alone; ``plain levels``: the feedback itself
+  timed directly with per-row int8 levels (on a loaded machine the subtraction is noisy);
 - ``gptq``: factor + feedback for the layer, also against one matmul of the same FLOPs as
   GPTQ's ``N K^2`` multiply-adds (``[N, K] @ [K, K]`` in fp32 on the device: the GEMM floor of
   the whole step);
@@ -78,6 +79,7 @@ def main() -> None:
     codec = registry.target_codec(args.target)
     marker = codec.spec.marker(registry.target(args.target), 256)
     tot = {"capture": 0.0, "capture_floor": 0.0, "factor": 0.0, "feedback": 0.0,
+           "feedback_plain": 0.0,
            "feedback_floor": 0.0, "gemm_nk2": 0.0, "bytes": 0}
     for name in args.linears:
         n, k = cfg.linear_shape(name)
@@ -112,30 +114,36 @@ def main() -> None:
         cal = Fixed(u)
         t_enc_rtn = best(lambda: codec.encode(w.cpu(), marker, "exact"), 1, sync) \
             if dev.type == "cpu" else 0.0
-        if dev.type == "cpu":
-            t_fb = best(lambda: codec.encode(w, marker, "exact", calibration=cal), 1, sync) - t_enc_rtn
-        else:  # the error feedback itself on the device (codecs encode on the CPU)
-            s = w.abs().amax(1) / 127.0
+        s = w.abs().amax(1) / 127.0
 
-            def quantize(v, j):
-                c = (v / s).round_().clamp_(-127, 127)
-                return c, c * s
-            t_fb = best(lambda: cal.feedback(w, quantize, convrot=False), 1, sync)
+        def quantize(v, j):
+            c = (v / s).round_().clamp_(-127, 127)
+            return c, c * s
+        # the error feedback itself with plain per-row levels (what any codec's feedback costs
+        # besides its own per-column rounding), timed directly
+        t_fb_plain = best(lambda: cal.feedback(w, quantize, convrot=False), 1, sync)
+        if dev.type == "cpu":  # the codec's calibrated encode minus its uncalibrated one
+            t_fb = best(lambda: codec.encode(w, marker, "exact", calibration=cal), 1, sync) - t_enc_rtn
+        else:  # codecs encode on the CPU
+            t_fb = t_fb_plain
         stats_bytes = 4 * k * k
         print(f"{name:15s} N={n:6d} K={k:6d}  capture {t_cap:7.3f} s (floor {t_cap_floor:7.3f}, "
               f"x{t_cap / t_cap_floor:4.2f})  factor {t_fac:7.2f} s  feedback {t_fb:7.2f} s "
+              f"(plain levels {t_fb_plain:6.2f} s) "
               f"(GEMM floor {t_fb_floor:6.2f}, x{t_fb / max(t_fb_floor, 1e-9):5.2f})  "
               f"gptq x{(t_fac + t_fb) / max(t_nk2, 1e-9):5.1f} of an N K^2 matmul "
               f"({t_nk2:6.2f} s)  statistics {stats_bytes / 2**20:7.1f} MiB", flush=True)
         for key, v in (("capture", t_cap), ("capture_floor", t_cap_floor), ("factor", t_fac),
-                       ("feedback", t_fb), ("feedback_floor", t_fb_floor), ("gemm_nk2", t_nk2),
+                       ("feedback", t_fb), ("feedback_plain", t_fb_plain),
+                       ("feedback_floor", t_fb_floor), ("gemm_nk2", t_nk2),
                        ("bytes", stats_bytes)):
             tot[key] += v
         h = hh = u = w = cal = None  # one linear's tensors at a time
     print(f"per block ({len(args.linears)} linears): capture {tot['capture']:.3f} s per "
           f"{args.rows} rows (floor {tot['capture_floor']:.3f}, "
           f"x{tot['capture'] / tot['capture_floor']:.2f}); GPTQ {tot['factor'] + tot['feedback']:.1f} s "
-          f"= factor {tot['factor']:.1f} + feedback {tot['feedback']:.1f} (feedback GEMM floor "
+          f"= factor {tot['factor']:.1f} + feedback {tot['feedback']:.1f} (with plain levels "
+          f"{tot['feedback_plain']:.1f}; feedback GEMM floor "
           f"{tot['feedback_floor']:.1f}, x{tot['feedback'] / max(tot['feedback_floor'], 1e-9):.2f}; "
           f"N K^2 matmul {tot['gemm_nk2']:.1f} s, GPTQ "
           f"x{(tot['factor'] + tot['feedback']) / max(tot['gemm_nk2'], 1e-9):.1f} of it); "
