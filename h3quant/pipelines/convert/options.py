@@ -65,6 +65,7 @@ class ConvertOptions:
     layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
     calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
     calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
+    awq_scale: bool = True  # AWQ channel scaling folded into the layer before (convert.folds)
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
