@@ -271,3 +271,71 @@ def test_verify_model_of_the_scaled_file(world, capsys):
               f"unscaled {got['plain']}, scaled {got['scaled']}")
     for out in got["plain"]:
         assert got["scaled"][out] >= got["plain"][out] - 0.05, (out, got)
+
+
+# ---------------------------------- the predecessor in another format; a predecessor kept
+
+def test_an_int8_predecessor_carries_the_fold(world):
+    """qkv_proj and fc1 written as int8 (per-row scales): q, k and gate rows are the bytes of
+    the unscaled run, and the v / up rows' scales shrink by exactly the s the formula gives
+    for the reported alpha (recomputed here from the statistics' mean |x|)."""
+    from h3quant.calibration.stats import Statistics
+    from h3quant.pipelines.convert import ConvertOptions, convert
+    from h3quant.pipelines.convert.recipe import parse_rule
+
+    files, reports = {}, {}
+    for scale in (True, False):
+        files[scale] = world["d"] / f"int8pred{int(scale)}.safetensors"
+        reports[scale] = convert(world["src"], files[scale], ConvertOptions(
+            target="awq-w4a16", overwrite=True, calibration=str(world["stats"]),
+            layers=(parse_rule(r"(qkv_proj|fc1)$=int8"),), awq_scale=scale)).to_dict()
+    got, _ = _layers(files[True])
+    ref, _ = _layers(files[False])
+    chosen = {e["name"]: e["calibration"]["channel_scaling"] for e in _entries(reports[True])
+              if e.get("calibration", {}).get("channel_scaling", {}).get("alpha", 0) > 0}
+    assert chosen
+    stats = Statistics(world["stats"])
+    try:
+        for name, info in chosen.items():
+            pred = info["predecessor"]
+            k = got[f"{name}.weight_scale"].shape[0] * 64  # awq scales: [K/64, N]
+            n = got[f"{pred}.weight"].shape[0]
+            head = slice(0, n - k)
+            assert torch.equal(got[f"{pred}.weight"][head], ref[f"{pred}.weight"][head])
+            assert torch.equal(got[f"{pred}.weight_scale"][head], ref[f"{pred}.weight_scale"][head])
+            s = (ref[f"{pred}.weight_scale"][n - k:] / got[f"{pred}.weight_scale"][n - k:]).reshape(-1)
+            m = stats.absmean(name).double().clamp(min=1e-30)
+            m = m.clamp(min=float(m.max()) * 1e-4) ** info["alpha"]
+            want = m / math.sqrt(float(m.max()) * float(m.min()))
+            # the report rounds alpha to 4 decimals: s agrees to a few 1e-5 of its range
+            torch.testing.assert_close(s.double(), want, rtol=5e-4, atol=0)
+            assert float((s - 1).abs().max()) > 0.05  # a real scale, not ones
+    finally:
+        stats.close()
+
+
+def test_a_kept_predecessor_leaves_its_consumer_unscaled(world):
+    from h3quant.pipelines.convert import ConvertOptions, plan_convert
+
+    plan = plan_convert(world["src"], world["d"] / "x.safetensors", ConvertOptions(
+        target="awq-w4a16", calibration=str(world["stats"]), exclude=(r"qkv_proj$",)))
+    assert sorted(plan.folds) == [f"blocks.{i}.mlp.fc2" for i in range(BLOCKS)]
+    off = plan_convert(world["src"], world["d"] / "y.safetensors", ConvertOptions(
+        target="awq-w4a16", calibration=str(world["stats"]), awq_scale=False))
+    assert off.folds == {}
+
+
+def test_cli_no_awq_scale(world, tmp_path):
+    from click.testing import CliRunner
+
+    from h3quant.cli import main
+
+    out = tmp_path / "cli.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(world["src"]), str(out), "--to", "awq-w4a16",
+                                  "--calibration", str(world["stats"]), "--no-awq-scale", "-q"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes() == world["plain"].read_bytes()
+    r = CliRunner().invoke(main, ["convert", str(world["src"]), str(tmp_path / "b.safetensors"),
+                                  "--to", "int8", "--no-awq-scale"])
+    assert r.exit_code == 2 and "--no-awq-scale needs --calibration" in r.output
+    assert "Traceback" not in r.output

@@ -95,6 +95,9 @@ class ConvertOptions:
         object.__setattr__(self, "loras", tuple(self.loras))
         if self.calibration_heldout and not self.calibration:
             raise ConvertError("--calibration-heldout needs --calibration")
+        if not self.awq_scale and not self.calibration:
+            raise ConvertError("--no-awq-scale needs --calibration (channel scaling is only "
+                               "done from statistics)")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")
