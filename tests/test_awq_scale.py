@@ -339,3 +339,14 @@ def test_cli_no_awq_scale(world, tmp_path):
                                   "--to", "int8", "--no-awq-scale"])
     assert r.exit_code == 2 and "--no-awq-scale needs --calibration" in r.output
     assert "Traceback" not in r.output
+
+
+def test_verify_blocks_says_which_layers_are_scaled(world):
+    from h3quant.pipelines.verify.blocks import verify_checkpoint
+
+    for name, want in (("scaled", True), ("plain", False)):
+        res = verify_checkpoint(world[name], reference=world["src"], blocks=[0])
+        said = [n for n in res.notes if "h3quant.awq_channel_scaling" in n]
+        assert bool(said) is want, res.notes
+        if want:
+            assert said[0].startswith(f"{2 * BLOCKS} layer(s) written with AWQ channel scaling")

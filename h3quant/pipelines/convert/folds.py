@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from h3quant.h3.provenance import SCALING_KEY as HEADER_KEY
+from h3quant.h3.provenance import read_scaling
 from h3quant.h3.topology import fold_predecessor, folded_rows
-
-HEADER_KEY = "h3quant.awq_channel_scaling"
 
 
 @dataclass(frozen=True)
@@ -60,15 +60,7 @@ def plan_folds(layers, options) -> dict[str, Fold]:
 
 def header_value(folds: dict[str, Fold], before: str | None = None) -> str:
     """The header value: ``{consumer: predecessor}`` (with the source file's own entries)."""
-    table: dict[str, str] = {}
-    if before:
-        try:
-            old = json.loads(before)
-            if isinstance(old, dict):
-                table.update({k: v for k, v in old.items() if isinstance(k, str)
-                              and isinstance(v, str)})
-        except ValueError:
-            pass
+    table = read_scaling({HEADER_KEY: before} if before else None)
     table.update({f.consumer: f.predecessor for f in folds.values()})
     return json.dumps(table, sort_keys=True, separators=(",", ":"))
 
