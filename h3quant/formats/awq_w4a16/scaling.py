@@ -10,7 +10,7 @@ channel (``stats.channel_absmean()``; without it the root mean square from ``dia
 ``sqrt(max(s) min(s))``, for ``alpha`` on a grid of 20 values from 0 to 1. Each candidate is
 encoded with this format's levels (the weighted clipping search, codes rounded to nearest) and
 judged by the layer's output error ``tr(E H E^T)`` in the original basis (``E = W_hat / s - W``),
-on at most ``SEARCH_ROWS`` evenly spaced rows. The best candidate is then encoded as it will be
+on at most ``SEARCH_ROWS`` (512) evenly spaced rows. The best candidate is then encoded as it will be
 written (error feedback over the scaled statistics) and kept only if its output error is below
 that of ``alpha = 0`` (no scaling) encoded the same way; ``alpha = 0`` gives ``s = 1`` exactly.
 
@@ -28,7 +28,7 @@ import torch
 from h3quant.formats.awq_w4a16.encoder import GROUP, decode_awq_w4a16, encode_awq_w4a16
 
 ALPHAS = 20  # alpha on linspace(0, 1, ALPHAS)
-SEARCH_ROWS = 1024  # rows the search encodes (evenly spaced); all rows of a smaller layer
+SEARCH_ROWS = 512  # rows the search encodes (evenly spaced); all rows of a smaller layer
 
 
 def channel_magnitude(stats) -> torch.Tensor:
@@ -57,9 +57,13 @@ def _sample(n: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, SEARCH_ROWS, dtype=torch.float64).round().long().unique()
 
 
+def _energy(e: torch.Tensor, h: torch.Tensor) -> float:
+    """``tr(E H E^T)``: the product in fp32 (the cost), the sum in fp64."""
+    return float(((e @ h).double() * e.double()).sum())
+
+
 def _output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
-    e = w_hat.double() - w.double()
-    return float(((e @ h) * e).sum())
+    return _energy(w_hat.float() - w.float(), h)
 
 
 def _sqnr(sig: float, err: float) -> float:
@@ -72,14 +76,15 @@ def search_channel_scale(w: torch.Tensor, stats, *, group_size: int = GROUP,
     """(``s`` fp32 [K], or None when no scaling beats none; the search's figures)."""
     idx = _sample(w.shape[0])
     ws = w[idx].float()
-    h = stats.hessian().double()
+    h = stats.hessian().float()
+    diag = h.diagonal().double()
     m = channel_magnitude(stats)
-    sig = float(((ws.double() @ h) * ws.double()).sum())
+    sig = _energy(ws, h)
     best_alpha, best_err = 0.0, math.inf
     for alpha in torch.linspace(0.0, 1.0, alphas).tolist():
         s = scale_for(m, alpha)
-        t = encode_awq_w4a16(ws * s, stats.scaled(s), group_size=group_size, dtype=dtype,
-                             feedback=False)
+        t = encode_awq_w4a16(ws * s, None, group_size=group_size, dtype=dtype,
+                             importance=diag / (s.double() * s.double()))
         err = _output_error(ws, decode_awq_w4a16(t, group_size) / s, h)
         if err < best_err:
             best_alpha, best_err = alpha, err
