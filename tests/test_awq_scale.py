@@ -320,9 +320,11 @@ def test_a_kept_predecessor_leaves_its_consumer_unscaled(world):
     plan = plan_convert(world["src"], world["d"] / "x.safetensors", ConvertOptions(
         target="awq-w4a16", calibration=str(world["stats"]), exclude=(r"qkv_proj$",)))
     assert sorted(plan.folds) == [f"blocks.{i}.mlp.fc2" for i in range(BLOCKS)]
+    assert plan.to_dict()["awq_channel_scaling"] == {
+        f"blocks.{i}.mlp.fc2": f"blocks.{i}.mlp.fc1" for i in range(BLOCKS)}
     off = plan_convert(world["src"], world["d"] / "y.safetensors", ConvertOptions(
         target="awq-w4a16", calibration=str(world["stats"]), awq_scale=False))
-    assert off.folds == {}
+    assert off.folds == {} and "awq_channel_scaling" not in off.to_dict()
 
 
 def test_cli_no_awq_scale(world, tmp_path):

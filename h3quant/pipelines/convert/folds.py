@@ -116,6 +116,14 @@ class ChannelScales:
                 del w
                 info = {"predecessor": fold.predecessor, **info}
                 self._found[fold.consumer] = (s, info)
+                sq = info.get("output_sqnr_db", {})
+                if sq:
+                    self.plan.calibration.log(
+                        f"AWQ channel scaling of {lp.name}: alpha {info.get('alpha', 0.0):g}, "
+                        f"output SQNR {sq.get('unscaled')} -> {sq.get('scaled')} dB on "
+                        f"{info.get('rows_searched')} rows"
+                        + (f", folded into {fold.predecessor}" if s is not None else
+                           " (no scaling)"))
         return self._found[fold.consumer]
 
     def _used(self, fold: Fold) -> None:

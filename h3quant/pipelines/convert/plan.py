@@ -117,6 +117,8 @@ class ConvertPlan:
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             **({"naming": self.naming} if self.naming else {}),
             **({"lora": self.lora} if self.lora else {}),
+            **({"awq_channel_scaling": {f.consumer: f.predecessor for f in self.folds.values()}}
+               if self.folds else {}),
         }
 
 
