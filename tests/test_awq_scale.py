@@ -202,7 +202,7 @@ def test_scaling_lowers_heldout_output_error(world, capsys):
                 name = f"blocks.{i}.{sub}"
                 w = _float(world["src"], f"{name}.weight")
                 st, h = cal.layer(name), held.layer(name).hessian().double()
-                s, info = search_channel_scale(w, st)
+                s, _, info = search_channel_scale(w, st)
                 plain = decode_awq_w4a16(encode_awq_w4a16(w, st))
                 if s is None:
                     scaled = plain

@@ -61,10 +61,11 @@ class Codec:
         return rows["weight"]
 
     def channel_scale(self, w: torch.Tensor, marker: dict | None, calibration
-                      ) -> tuple[torch.Tensor | None, dict]:
-        """(``s`` fp32 [K] or None for no scaling, a report entry) for the float weight ``w``
-        with the layer's statistics; only called when ``scales_channels``."""
-        return None, {}
+                      ) -> tuple[torch.Tensor | None, Any, dict]:
+        """(``s`` fp32 [K] or None for no scaling, the statistics of the scaled inputs ``x / s``
+        to encode ``W diag(s)`` with (None with no scaling), a report entry) for the float
+        weight ``w`` with the layer's statistics; only called when ``scales_channels``."""
+        return None, None, {}
 
     def encode(self, w: torch.Tensor, marker: dict | None, method: str, pool=None,
                calibration=None) -> dict[str, torch.Tensor]:

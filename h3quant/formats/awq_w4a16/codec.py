@@ -63,7 +63,8 @@ class AWQW4A16Codec(Codec):
     scales_channels = True  # channel_scale: AWQ's per-input-channel scaling
 
     def channel_scale(self, w, marker, calibration):
-        """(``s`` [K] or None, the search's figures): see ``scaling.search_channel_scale``."""
+        """(``s`` [K] or None, the statistics of ``x / s`` or None, the search's figures): see
+        ``scaling.search_channel_scale``."""
         from h3quant.formats.awq_w4a16.scaling import search_channel_scale
 
         return search_channel_scale(w, calibration, group_size=_g(marker))

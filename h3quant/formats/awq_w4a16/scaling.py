@@ -15,7 +15,7 @@ written (error feedback over the scaled statistics) and kept only if its output 
 that of ``alpha = 0`` (no scaling) encoded the same way; ``alpha = 0`` gives ``s = 1`` exactly.
 
 ``stats`` is duck-typed (``calibration.stats.LayerStats``): ``hessian()``, ``rows``,
-``channel_absmean()`` and ``scaled(s)`` (the statistics of ``x / s``).
+``channel_absmean()``, ``scaled(s)`` (the statistics of ``x / s``) and ``release()``.
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ def _sqnr(sig: float, err: float) -> float:
 
 def search_channel_scale(w: torch.Tensor, stats, *, group_size: int = GROUP,
                          dtype: torch.dtype = torch.bfloat16, alphas: int = ALPHAS
-                         ) -> tuple[torch.Tensor | None, dict]:
-    """(``s`` fp32 [K], or None when no scaling beats none; the search's figures)."""
+                         ) -> tuple[torch.Tensor | None, Any, dict]:
+    """(``s`` fp32 [K] or None when no scaling beats none, the statistics of ``x / s`` (their
+    error-feedback factor already computed: the encoder of the whole layer reuses it) or None,
+    the search's figures)."""
     idx = _sample(w.shape[0])
     ws = w[idx].float()
     h = stats.hessian().float()
@@ -95,16 +97,18 @@ def search_channel_scale(w: torch.Tensor, stats, *, group_size: int = GROUP,
     info: dict[str, Any] = {"alpha": 0.0, "rows_searched": int(idx.numel()),
                             "output_sqnr_db": sqnr}
     if best_alpha == 0.0:
-        return None, info
+        return None, None, info
     s = scale_for(m, best_alpha)
-    t = encode_awq_w4a16(ws * s, stats.scaled(s), group_size=group_size, dtype=dtype)
+    scaled = stats.scaled(s)
+    t = encode_awq_w4a16(ws * s, scaled, group_size=group_size, dtype=dtype)
     err1 = _output_error(ws, decode_awq_w4a16(t, group_size) / s, h)
     info["searched_alpha"] = round(best_alpha, 4)
     if not err1 < err0:  # the written codes are no better with it: no scaling
-        return None, info
+        scaled.release()
+        return None, None, info
     sqnr["scaled"] = _sqnr(sig, err1)
     info["alpha"] = round(best_alpha, 4)
-    return s, info
+    return s, scaled, info
 
 
 __all__ = ["ALPHAS", "SEARCH_ROWS", "channel_magnitude", "scale_for", "search_channel_scale"]

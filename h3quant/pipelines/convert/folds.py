@@ -107,15 +107,15 @@ class ChannelScales:
             codec = (lp.options or self.plan.options).codec
             st = self.plan.calibration.stats.layer(lp.name)
             if st is None or st.k != lp.k:  # refused or noted when the layer itself runs
-                self._found[fold.consumer] = (None, {})
+                self._found[fold.consumer] = (None, None, {})
             else:
                 src = self.make_rows(lp)
                 w = src.rows(0, lp.n).float()
                 src.release(0, lp.n)
-                s, info = codec.channel_scale(w, lp.out_fields, st)
+                s, scaled, info = codec.channel_scale(w, lp.out_fields, st)
                 del w
                 info = {"predecessor": fold.predecessor, **info}
-                self._found[fold.consumer] = (s, info)
+                self._found[fold.consumer] = (s, scaled, info)
                 sq = info.get("output_sqnr_db", {})
                 if sq:
                     self.plan.calibration.log(
@@ -132,15 +132,18 @@ class ChannelScales:
             self._found.pop(fold.consumer, None)
 
     def source(self, lp, src):
-        """(the rows to encode ``lp`` from, the consumer's scale or None, the report entry)."""
+        """(the rows to encode ``lp`` from, the consumer's (scale, statistics of ``x / s``) or
+        None, the report entry)."""
         if lp.name in self.folds:
             fold = self.folds[lp.name]
-            s, info = self._search(fold)
+            s, scaled, info = self._search(fold)
             self._used(fold)
-            return (src if s is None else Rescaled(src, cols=s)), s, info
+            if s is None:
+                return src, None, info
+            return Rescaled(src, cols=s), (s, scaled), info
         fold = self.of_pred.get(lp.name)
         if fold is not None:
-            s, _ = self._search(fold)
+            s, _, _ = self._search(fold)
             self._used(fold)
             entry = {"consumer": fold.consumer, "rows": list(fold.rows),
                      "scaled": s is not None}

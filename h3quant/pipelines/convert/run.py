@@ -158,16 +158,18 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=
         elif lp.action == "convert":
             src: Any = CheckedRows(lp, reader)  # or folds.Rescaled around it
             st, info = (None, None)
-            s, fold = None, None
+            s, scaled, fold = None, None, None
             if scales is not None:  # AWQ channel scaling: this layer's side of a fold
-                src, s, fold = scales.source(lp, src)
+                src, found, fold = scales.source(lp, src)
+                if found is not None:
+                    s, scaled = found
             if plan.calibration is not None and opts.codec.spec.quantized:
                 st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
                 entry["calibration"] = info
             if fold is not None:
                 key = "channel_scaling" if lp.name in plan.folds else "folded_scale"
                 entry.setdefault("calibration", {})[key] = fold
-            stats = st if s is None or st is None else st.scaled(s)
+            stats = st if s is None or st is None else (scaled or st.scaled(s))
             samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool,
                                    calibration=stats)
             if stats is not None and stats is not st:
