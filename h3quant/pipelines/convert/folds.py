@@ -11,7 +11,8 @@ kept, copied or moved without requantizing, or one with a bias, leaves its consu
 
 At run time (``ChannelScales``) the scale of a pair is searched when the first of its two layers
 comes (the search reads only the consumer's float weight and statistics; the codec's
-``channel_scale``) and kept, as one vector, until both are written: memory holds one layer.
+``channel_scale``) and kept, with the statistics of the scaled inputs (their error-feedback
+factor computed once), until both are written: memory holds about one layer more.
 """
 
 from __future__ import annotations
