@@ -352,3 +352,32 @@ def test_verify_blocks_says_which_layers_are_scaled(world):
         assert bool(said) is want, res.notes
         if want:
             assert said[0].startswith(f"{2 * BLOCKS} layer(s) written with AWQ channel scaling")
+
+
+def test_plan_folds_skips_a_biased_or_misshapen_predecessor():
+    from types import SimpleNamespace as NS
+
+    from h3quant.formats import registry
+    from h3quant.pipelines.convert.folds import plan_folds
+
+    awq = registry.target_codec("awq-w4a16")
+    opts = NS(calibration="x.stats", awq_scale=True, codec=awq)
+
+    def lp(name, shape, **kw):
+        return NS(name=name, action="convert", via="encode", options=None, n=shape[0],
+                  k=shape[1], inputs={"weight": None, **kw.pop("inputs", {})},
+                  copies=kw.pop("copies", []))
+
+    base = [lp("blocks.0.attn.qkv_proj", (1536, 512)), lp("blocks.0.attn.out_proj", (512, 512)),
+            lp("blocks.0.mlp.fc1", (2048, 512)), lp("blocks.0.mlp.fc2", (512, 1024))]
+    assert sorted(plan_folds(base, opts)) == ["blocks.0.attn.out_proj", "blocks.0.mlp.fc2"]
+    assert plan_folds(base, NS(calibration="x.stats", awq_scale=False, codec=awq)) == {}
+    biased = [lp("blocks.0.attn.qkv_proj", (1536, 512), inputs={"bias": None}), *base[1:]]
+    assert sorted(plan_folds(biased, opts)) == ["blocks.0.mlp.fc2"]
+    odd = [*base[:2], lp("blocks.0.mlp.fc1", (3072, 512)), base[3]]  # not [gate; up] of fc2's K
+    assert sorted(plan_folds(odd, opts)) == ["blocks.0.attn.out_proj"]
+    kept = [NS(**{**vars(base[0]), "action": "keep"}), *base[1:]]
+    assert sorted(plan_folds(kept, opts)) == ["blocks.0.mlp.fc2"]
+    int8 = NS(codec=registry.target_codec("int8"))
+    other = [base[0], NS(**{**vars(base[1]), "options": int8}), *base[2:]]
+    assert sorted(plan_folds(other, opts)) == ["blocks.0.mlp.fc2"]  # out_proj not AWQ
