@@ -269,8 +269,12 @@ def test_verify_model_of_the_scaled_file(world, capsys):
     with capsys.disabled():
         print(f"\nverify --model --reference float, tiny synthetic, {BLOCKS} blocks: "
               f"unscaled {got['plain']}, scaled {got['scaled']}")
+    # Scaling is not better everywhere: on this checkpoint it gains (video +0.4, audio +1.6 dB),
+    # on an 8-block synthetic of another seed it lost 0.1 to 0.7 dB (docs/calibration.md), so
+    # the bound is loose; the fold's exactness is tested above. (On a 2-block synthetic, a
+    # fold with the division dropped measured 0.9 to 1.8 dB below the unscaled file.)
     for out in got["plain"]:
-        assert got["scaled"][out] >= got["plain"][out] - 0.05, (out, got)
+        assert got["scaled"][out] >= got["plain"][out] - 1.0, (out, got)
 
 
 # ---------------------------------- the predecessor in another format; a predecessor kept
