@@ -1,7 +1,8 @@
 """Benchmark calibration per H3 block against its GEMM floor, on the CPU or a GPU.
 
     python bench/bench_calib.py [--dims full|tiny] [--rows 8192] [--device cpu|cuda]
-                                [--linears attn.qkv_proj ...] [--target int8-convrot|int8|w4a8]
+                                [--linears attn.qkv_proj ...]
+                                [--target int8-convrot|int8|w4a8|nvfp4|int4-convrot]
 
 For each block linear (its real [N, K] at ``--dims``), with synthetic low-rank inputs X
 [rows, K] and Gaussian weights (synthetic data: the timings do not depend on the values):
@@ -13,7 +14,9 @@ For each block linear (its real [N, K] at ``--dims``), with synthetic low-rank i
 - ``feedback``: the codec's calibrated encode minus the factor (per-column rounding, in-block
   rank-1 updates, the blocked GEMMs), against its GEMM floor: the same blocked products
   ``Err [N, B] @ U[B, rest]`` alone;
-- ``gptq``: factor + feedback for the layer;
+- ``gptq``: factor + feedback for the layer, also against one matmul of the same FLOPs as
+  GPTQ's ``N K^2`` multiply-adds (``[N, K] @ [K, K]`` in fp32 on the device: the GEMM floor of
+  the whole step);
 - ``peak statistics``: one block's statistics, 4 K^2 bytes per linear (what capture holds).
 
 Prints per linear and per block (the four linears): seconds and ratio to the floor. Asserts
@@ -60,7 +63,10 @@ def main() -> None:
     ap.add_argument("--dims", choices=["full", "tiny"], default="full")
     ap.add_argument("--rows", type=int, default=8192, help="calibration rows per capture call")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--target", default="int8-convrot", choices=["int8-convrot", "int8", "w4a8"])
+    ap.add_argument("--target", default="int8-convrot",
+                    choices=[t for t in registry.targets()
+                             if registry.target_codec(t).calibrates
+                             and not registry.target_codec(t).spec.write_refusal])
     ap.add_argument("--linears", nargs="*", default=list(BLOCK_LINEARS))
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
@@ -72,7 +78,7 @@ def main() -> None:
     codec = registry.target_codec(args.target)
     marker = codec.spec.marker(registry.target(args.target), 256)
     tot = {"capture": 0.0, "capture_floor": 0.0, "factor": 0.0, "feedback": 0.0,
-           "feedback_floor": 0.0, "bytes": 0}
+           "feedback_floor": 0.0, "gemm_nk2": 0.0, "bytes": 0}
     for name in args.linears:
         n, k = cfg.linear_shape(name)
         g = torch.Generator(device=dev).manual_seed(0)
@@ -102,6 +108,7 @@ def main() -> None:
                     torch.mm(err[:, :i2 - i1], u[i1:i2, i2:])
 
         t_fb_floor = best(floor_gemms, args.repeat, sync)
+        t_nk2 = best(lambda: torch.mm(w, u), args.repeat, sync)  # N K^2 multiply-adds
         cal = Fixed(u)
         t_enc_rtn = best(lambda: codec.encode(w.cpu(), marker, "exact"), 1, sync) \
             if dev.type == "cpu" else 0.0
@@ -118,16 +125,20 @@ def main() -> None:
         print(f"{name:15s} N={n:6d} K={k:6d}  capture {t_cap:7.3f} s (floor {t_cap_floor:7.3f}, "
               f"x{t_cap / t_cap_floor:4.2f})  factor {t_fac:7.2f} s  feedback {t_fb:7.2f} s "
               f"(GEMM floor {t_fb_floor:6.2f}, x{t_fb / max(t_fb_floor, 1e-9):5.2f})  "
-              f"statistics {stats_bytes / 2**20:7.1f} MiB")
+              f"gptq x{(t_fac + t_fb) / max(t_nk2, 1e-9):5.1f} of an N K^2 matmul "
+              f"({t_nk2:6.2f} s)  statistics {stats_bytes / 2**20:7.1f} MiB", flush=True)
         for key, v in (("capture", t_cap), ("capture_floor", t_cap_floor), ("factor", t_fac),
-                       ("feedback", t_fb), ("feedback_floor", t_fb_floor), ("bytes", stats_bytes)):
+                       ("feedback", t_fb), ("feedback_floor", t_fb_floor), ("gemm_nk2", t_nk2),
+                       ("bytes", stats_bytes)):
             tot[key] += v
         h = hh = u = w = cal = None  # one linear's tensors at a time
     print(f"per block ({len(args.linears)} linears): capture {tot['capture']:.3f} s per "
           f"{args.rows} rows (floor {tot['capture_floor']:.3f}, "
           f"x{tot['capture'] / tot['capture_floor']:.2f}); GPTQ {tot['factor'] + tot['feedback']:.1f} s "
           f"= factor {tot['factor']:.1f} + feedback {tot['feedback']:.1f} (feedback GEMM floor "
-          f"{tot['feedback_floor']:.1f}, x{tot['feedback'] / max(tot['feedback_floor'], 1e-9):.2f}); "
+          f"{tot['feedback_floor']:.1f}, x{tot['feedback'] / max(tot['feedback_floor'], 1e-9):.2f}; "
+          f"N K^2 matmul {tot['gemm_nk2']:.1f} s, GPTQ "
+          f"x{(tot['factor'] + tot['feedback']) / max(tot['gemm_nk2'], 1e-9):.1f} of it); "
           f"statistics held {tot['bytes'] / 2**30:.2f} GiB")
 
 

@@ -1,6 +1,7 @@
 """Calibrated against uncalibrated conversion on a synthetic H3 checkpoint, measured end to end.
 
-    python bench/calib_synthetic.py [--dir /tmp/h3calib] [--blocks 8] [--formats int8-convrot w4a8 int8]
+    python bench/calib_synthetic.py [--dir /tmp/h3calib] [--blocks 8]
+        [--formats int8-convrot w4a8 nvfp4 int4-convrot] [--through FMT ...] [--few]
 
 Synthetic (``h3quant synth --preset tiny``): hidden 512, random weights with a few outlier input
 channels; the inputs are seeded random latents. So the activations are those of a random
@@ -16,11 +17,13 @@ machinery works and how it behaves, not what calibration gains on real weights.
    of B (float activations);
 4. whole model with activation quantization: ``verify --model --reference`` (the float file) on
    each B input, the video and audio outputs' SQNR (mean over B);
-5. the same with statistics captured through the uncalibrated file (``capture --through``: each
-   block measured on the inputs the quantized blocks before it produce);
-6. too few rows: one layer calibrated on one call (256 rows < K), measured on B.
+5. ``--through FMT``: the same with statistics captured through the uncalibrated file
+   (``capture --through``: each block measured on the inputs the quantized blocks before it
+   produce);
+6. ``--few``: too few rows: one layer calibrated on one call (256 rows < K), measured on B.
 
-Prints markdown tables. Asserts nothing.
+Prints markdown tables (per layer, then a summary per format) and the time of each step.
+Asserts nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def decoded(path) -> dict[str, torch.Tensor]:
                 rows, whole = codec.source_tensors(lay.fields, lay.tensors)
                 t = {s: c.read(lay.tensors[s].name) for s in rows}
                 w = {s: c.read(lay.tensors[s].name) for s in whole}
-                out[name] = codec.decode_rows(t, w, lay.fields).float()
+                n, k = registry.logical_shape(tuple(lay.weight.shape), lay.fields)
+                out[name] = codec.decode_rows(t, w, lay.fields).float()[:n, :k]  # no padding
     return out
 
 
@@ -86,12 +90,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/h3calib"))
     ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--formats", nargs="*", default=["int8-convrot", "w4a8", "int8"])
-    ap.add_argument("--through", nargs="*", default=["int8-convrot", "w4a8"],
+    ap.add_argument("--formats", nargs="*", default=["int8-convrot", "w4a8", "nvfp4",
+                                                     "int4-convrot"])
+    ap.add_argument("--through", nargs="*", default=[],
                     help="formats also calibrated on statistics captured through their "
                          "uncalibrated file")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse A.stats and B.stats of an earlier run in --dir")
+    ap.add_argument("--few", action="store_true",
+                    help="also the too-few-rows table (W4A8 forced on one call's statistics)")
     args = ap.parse_args()
     d = args.dir
     d.mkdir(parents=True, exist_ok=True)
@@ -114,8 +121,14 @@ def main() -> None:
     sa, sb = Statistics(d / "A.stats"), Statistics(d / "B.stats")
     summary = []
     for fmt in args.formats:
+        tf = time.perf_counter()
+        codec = registry.target_codec(fmt)
+        marker = codec.marker(registry.target(fmt), 256)
+        convrot = codec.spec.uses_convrot(marker)  # the basis the format quantizes in
         rtn, cal = d / f"{fmt}_rtn.safetensors", d / f"{fmt}_cal.safetensors"
+        t0 = time.perf_counter()
         convert(src, rtn, ConvertOptions(target=fmt, report=False, overwrite=True))
+        t_rtn = time.perf_counter() - t0
         t0 = time.perf_counter()
         convert(src, cal, ConvertOptions(target=fmt, report=False, overwrite=True,
                                          calibration=str(d / "A.stats")))
@@ -124,7 +137,6 @@ def main() -> None:
         rows = {}
         for k in sorted(src_w, key=lambda n: (int(n.split(".")[1]), n)):
             lay = sa.layer(k)
-            convrot = fmt != "int8"
             pred = lay.predicted_gain_db(convrot, 256)
             lay.release()
             rows[k] = (pred,) + tuple(output_sqnr_db(src_w[k], w[k], st.layer(k).hessian())
@@ -138,11 +150,13 @@ def main() -> None:
         gains_b = [v[4] - v[3] for v in rows.values()]
         gains_a = [v[2] - v[1] for v in rows.values()]
         preds = [v[0] for v in rows.values()]
+        t0 = time.perf_counter()
         m_rtn = whole_model(rtn, src, b)
         m_cal = whole_model(cal, src, b)
+        t_verify = time.perf_counter() - t0
         line = {"format": fmt, "pred": statistics.mean(preds), "gain_a": statistics.mean(gains_a),
                 "gain_b": statistics.mean(gains_b), "min_b": min(gains_b),
-                "rtn": m_rtn, "cal": m_cal, "convert_s": t_conv}
+                "rtn": m_rtn, "cal": m_cal, "convert_s": t_conv, "rtn_s": t_rtn}
         if fmt in args.through:
             sq = d / f"{fmt}_seq.stats"
             capture_statistics(src, a, sq, through=rtn, overwrite=True, predict=False)
@@ -154,8 +168,30 @@ def main() -> None:
         print(f"\nmean over {len(rows)} layers: predicted {line['pred']:+.1f} dB, measured on A "
               f"{line['gain_a']:+.1f} dB, on held-out B {line['gain_b']:+.1f} dB (worst layer "
               f"{line['min_b']:+.1f}); calibrated convert {t_conv:.1f} s "
-              f"({t_conv / args.blocks:.2f} s per block)\n")
-    print("### whole model, activation quantization (verify --model --reference, mean over "
+              f"({t_conv / args.blocks:.2f} s per block; uncalibrated {t_rtn:.1f} s); "
+              f"{2 * len(b)} verify runs {t_verify:.1f} s; format total "
+              f"{time.perf_counter() - tf:.1f} s\n", flush=True)
+    print("### summary per format (mean over the layers; whole model: verify --model "
+          "--reference, mean over held-out B)\n")
+    print("| format | predicted gain | gain on A | gain on B | worst layer on B | video RTN | "
+          "video calibrated | audio RTN | audio calibrated | convert RTN / calibrated (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        print(f"| {s['format']} | {s['pred']:+.1f} | {s['gain_a']:+.1f} | {s['gain_b']:+.1f} | "
+              f"{s['min_b']:+.1f} | {s['rtn']['video']:.2f} | {s['cal']['video']:.2f} | "
+              f"{s['rtn']['audio']:.2f} | {s['cal']['audio']:.2f} | "
+              f"{s['rtn_s']:.1f} / {s['convert_s']:.1f} |")
+    if args.through:
+        through_table(summary)
+    if not args.few:
+        sa.close()
+        sb.close()
+        return
+    few_table(src, a, d, src_w, sa, sb)
+
+
+def through_table(summary) -> None:
+    print("\n### whole model, activation quantization (verify --model --reference, mean over "
           "held-out B)\n")
     print("| format | video RTN | video calibrated (float inputs) | video calibrated "
           "(quantized-block inputs) | audio RTN | audio calibrated (float) | audio calibrated "
@@ -166,6 +202,9 @@ def main() -> None:
         print(f"| {s['format']} | {s['rtn']['video']:.2f} | {s['cal']['video']:.2f} | "
               f"{seq.get('video', float('nan')):.2f} | {s['rtn']['audio']:.2f} | "
               f"{s['cal']['audio']:.2f} | {seq.get('audio', float('nan')):.2f} |")
+
+
+def few_table(src, a, d, src_w, sa, sb) -> None:
     # too few rows: one call (256 rows) for fc1 (K = 512), error feedback forced
     few = capture_statistics(src, a[:1], d / "few.stats", overwrite=True, predict=False)
     with Statistics(d / "few.stats") as sf:

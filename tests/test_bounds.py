@@ -109,6 +109,7 @@ def test_the_rank_limit_itself_is_accepted(tmp_path):
     assert ads[0].rank == r
 
 
+@pytest.mark.slow
 def test_inputs_file_with_a_wrong_text_width_is_refused_before_reading(base, tmp_path):
     from h3quant.runtime.model import H3Model
 

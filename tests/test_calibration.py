@@ -17,7 +17,8 @@ from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint
 
-TARGETS = [("int8-convrot", 64), ("int8-convrot", 256), ("int8", 256), ("w4a8", 256)]
+TARGETS = [("int8-convrot", 64), ("int8-convrot", 256), ("int8", 256), ("w4a8", 256),
+           ("nvfp4", 256), ("int4-convrot", 64), ("int4-convrot", 256)]
 
 
 def _lowrank_h(k, rows=4096, rank=24, seed=0):
@@ -96,6 +97,19 @@ def test_identity_statistics_give_round_to_nearest_bytes(target, g):
     ident = LayerStats.from_hessian("blocks.0.mlp.fc1", torch.eye(512) * 7.0, 10_000)
     _, _, cal = _encode(target, g, w, ident)
     assert set(cal) == set(rtn)
+    for key in rtn:
+        assert torch.equal(_raw(cal[key]), _raw(rtn[key])), key
+
+
+@pytest.mark.parametrize("target, g", [("nvfp4", 256), ("int4-convrot", 256)])
+def test_identity_statistics_bf16_and_padding(target, g):
+    """The 4-bit encoders compute in the weight's dtype: a bf16 weight (and, for nvfp4, rows
+    and columns that need padding) still gives the round-to-nearest bytes."""
+    k = 512 if target == "int4-convrot" else 200
+    w = _weights(37, k, seed=6).to(torch.bfloat16)
+    _, _, rtn = _encode(target, g, w)
+    _, _, cal = _encode(target, g, w, LayerStats.from_hessian("blocks.0.mlp.fc1",
+                                                              torch.eye(k) * 2.0, 10_000))
     for key in rtn:
         assert torch.equal(_raw(cal[key]), _raw(rtn[key])), key
 
@@ -179,6 +193,7 @@ def test_capture_equals_a_forward_hook(world):
         assert s.meta["inputs"][0]["seed"] == "0" and len(s.meta["inputs"][0]["sha256"]) == 64
 
 
+@pytest.mark.slow
 def test_capture_is_deterministic(world):
     from h3quant.pipelines.capture import capture_statistics
 
@@ -223,7 +238,7 @@ def _tensors_equal(a, b):
         return opts
 
 
-@pytest.mark.parametrize("target", ["int8-convrot", "int8", "w4a8"])
+@pytest.mark.parametrize("target", ["int8-convrot", "int8", "w4a8", "nvfp4", "int4-convrot"])
 def test_identity_statistics_convert_bytes(world, target):
     from h3quant.pipelines.convert import ConvertOptions, convert
 
@@ -293,6 +308,83 @@ def test_int8_calibrated_file_reads_in_kitchen(world):
         assert torch.equal(mine, theirs.float())
 
 
+def _kitchen_decode(target, t):
+    """The weight comfy-kitchen dequantizes from a layer's stored tensors (fp32)."""
+    if target == "nvfp4":
+        import comfy_kitchen as ck
+
+        return ck.dequantize_nvfp4(t["weight"], t["weight_scale_2"], t["weight_scale"],
+                                   torch.float32)
+    from comfy_kitchen.tensor.convrot_w4a4 import dequantize_convrot_w4a4_weight
+
+    return dequantize_convrot_w4a4_weight(t["weight"], t["weight_scale"], 256,
+                                          output_dtype=torch.float32)
+
+
+def _kitchen_scales(target, w):
+    """The scales comfy-kitchen's own quantizer chooses for ``w`` (rounding to nearest)."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    layout = "TensorCoreNVFP4Layout" if target == "nvfp4" else "TensorCoreConvRotW4A4Layout"
+    sd = QuantizedTensor.from_float(w, layout).state_dict("x.weight")
+    return {k[len("x."):]: v for k, v in sd.items() if k != "x.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["nvfp4", "int4-convrot"])
+def test_calibrated_4bit_file_reads_in_kitchen_and_beats_rounding(world, target):
+    """Real statistics: kitchen's scales kept, codes moved, comfy-kitchen's dequantize of the
+    calibrated file has a higher output SQNR on the calibration inputs than rounding to
+    nearest in every layer (H of the captured inputs); the same inputs give the same bytes."""
+    pytest.importorskip("comfy_kitchen.tensor")
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    d = world["d"]
+    rtn, out, again = (d / f"{target}_{x}.safetensors" for x in ("rtn", "cal", "again"))
+    convert(world["src"], rtn, ConvertOptions(target=target, report=False, overwrite=True))
+    for p in (out, again):
+        convert(world["src"], p, ConvertOptions(target=target, report=False, overwrite=True,
+                                                calibration=str(world["stats"])))
+    _tensors_equal(out, again)
+    gains = []
+    with Checkpoint(world["src"]) as a, Checkpoint(out) as b, Checkpoint(rtn) as r, \
+            Statistics(world["stats"]) as s:
+        for key, lay in s.layers.items():
+            w = a.read(key + ".weight")
+            n, k = w.shape
+            tb = {n_[len(key) + 1:]: b.read(n_) for n_ in b.tensors if n_.startswith(key + ".")}
+            tr = {n_[len(key) + 1:]: r.read(n_) for n_ in r.tensors if n_.startswith(key + ".")}
+            for sfx, want in _kitchen_scales(target, w).items():  # kitchen's scales, kept
+                assert torch.equal(_raw(tb[sfx]).reshape(-1), _raw(want).reshape(-1)), (key, sfx)
+            assert not torch.equal(tb["weight"], tr["weight"]), key  # the codes moved
+            if target == "int4-convrot":
+                from h3quant.formats.int4_convrot.tensors import count_minus8
+
+                assert count_minus8(tb["weight"]) == 0  # codes in [-7, 7]
+            h = lay.hessian()
+            cal = output_sqnr_db(w.float(), _kitchen_decode(target, tb)[:n, :k], h)
+            base = output_sqnr_db(w.float(), _kitchen_decode(target, tr)[:n, :k], h)
+            gains.append(cal - base)
+    assert len(gains) == 8 and min(gains) > 0.5, gains
+
+
+@pytest.mark.parametrize("target, basis", [("nvfp4", "plain"), ("int4-convrot", "convrot g=256")])
+def test_4bit_report_calibrates_every_layer(world, target, basis):
+    """The report says each nvfp4 / INT4 ConvRot layer was calibrated (in the basis the format
+    quantizes in), with its predicted gain and output SQNR; no 'rounded to nearest' note."""
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    out = world["d"] / f"rep_{target}.safetensors"
+    rep = convert(world["src"], out, ConvertOptions(target=target, overwrite=True,
+                                                    calibration=str(world["stats"]))).to_dict()
+    layers = rep["layers"] if isinstance(rep["layers"], list) else list(rep["layers"].values())
+    cal = [lay["calibration"] for lay in layers]
+    assert len(cal) == 8
+    for c in cal:
+        assert c["basis"] == basis and "note" not in c, c
+        assert c["predicted_gain_db"] > 0 and "calibration" in c["output_sqnr_db"]
+
+
 def test_statistics_of_another_checkpoint_are_refused(world, tmp_path):
     other = tmp_path / "other.safetensors"
     synth_checkpoint(other, preset="tiny", blocks=2, seed=4)
@@ -324,6 +416,7 @@ def test_too_few_rows_round_to_nearest_with_a_warning(world):
     _tensors_equal(rtn, out)  # every layer rounded to nearest: the uncalibrated bytes
 
 
+@pytest.mark.slow
 def test_capture_cli_warns_and_prints_gains(world, tmp_path):
     ins = world["inputs"][:2]  # 512 rows: below fc2's K = 1024
     args = ["capture", str(world["src"]), "--out", str(tmp_path / "s.stats")]
@@ -345,6 +438,7 @@ def test_capture_help_has_examples():
     assert r.exit_code == 0 and "Examples:" in r.output and "--through" in r.output
 
 
+@pytest.mark.slow
 def test_capture_through_a_quantized_file(world):
     """--through: the forward runs on the quantized blocks; the statistics stay the source's."""
     from h3quant.calibration.fingerprint import checkpoint_fingerprint

@@ -16,6 +16,8 @@ from helpers.h3files import quantize_file, read_tensors as read_all
 
 from h3quant.cli import main
 
+pytestmark = pytest.mark.slow  # every test runs whole-model sampling over many files
+
 BLOCKS, BAD = 3, 1  # the defects sit in block 1 of 3
 SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "4",
          "--text-tokens", "8", "--device", "cpu"]

@@ -260,6 +260,7 @@ def test_backends_say_what_runs_int4_convrot():
     assert rows["convrot_w4a4"]["runs"] == "emulated"
 
 
+@pytest.mark.slow
 def test_verify_runs_the_cpu_forward_within_the_formats_limits(src, tmp_path):
     """verify judges the emulated forward by the format's own limits (synthetic weights), and
     still fails a file whose rows were reordered."""

@@ -203,6 +203,7 @@ def test_convert_reads_the_gguf_in_place_no_float_copy(h3, tmp_path, monkeypatch
     assert json.loads(meta["h3quant.gguf_source"])["file"] == f.name
 
 
+@pytest.mark.slow
 def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
     import os
 
@@ -224,3 +225,41 @@ def test_compare_runs_a_gguf_without_a_float_copy(h3, tmp_path, monkeypatch):
     assert [os.path.basename(p) for p in written if p != os.devnull] == \
         ["reference_states.f32"], written
     assert not list(tmp.iterdir())
+
+
+@pytest.mark.slow
+def test_calibration_statistics_of_a_gguf_file_convert_it_and_only_it(h3, tmp_path):
+    """capture reads a GGUF file in place; its statistics calibrate a convert of that file and
+    are refused for another GGUF file (its header differs)."""
+    from h3quant.calibration.recorder import write_inputs
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.runtime.model.model import H3Model
+
+    f, other = tmp_path / "h3-Q8_0.gguf", tmp_path / "h3-Q4_0.gguf"
+    write_gguf(h3["tensors"], f, "Q8_0")
+    write_gguf(h3["tensors"], other, "Q4_0")
+    with H3Model.open(f) as m:
+        vc, ac, td = m.video_channels, m.audio_channels, m.text_dim
+    ins = []
+    for s in range(5):  # 5 x 256 rows >= K = 1024 (fc2)
+        g = torch.Generator().manual_seed(s)
+        p = tmp_path / f"in{s}.safetensors"
+        write_inputs(p, torch.randn(1, vc, 2, 16, 16, generator=g),
+                     torch.randn(1, ac, 2, 32, generator=g), torch.randn(1, 64, td, generator=g),
+                     0.5, {"seed": str(s)})
+        ins.append(p)
+    stats = tmp_path / "q8.stats"
+    capture_statistics(f, ins, stats, predict=False)
+    out = tmp_path / "int8.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(f), str(out), "--to", "int8-convrot",
+                                  "--calibration", str(stats), "--no-report", "-q"])
+    assert r.exit_code == 0, r.output
+    plain = tmp_path / "plain.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(f), str(plain), "--to", "int8-convrot",
+                                  "--no-report", "-q"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes() != plain.read_bytes()  # the statistics chose other codes
+    r = CliRunner().invoke(main, ["convert", str(other), str(tmp_path / "x.safetensors"),
+                                  "--to", "int8-convrot", "--calibration", str(stats), "-q"])
+    assert r.exit_code == 2, r.output
+    assert "another checkpoint" in r.output or "measured on" in r.output, r.output

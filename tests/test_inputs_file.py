@@ -189,6 +189,7 @@ def test_plan_outputs_follow_the_output_rules_together(files, tmp_path):
     assert not recipe.exists()
 
 
+@pytest.mark.slow
 def test_plan_writes_recipe_and_plot_together(files, tmp_path):
     pytest.importorskip("matplotlib")
     src, recipe, png = files["src"], tmp_path / "r.json", tmp_path / "f.png"

@@ -59,6 +59,7 @@ def _verdicts(kn, path, tmp_path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_valid_kn_file_passes_everywhere(kn, tmp_path):
     v = _verdicts(kn, kn["good"], tmp_path)
     assert v.pop("validate --deep") == []

@@ -94,6 +94,7 @@ def test_npu_relayout_does_not_claim_no_converted_layers(base, tmp_path):
     assert "re-laid out bit for bit" in res.stderr
 
 
+@pytest.mark.slow
 def test_w4a8_lora_bake_warns_once(base, tiny_lora, tmp_path):
     res = cli("convert", base, tmp_path / "w4.safetensors", "--to", "w4a8",
               "--lora", f"{tiny_lora}:0.02")

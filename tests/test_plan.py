@@ -236,3 +236,134 @@ def test_sensitivity_json_round_trip(sens):
     back = Sensitivity.from_dict(json.loads(json.dumps(sens.to_dict())))
     assert back.table().keys() == sens.table().keys()
     assert back.signal == sens.signal
+
+
+# ------------------------------------------------------------------------ calibrated candidates
+@pytest.fixture(scope="module")
+def stats(src, tmp_path_factory):
+    """Statistics of 5 seeded calls (5 x 256 rows >= K = 1024) captured on the plan's input."""
+    import torch
+
+    from h3quant.calibration.recorder import write_inputs
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.runtime.model.model import H3Model
+
+    d = tmp_path_factory.mktemp("plan_stats")
+    with H3Model.open(src) as m:
+        vc, ac, td = m.video_channels, m.audio_channels, m.text_dim
+    ins = []
+    for s in range(5):
+        g = torch.Generator().manual_seed(100 + s)
+        p = d / f"in{s}.safetensors"
+        write_inputs(p, torch.randn(1, vc, 2, 16, 16, generator=g),
+                     torch.randn(1, ac, 2, 32, generator=g), torch.randn(1, 64, td, generator=g),
+                     0.2 + 0.15 * s, {"seed": str(s)})
+        ins.append(p)
+    out = d / "plan.stats"
+    capture_statistics(src, ins, out, predict=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sens_cal(src, stats):
+    return measure(src, formats=(Candidate("w4a8"), Candidate("nvfp4")), inputs=INPUTS,
+                   calibration=stats)
+
+
+def test_calibrated_candidates_parse_and_need_statistics(src):
+    assert parse_candidates("w4a8+gptq,int4-convrot:g=64+gptq") == (
+        Candidate("w4a8", 256, True), Candidate("int4-convrot", 64, True))
+    assert Candidate("int8-convrot", 64, True).format == "int8-convrot:g=64+gptq"
+    with pytest.raises(PlanError, match="no calibrated encoder"):
+        parse_candidates("fp8+gptq")
+    with pytest.raises(PlanError, match="need --calibration"):
+        measure(src, formats=(Candidate("w4a8", 256, True),), inputs=INPUTS, blocks=1)
+
+
+def test_calibrated_pass_labels_and_beats_rounding(sens, sens_cal):
+    assert sens_cal.formats == ["w4a8+gptq", "nvfp4+gptq"]
+    assert [(u.unit, u.format) for u in sens_cal.units] == [
+        (f"blocks.{i}", f) for i in range(BLOCKS) for f in ("w4a8+gptq", "nvfp4+gptq")]
+    assert sens_cal.measured_on["statistics"]["file"] == "plan.stats"
+    rtn, cal = sens.table(), sens_cal.table()
+    for o in ("video", "audio"):  # summed over the blocks, calibrated W4A8 adds less noise
+        assert sum(cal[u]["w4a8+gptq"].noise[o] for u in cal) \
+            < sum(rtn[u]["w4a8"].noise[o] for u in rtn), o
+    for u in cal:  # the same bytes as rounding to nearest
+        assert cal[u]["w4a8+gptq"].bytes == rtn[u]["w4a8"].bytes
+    back = Sensitivity.from_dict(json.loads(json.dumps(sens_cal.to_dict())))
+    assert back.formats == sens_cal.formats
+
+
+def test_a_calibrated_measurement_equals_convert_with_statistics_and_verify(src, sens_cal, stats,
+                                                                            tmp_path):
+    """Independent path: convert --calibration writes block 1 in W4A8 (everything else kept),
+    verify --model runs it against the float file on the planner's inputs."""
+    out = tmp_path / "one_cal.safetensors"
+    convert(src, out, ConvertOptions(layers=(parse_rule(r"^blocks\.1\.=w4a8"),
+                                             parse_rule(r".=keep")), report=False,
+                                     calibration=str(stats)))
+    res = verify_model(out, reference=src, inputs=INPUTS)
+    got = {o.name: o.sqnr_db for o in res.outputs}
+    want = sens_cal.table()["blocks.1"]["w4a8+gptq"].sqnr_db
+    for o in ("video", "audio"):
+        assert got[o] == pytest.approx(want[o], abs=0.05), o
+
+
+def test_cli_calibrated_plan_writes_a_recipe_convert_reproduces(src, sens_cal, stats, tmp_path):
+    saved = tmp_path / "sens_cal.json"
+    saved.write_text(json.dumps({"sensitivity": sens_cal.to_dict()}))
+    model = Model(sens_cal, src.stat().st_size)
+    target = model.uniform("w4a8+gptq").min_sqnr_db + 0.5  # needs some nvfp4 / float blocks
+    recipe = tmp_path / "cal_recipe.json"
+    r = CliRunner()
+    res = r.invoke(main, ["plan", str(src), "--from", str(saved), "--calibration", str(stats),
+                          "--target-sqnr", f"{target:.3f}", "--margin", "0", "--out",
+                          str(recipe), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    data = json.loads(recipe.read_text())
+    assert data["calibration"]["statistics"] == "plan.stats"
+    assert set(data["calibration"]["formats"]) <= {"w4a8+gptq", "nvfp4+gptq"}
+    assert {r_["format"] for r_ in data["rules"]} <= {"w4a8", "nvfp4", "keep"}
+    out = tmp_path / "cal_planned.safetensors"
+    conv = r.invoke(main, ["convert", str(src), str(out), "--recipe", str(recipe),
+                           "--calibration", str(stats), "-q"])
+    assert conv.exit_code == 0, conv.output
+    res = verify_model(out, reference=src, inputs=INPUTS)
+    got = min(o.sqnr_db for o in res.outputs if o.name in ("video", "audio"))
+    assert abs(got - doc["plan"]["min_sqnr_db"]) < 2.0  # the additive model's usual error
+    # a pass measured with statistics is refused with other statistics, and plain --formats
+    # +gptq without statistics is a usage error
+    other = tmp_path / "other.stats"
+    other.write_bytes(stats.read_bytes().replace(b'"seed": "0"', b'"seed": "9"', 1))
+    bad = r.invoke(main, ["plan", str(src), "--from", str(saved), "--calibration", str(other),
+                          "--target-sqnr", "20", "-q"])
+    assert bad.exit_code == 2 and "another statistics" in bad.output, bad.output
+    nostat = r.invoke(main, ["plan", str(src), "--formats", "w4a8+gptq", "-q"])
+    assert nostat.exit_code == 2 and "--calibration" in nostat.output, nostat.output
+
+
+def test_a_larger_but_noisier_format_does_not_stop_the_search():
+    """Options are ordered by size; when the next larger one is noisier (as mxfp8 can be next
+    to int8 ConvRot), the search must still reach past it. Exhaustive search over the 3^2
+    assignments, written here, gives the smallest file that meets the target."""
+    import itertools
+
+    from h3quant.pipelines.plan.sensitivity import OUTPUTS, Sensitivity, UnitResult
+
+    noise = {"a": 1.0, "b": 4.0}  # per unit: format a (small, quiet), b (larger, noisy)
+    size = {"a": 100, "b": 110}
+    units = [UnitResult(f"blocks.{i}", i, f, size[f], 400, {o: noise[f] for o in OUTPUTS},
+                        {o: 0.0 for o in OUTPUTS}) for i in range(2) for f in ("a", "b")]
+    sens = Sensitivity("x", {}, ["a", "b"], False, 2, "", {o: 1000.0 for o in OUTPUTS}, units)
+    model = Model(sens, 800)
+    target = 28.0  # 10 log10(1000 / 1.5): one unit float, the other in "a"
+    got = choose(model, target_sqnr=target)
+    best = None
+    for combo in itertools.product(["a", "b", FLOAT], repeat=2):
+        a = dict(zip(["blocks.0", "blocks.1"], combo))
+        pred = model.predict(a)
+        if pred.min_sqnr_db >= target and (best is None or pred.bytes < best.bytes):
+            best = pred
+    assert best is not None and got.min_sqnr_db >= target and got.bytes == best.bytes

@@ -102,6 +102,7 @@ def test_the_mixed_file_validates_and_inspects(files):
         assert fmt in res.output
 
 
+@pytest.mark.slow
 def test_plan_measures_the_fp4_candidates(tmp_path):
     import json
 

@@ -126,6 +126,7 @@ def _sim(*args, cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_commands_complete_in_a_simulated_windows_interpreter(tmp_path):
     from h3quant.synth import synth_checkpoint
 

@@ -30,10 +30,27 @@ def header_checksum(ckpt: Checkpoint) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def gguf_header_checksum(path: str | os.PathLike) -> str:
+    """``sha256:<hex>`` over a GGUF file's header (everything before its tensor data)."""
+    from h3quant.formats.gguf.reader import GgufFile
+
+    with GgufFile(path) as g:
+        length = g.header_length
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        h.update(fh.read(length))
+    return "sha256:" + h.hexdigest()
+
+
 def checkpoint_fingerprint(path: str | os.PathLike) -> str:
-    """``header_checksum`` of the checkpoint at ``path`` (file, shard index or directory)."""
+    """``header_checksum`` of the checkpoint at ``path`` (file, shard index or directory; a
+    GGUF file: its header's checksum)."""
+    from h3quant.formats.gguf.reader import is_gguf
+
+    if is_gguf(path):
+        return gguf_header_checksum(path)
     with Checkpoint(path) as ckpt:
         return header_checksum(ckpt)
 
 
-__all__ = ["checkpoint_fingerprint", "header_checksum"]
+__all__ = ["checkpoint_fingerprint", "gguf_header_checksum", "header_checksum"]

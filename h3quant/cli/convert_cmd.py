@@ -115,8 +115,9 @@ def _group_size(ctx, param, value):
 @click.option("--calibration", "calibration", type=click.Path(dir_okay=False, path_type=str),
               default=None,
               help="Statistics from 'h3quant capture IN' (measured on this very checkpoint): "
-                   "int8, int8-convrot and w4a8 layers keep their usual scales (and W4A8 its "
-                   "codebook) but choose their codes by error feedback on your inputs; the "
+                   "int8, int8-convrot, w4a8, nvfp4 and int4-convrot layers keep their usual "
+                   "scales (and W4A8 its codebook) but choose their codes by error feedback on "
+                   "your inputs; the "
                    "file format is unchanged; awq-w4a16 is written only this way. Layers "
                    "with fewer recorded rows than their input width are rounded to nearest "
                    "(warned). Other formats are rounded to nearest.")

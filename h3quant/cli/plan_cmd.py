@@ -120,13 +120,23 @@ Examples:
   h3quant plan h3_bf16.safetensors --from sens.json --max-size 1.2GB --out recipe.json
   h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
   h3quant verify planned.safetensors --model --reference h3_bf16.safetensors
-  h3quant plan h3_bf16.safetensors --from sens.json --frontier --plot frontier.png""")
+  h3quant plan h3_bf16.safetensors --from sens.json --frontier --plot frontier.png
+  h3quant plan h3_bf16.safetensors --calibration h3.stats --target-sqnr 30 --out recipe.json
+  h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json \\
+      --calibration h3.stats""")
 @click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
               help="Candidate formats (comma-separated convert --to choices with options, e.g. "
                    "int8-convrot:g=64 or int8-convrot,w4a8,nvfp4,int4-convrot); float is always "
-                   "the unquantized choice.")
+                   "the unquantized choice. With --calibration the formats that calibrate are "
+                   "measured calibrated and labelled FORMAT+gptq.")
+@click.option("--calibration", "calibration", type=click.Path(dir_okay=False, path_type=str),
+              default=None, metavar="STATS",
+              help="Statistics from 'h3quant capture IN': measure each candidate that "
+                   "calibrates with the codes 'convert --calibration STATS' writes (labelled "
+                   "e.g. w4a8+gptq); the recipe reproduces them when converted with the same "
+                   "--calibration STATS.")
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
@@ -167,7 +177,7 @@ Examples:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
 @mmap_option
 @handle_errors
-def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
+def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
             frontier, targets, no_measure, plot, seed, frames, inputs_file, as_json, quiet,
             no_mmap):
     """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
@@ -182,7 +192,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
 
     from h3quant.errors import H3QuantError
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
-    from h3quant.pipelines.plan.planner import Model, choose, recipe_rules
+    from h3quant.pipelines.plan.planner import Model, calibrated_formats, choose, recipe_rules
     from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
 
     if target_sqnr is not None and max_size is not None:
@@ -200,6 +210,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
     files.checkpoint(src)
     files.read(from_json, "saved pass (--from)")
     files.read(inputs_file, "--inputs file")
+    files.read(calibration, "statistics (--calibration)")
     files.write(out_path, "recipe")
     files.write(plot, "plot")
     files.check(overwrite=overwrite)
@@ -254,10 +265,14 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
             raise H3QuantError(f"--from {from_json}: not a sensitivity pass saved by "
                                f"'h3quant plan --json': {_why_not_a_pass(exc)}") from None
         # a pass belongs to the checkpoint it was measured on: refused for any other file
-        check(sens.measured_on,
-              {"checkpoint": guard("reading IN", checkpoint_fingerprint, src,
-                                   mmap=not no_mmap)},
-              what=f"--from {from_json}")
+        actual = {"checkpoint": guard("reading IN", checkpoint_fingerprint, src,
+                                      mmap=not no_mmap)}
+        if calibration:  # the pass must have been measured with these statistics
+            from h3quant.pipelines.plan.sensitivity import statistics_identity
+
+            actual["statistics"] = guard("reading --calibration", statistics_identity,
+                                         calibration)
+        check(sens.measured_on, actual, what=f"--from {from_json}")
     else:
         from tqdm import tqdm
 
@@ -273,7 +288,7 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         try:
             sens = guard("measuring the sensitivity", measure, src, formats=cands,
                          per_layer=per_layer, inputs=given_inputs or ModelInputs(frames=frames, seed=seed),
-                         mmap=not no_mmap, on_block=on_block)
+                         mmap=not no_mmap, on_block=on_block, calibration=calibration)
         finally:
             bar.close()
     from h3quant.pipelines.plan.frontier import source_bytes
@@ -289,6 +304,12 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
                        "rules": [r.to_dict() for r in rules]}
         text.append(render_prediction(pred, exact, model.input_bytes))
+        calibrated = calibrated_formats(pred.assignment)
+        stats_name = (sens.measured_on.get("statistics") or {}).get("file", "STATS")
+        if calibrated:
+            doc["plan"]["calibration"] = {"formats": calibrated, "statistics": stats_name}
+            text.append(f"calibrated: {', '.join(calibrated)} (convert with --calibration "
+                        f"{calibration or stats_name} to write these codes)")
         if out_path:
             from h3quant.pipelines.convert.recipe import recipe_data
             from h3quant.pipelines.metrics import json_safe
@@ -298,15 +319,22 @@ def command(src, cands, per_layer, from_json, target_sqnr, margin, max_size, out
                      "max_size_bytes": max_size,
                      "predicted": json_safe({**pred.to_dict(), "planned_bytes": exact}),
                      "inputs": sens.inputs, "per_layer": sens.per_layer}
+            if calibrated:
+                notes["calibration"] = {
+                    "formats": calibrated, "statistics": stats_name,
+                    "note": "measured with calibrated codes: convert with --calibration and "
+                            "these statistics to write them"}
             data = json.dumps(recipe_data(rules, **notes), indent=2) + "\n"
             pending.append((out_path, data.encode(), "recipe"))
             done_note = (f"wrote {out_path} ({len(rules)} rule(s)); apply it with: h3quant "
-                         f"convert {src} OUT --recipe {out_path}")
+                         f"convert {src} OUT --recipe {out_path}"
+                         + (f" --calibration {calibration or stats_name}" if calibrated else ""))
     if frontier:
         if not quiet and not no_measure:
             log("frontier: converting and verifying each point (slow)")
         points = guard("drawing the frontier", run_frontier, src, model, targets,
-                       margin=margin, measure=not no_measure, mmap=not no_mmap)
+                       margin=margin, measure=not no_measure, mmap=not no_mmap,
+                       calibration=calibration)
         doc["frontier"] = [p.to_dict() for p in points]
         text.append(render_frontier(points))
         if plt is not None:

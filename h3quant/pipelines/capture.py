@@ -88,7 +88,7 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     from h3quant.calibration.fingerprint import checkpoint_fingerprint
     from h3quant.calibration.stats import VERSION
     from h3quant.formats.container.atomic import Outputs
-    from h3quant.formats.container.checkpoint import Checkpoint
+    from h3quant.formats.sources import open_source
     from h3quant.pipelines.inputs_file import load_tensors
     from h3quant.pipelines.convert.plan import input_paths
     from h3quant.runtime.model.model import H3Model
@@ -99,10 +99,10 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     t0 = time.perf_counter()
     described = describe_inputs([str(p) for p in inputs], sigma)
     fp = checkpoint_fingerprint(ckpt)
-    with Checkpoint(ckpt) as c:
+    with open_source(ckpt) as c:  # a GGUF file is read in place, like a safetensors one
         read = input_paths(c, Path(ckpt))
     if through is not None:
-        with Checkpoint(through) as c:
+        with open_source(through) as c:
             read += input_paths(c, Path(through))
     read += [Path(p) for p in inputs]
     with H3Model.open(ckpt, "cpu", linear="reference") as own:

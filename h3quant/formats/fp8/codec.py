@@ -14,10 +14,10 @@ class Fp8Codec(Codec):
     rows), then row chunks."""
 
     scans = True
+    decodes = True  # the runtime runs it through its float decode
 
     def __init__(self, spec: Fp8Spec) -> None:
         super().__init__(spec)
-        self.decodes = spec.decodes  # the runtime runs it through its float decode
         self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
 
     def _dtype(self):

@@ -38,7 +38,6 @@ class Fp8Spec(FormatSpec):
     code_dtype: str = "F8_E4M3"  # safetensors dtype of the codes
     torch_dtype: str = "float8_e4m3fn"
     max_value: float = 448.0  # the largest finite code
-    decodes: bool = True  # the runtime runs it through its float decode
     kernel: tuple = ("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9))  # ComfyUI, CUDA
 
     def marker(self, target, group_size):

@@ -93,6 +93,11 @@ class GgufFile:
             qtype = getattr(t.tensor_type, "name", str(t.tensor_type))
             self.tensors[name] = GgufTensor(name, t.name, qtype, shape, int(t.n_bytes), i)
 
+    @property
+    def header_length(self) -> int:
+        """Bytes before the tensor data: the magic, metadata and tensor descriptions."""
+        return int(self._reader.data_offset)
+
     # -------------------------------------------------------------------------- header fields
     def _field(self, key):
         return self._reader.get_field(key)

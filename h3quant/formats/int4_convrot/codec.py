@@ -57,7 +57,14 @@ class ConvRotW4A4Codec(Codec):
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
 
+    calibrates = True
+
     def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is not None:  # the same rotation and scales, codes by error feedback
+            from h3quant.formats.int4_convrot.calibrated import encode_int4_convrot_calibrated
+
+            q, s = encode_int4_convrot_calibrated(w, calibration, _g(marker))
+            return {"weight": q, "weight_scale": s}
         from h3quant.formats.int4_convrot.tensors import encode_int4_convrot
 
         q, s = encode_int4_convrot(w, _g(marker))

@@ -76,8 +76,6 @@ def rules(fields: dict, tensors: dict) -> list[Violation]:
 class ConvRotW4A4Spec(FormatSpec):
     """convrot_w4a4's header rules."""
 
-    decodes = True  # no int8 grid: the runtime runs it through its codec (verify: its own limits)
-
     def describe(self, fields):
         f = fields or {}
         text = f"{NAME} g={f.get('convrot_groupsize', 256)}"

@@ -10,9 +10,10 @@ from h3quant.formats.mxfp8.spec import BLOCK, SPEC, MxSpec
 
 
 class MxFp8Codec(Codec):
+    decodes = True  # the runtime runs it through its float decode
+
     def __init__(self, spec: MxSpec) -> None:
         super().__init__(spec)
-        self.decodes = spec.decodes  # the runtime runs it through its float decode
         self.needs_row0 = spec.needs_row0  # blocked scales: encode gets the chunk's first row
         self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
     def source_tensors(self, fields, tensors):

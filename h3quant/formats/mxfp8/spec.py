@@ -71,7 +71,6 @@ def mxfp8_violations(tensors: dict) -> list[Violation]:
 
 @dataclass(frozen=True)
 class MxSpec(FormatSpec):
-    decodes: bool = True  # the runtime runs it through its float decode
     needs_row0: bool = True  # decode_rows gets the chunk's first row (blocked scales)
     kernel: tuple = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
 

@@ -56,7 +56,13 @@ class NVFP4Codec(Codec):
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
 
+    calibrates = True
+
     def encode(self, w, marker, method, pool=None, calibration=None):
+        if calibration is not None:  # the same scales, e2m1 codes by error feedback
+            from h3quant.formats.nvfp4.calibrated import encode_nvfp4_calibrated
+
+            return encode_nvfp4_calibrated(w, calibration)
         from h3quant.formats.nvfp4.tensors import encode_nvfp4
 
         return encode_nvfp4(w)

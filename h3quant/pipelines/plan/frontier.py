@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant.pipelines.plan.planner import FLOAT, Model, Prediction, choose, recipe_rules
-from h3quant.pipelines.plan.sensitivity import OUTPUTS, Sensitivity
+from h3quant.pipelines.plan.sensitivity import OUTPUTS, PlanError, Sensitivity, split_calibrated
 
 
 @dataclass
@@ -57,9 +57,10 @@ def planned_bytes(src, rules) -> int:
 
 
 def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | None = None,
-                   *, mmap: bool = True) -> tuple[int, dict[str, float]]:
-    """Convert ``src`` with ``rules`` and verify the whole model against ``src``:
-    (file bytes, output -> SQNR)."""
+                   *, mmap: bool = True, calibration: str | None = None
+                   ) -> tuple[int, dict[str, float]]:
+    """Convert ``src`` with ``rules`` (and ``calibration``'s statistics, as convert
+    --calibration) and verify the whole model against ``src``: (file bytes, output -> SQNR)."""
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
@@ -67,7 +68,8 @@ def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | N
         return os.path.getsize(src), {o: math.inf for o in OUTPUTS}
     with tempfile.TemporaryDirectory(prefix="h3quant-plan-", dir=workdir) as d:
         out = Path(d) / "point.safetensors"
-        convert(src, out, ConvertOptions(layers=tuple(rules), report=False, mmap=mmap))
+        convert(src, out, ConvertOptions(layers=tuple(rules), report=False, mmap=mmap,
+                                         calibration=calibration))
         res = verify_model(out, reference=src, device="cpu", inputs=ModelInputs(**sens.inputs),
                            mmap=mmap)
         got = {o.name: o.sqnr_db for o in res.outputs if o.name in OUTPUTS}
@@ -85,10 +87,14 @@ def default_targets(model: Model, count: int = 3) -> list[float]:
 
 def frontier(src, model: Model, targets: list[float] | None = None, *, margin: float = 0.0,
              measure: bool = True, workdir=None, mmap: bool = True,
-             on_point=None) -> list[Point]:
+             on_point=None, calibration: str | None = None) -> list[Point]:
     """The frontier points (uniform files, then one planner file per target, planned for
-    ``target + margin``)."""
+    ``target + margin``); ``calibration``: the statistics a pass with calibrated candidates
+    was measured with (each point is converted with them)."""
     sens = model.sens
+    if measure and calibration is None and any(split_calibrated(f)[1] for f in sens.formats):
+        raise PlanError("the pass has calibrated candidates (+gptq): measuring the frontier "
+                        "needs the same statistics (--calibration STATS)")
     preds: list[tuple[str, float | None, Prediction]] = [
         (f"all-{f}", None, model.uniform(f)) for f in [FLOAT, *sens.formats]]
     for t in targets if targets is not None else default_targets(model):
@@ -100,7 +106,7 @@ def frontier(src, model: Model, targets: list[float] | None = None, *, margin: f
                       pred.sqnr_db, formats=pred.counts())
         if measure:
             point.measured_bytes, point.measured_sqnr_db = measure_recipe(
-                src, rules, sens, workdir, mmap=mmap)
+                src, rules, sens, workdir, mmap=mmap, calibration=calibration)
         points.append(point)
         if on_point is not None:
             on_point(n + 1, len(preds))

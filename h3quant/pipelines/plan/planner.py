@@ -10,8 +10,8 @@ codec's planned tensors); the file size is the float input's minus what the unit
 ``choose`` is a greedy search over the units' options, ordered smallest first:
 
 * ``target_sqnr``: start from the smallest format everywhere; while the predicted quality is
-  below the target, take the one-step upgrade (a unit to its next larger option) that removes
-  the most normalised excess noise per added byte; then try to step back down every unit whose
+  below the target, take the upgrade (a unit to any larger option) that removes the most
+  normalised excess noise per added byte; then try to step back down every unit whose
   saving keeps the target (largest saving first).
 * ``max_size``: start from the smallest format everywhere (refused when even that is too big);
   take the upgrade with the largest drop of normalised noise per added byte that still fits,
@@ -27,6 +27,7 @@ from h3quant.pipelines.plan.sensitivity import (
     OUTPUTS,
     PlanError,
     Sensitivity,
+    split_calibrated,
     sqnr_db,
     unit_pattern,
 )
@@ -97,11 +98,13 @@ class Model:
 
 
 def _upgrades(model: Model, assign: dict[str, str]):
+    """Every larger option of every unit: with many candidate formats the next larger one may
+    be noisier (mxfp8 is larger than int8 ConvRot and, on some blocks, worse), and a search
+    that looked only one step up would stop there short of a better, larger option."""
     for unit, fmt in assign.items():
         opts = model.options[unit]
-        i = opts.index(fmt)
-        if i + 1 < len(opts):
-            yield unit, opts[i + 1]
+        for up in opts[opts.index(fmt) + 1:]:
+            yield unit, up
 
 
 def choose(model: Model, *, target_sqnr: float | None = None,
@@ -173,7 +176,10 @@ def choose(model: Model, *, target_sqnr: float | None = None,
 
 
 def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
-    """The recipe rules giving each unit its format (one rule per format; float units: keep)."""
+    """The recipe rules giving each unit its format (one rule per format; float units: keep).
+    A calibrated candidate (``w4a8+gptq``) is its plain format here: convert writes it
+    calibrated when given the statistics (``--calibration``), which ``calibrated_formats``
+    tells."""
     from h3quant.pipelines.convert.recipe import Rule, parse_format
 
     by: dict[str, list[str]] = {}
@@ -186,6 +192,12 @@ def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
         if fmt == FLOAT:
             rules.append(Rule(pattern, None))
         else:
-            target, opts = parse_format(fmt)
+            target, opts = parse_format(split_calibrated(fmt)[0])
             rules.append(Rule(pattern, target, opts.get("group_size")))
     return tuple(rules)
+
+
+def calibrated_formats(assignment: dict[str, str]) -> list[str]:
+    """The calibrated candidates (``+gptq``) an assignment uses: its recipe reproduces them
+    only when converted with the same statistics (``convert --recipe R --calibration S``)."""
+    return sorted({f for f in assignment.values() if split_calibrated(f)[1]})

@@ -11,6 +11,11 @@ the runtime's int8 path. Streams:
   hidden state goes through block ``j`` with ``u`` in ``f`` (the rest of the block float);
 * every stream started at an earlier block runs block ``j`` in float.
 
+With statistics (``calibration``, from ``h3quant capture``), every candidate whose format has a
+calibrated encoder is encoded as ``convert --calibration`` would write it (the same scales,
+codes by error feedback; layers convert rounds to nearest, too few rows, are rounded to nearest
+here too) and labelled ``FORMAT+gptq``.
+
 After the last block each stream's video and audio outputs are compared with the reference's:
 the noise energy each (unit, format) alone puts on each output. Memory holds one block's weights
 (plus its encoded copies) and one hidden state per stream; compute is one float block forward
@@ -29,6 +34,7 @@ from h3quant.errors import H3QuantError, VerifyError
 
 OUTPUTS = ("video", "audio")
 DEFAULT_FORMATS = ("int8-convrot", "w4a8")
+CALIBRATED = "+gptq"  # label suffix of a candidate measured with calibrated codes
 
 
 class PlanError(H3QuantError):
@@ -39,25 +45,38 @@ class PlanError(H3QuantError):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A format a unit may take: a ``convert --to`` target and its group size."""
+    """A format a unit may take: a ``convert --to`` target, its group size, and whether its
+    codes are chosen with calibration statistics (``convert --calibration``)."""
 
     target: str
     group_size: int = 256
+    calibrated: bool = False
 
     @property
     def format(self) -> str:
-        return self.target if self.group_size == 256 else f"{self.target}:g={self.group_size}"
+        base = self.target if self.group_size == 256 else f"{self.target}:g={self.group_size}"
+        return base + (CALIBRATED if self.calibrated else "")
+
+
+def split_calibrated(fmt: str) -> tuple[str, bool]:
+    """``w4a8:g=64+gptq`` -> (``w4a8:g=64``, True): the convert format and the calibration."""
+    if fmt.endswith(CALIBRATED):
+        return fmt[:-len(CALIBRATED)], True
+    return fmt, False
 
 
 def parse_candidates(text: str) -> tuple[Candidate, ...]:
-    """``int8-convrot,w4a8,int8-convrot:g=64`` -> candidates (PlanError on a bad one)."""
+    """``int8-convrot,w4a8,int8-convrot:g=64,w4a8+gptq`` -> candidates (PlanError on a bad
+    one; ``+gptq``: calibrated codes, for formats with a calibrated encoder)."""
     from h3quant.errors import ConvertError
+    from h3quant.formats import registry
     from h3quant.pipelines.convert.recipe import parse_format
 
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
+        base, calibrated = split_calibrated(item)
         try:
-            target, opts = parse_format(item, "--formats")
+            target, opts = parse_format(base, "--formats")
         except ConvertError as exc:
             raise PlanError(exc.reason) from None
         if target is None or target == "bf16":
@@ -65,7 +84,9 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
                             "the unquantized choice)")
         if opts.get("layout", "canonical") != "canonical":
             raise PlanError("--formats: the planner measures the canonical layout only")
-        cand = Candidate(target, opts.get("group_size") or 256)
+        if calibrated and not registry.target_codec(target).calibrates:
+            raise PlanError(f"--formats: {target} has no calibrated encoder ({item!r})")
+        cand = Candidate(target, opts.get("group_size") or 256, calibrated)
         if cand in out:
             raise PlanError(f"--formats: {item!r} is given twice")
         out.append(cand)
@@ -142,8 +163,30 @@ def sqnr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def _encoded_layer(layer, cand: Candidate):
-    """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format."""
+def with_calibration(cands, calibrated: bool) -> tuple[Candidate, ...]:
+    """With statistics, every candidate whose format calibrates is measured calibrated
+    (``PlanError`` if that names one twice); without, a ``+gptq`` candidate is refused."""
+    from h3quant.formats import registry
+
+    if not calibrated:
+        bad = [c.format for c in cands if c.calibrated]
+        if bad:
+            raise PlanError(f"--formats {bad[0]}: calibrated candidates need --calibration "
+                            "STATS (h3quant capture)")
+        return tuple(cands)
+    out: list[Candidate] = []
+    for c in cands:
+        c = Candidate(c.target, c.group_size, registry.target_codec(c.target).calibrates)
+        if c in out:
+            raise PlanError(f"--formats: {c.format} is given twice (with --calibration every "
+                            "format that calibrates is measured calibrated)")
+        out.append(c)
+    return tuple(out)
+
+
+def _encoded_layer(layer, cand: Candidate, calibration=None):
+    """The LoadedLayer ``convert`` would write for a float ``layer`` in ``cand``'s format
+    (``calibration``: convert's per-layer statistics, used for a calibrated candidate)."""
     from h3quant.formats import registry
     from h3quant.formats.markers import effective_fields
     from h3quant.runtime.loader import LoadedLayer
@@ -155,7 +198,17 @@ def _encoded_layer(layer, cand: Candidate):
     why = codec.spec.skip_reason(k, marker)
     if why:
         raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
-    tensors = dict(codec.encode(layer.weight, marker, "exact"))
+    st = None
+    if cand.calibrated and calibration is not None:
+        from types import SimpleNamespace
+
+        # convert's own per-layer decision (no statistics, too few rows: rounded to nearest)
+        st, _ = calibration.for_layer(SimpleNamespace(name=layer.name, k=k), codec, marker)
+    if st is not None:
+        tensors = dict(codec.encode(layer.weight, marker, "exact", calibration=st))
+        st.release()
+    else:
+        tensors = dict(codec.encode(layer.weight, marker, "exact"))
     if layer.bias is not None:
         tensors["bias"] = layer.bias
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
@@ -200,20 +253,49 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
 
 def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool = False,
             inputs=None, mmap: bool = True, blocks: int | None = None,
-            on_block=None) -> Sensitivity:
+            on_block=None, calibration: str | os.PathLike | None = None) -> Sensitivity:
     """The sensitivity pass (see the module docstring). ``formats``: Candidates or their text;
     ``blocks``: measure only the first N blocks (the model then ends after them; for quick
-    looks); ``on_block(done, total)`` after each block."""
+    looks); ``on_block(done, total)`` after each block; ``calibration``: a statistics file
+    of this checkpoint (candidates that calibrate are measured calibrated, ``+gptq``)."""
+    from h3quant.pipelines.verify.model import ModelInputs
+
+    cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
+    cands = with_calibration(cands, calibration is not None)
+    inputs = inputs or ModelInputs()
+    calib = None
+    if calibration is not None:
+        from types import SimpleNamespace
+
+        from h3quant.pipelines.convert.calibrated import Calibration
+
+        calib = Calibration(SimpleNamespace(calibration=str(calibration),
+                                            calibration_heldout=None), path)
+    try:
+        return _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib)
+    finally:
+        if calib is not None:
+            calib.close()
+
+
+def statistics_identity(path: str | os.PathLike) -> dict:
+    """What a saved pass records of the statistics it was measured with: the file name and
+    the checksum of its header (which holds the checkpoint's checksum and every input's
+    sha256)."""
+    from h3quant.calibration.fingerprint import checkpoint_fingerprint
+
+    return {"file": os.path.basename(str(path)),
+            "header_sha256": checkpoint_fingerprint(path)}
+
+
+def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> Sensitivity:
     import torch
 
     from h3quant.h3.topology import BLOCK_LINEARS
-    from h3quant.pipelines.verify.model import ModelInputs
     from h3quant.runtime.loader import load_prefix
     from h3quant.runtime.model.block import build_block, reference_linear
     from h3quant.runtime.model.model import H3Model
 
-    cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
-    inputs = inputs or ModelInputs()
     t0 = time.perf_counter()
     with H3Model.open(path, "cpu", mmap=mmap, linear="reference", any_layout=True) as model:
         quantized = [n for n, lay in model.scan.layers.items() if lay.fields is not None
@@ -233,6 +315,8 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
                              len(run), model.prefix, {})
         result.measured_on = {"checkpoint": checkpoint_fingerprint(path, mmap=mmap),
                               "inputs": inputs_fingerprint(asdict(inputs))}
+        if calib is not None:
+            result.measured_on["statistics"] = statistics_identity(calib.stats.path)
         streams: list[tuple[int, torch.Tensor]] = []  # (unit index, hidden state)
         meta: list[tuple[str, int, Candidate, int, int]] = []  # unit, block, cand, bytes, float
         cpu = model.device
@@ -247,7 +331,8 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
                     streams[n] = (u, fblock(x, ref.cond))
                 groups = [[lin] for lin in BLOCK_LINEARS] if per_layer else [list(BLOCK_LINEARS)]
                 for cand in cands:
-                    enc = {lin: _encoded_layer(loaded.linear(lin), cand) for lin in BLOCK_LINEARS}
+                    enc = {lin: _encoded_layer(loaded.linear(lin), cand, calib)
+                           for lin in BLOCK_LINEARS}
                     for group in groups:
                         def make(lay, _g=group, _enc=enc):
                             local = lay.name[len(prefix) + 1:]
@@ -292,5 +377,6 @@ def unit_pattern(prefix: str, unit: str) -> str:
     return "^" + re.escape(prefix + unit) + (r"\." if unit.count(".") == 1 else "$")
 
 
-__all__ = ["Candidate", "PlanError", "Sensitivity", "UnitResult", "VerifyError", "measure",
-           "parse_candidates", "sqnr_db", "unit_bytes", "unit_pattern"]
+__all__ = ["CALIBRATED", "Candidate", "PlanError", "Sensitivity", "UnitResult", "VerifyError",
+           "measure", "parse_candidates", "split_calibrated", "sqnr_db", "statistics_identity",
+           "unit_bytes", "unit_pattern", "with_calibration"]
