@@ -19,6 +19,7 @@ result is round-to-nearest itself, bit for bit (the identity guard tests this fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -57,13 +58,32 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     return torch.linalg.cholesky(hinv, upper=True).to(torch.float32)
 
 
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """The per-column work on the CPU in one thread: a few small element-wise operations per
+    column, too short to gain from a thread pool, which a busy machine turns into waits (on a
+    loaded two-core machine the loop ran 30 times slower with two threads than with one). The
+    results do not depend on it: element-wise arithmetic is the same in any thread count. The
+    GEMM between column blocks keeps every thread."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
     """Codes of ``x`` [n, K] (fp32, the codec's basis) chosen with error feedback.
 
     ``quantize(v, j)``: the codec's nearest level of column ``j``'s values ``v`` [n] -> (codes
     [n], dequantized values [n]). Returns the codes [n, K] (the dtype ``quantize`` gives).
     Works on the transpose (a column is a contiguous row): the in-block updates are contiguous
-    rank-1 updates, the between-block one a single GEMM."""
+    rank-1 updates in place (``addr_``), the between-block one a single GEMM in place
+    (``addmm_``): no temporary as large as the weight."""
     n, k = x.shape
     if u.shape != (k, k):
         raise ValueError(f"factor is {list(u.shape)}, the weight has K={k}")
@@ -74,17 +94,18 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
     for i1 in range(0, k, block):
         i2 = min(k, i1 + block)
         u1 = u[i1:i2, i1:i2]
-        for jj in range(i2 - i1):
-            v = wt[i1 + jj]
-            c, q = quantize(v, i1 + jj)
-            if codes is None:
-                codes = torch.empty(k, n, dtype=c.dtype, device=wt.device)
-            codes[i1 + jj] = c
-            e = torch.sub(v, q, out=err[jj]).div_(u1[jj, jj])
-            if jj + 1 < i2 - i1:
-                wt[i1 + jj + 1:i2].sub_(torch.outer(u1[jj, jj + 1:], e))
+        with _one_cpu_thread(wt.device):
+            for jj in range(i2 - i1):
+                v = wt[i1 + jj]
+                c, q = quantize(v, i1 + jj)
+                if codes is None:
+                    codes = torch.empty(k, n, dtype=c.dtype, device=wt.device)
+                codes[i1 + jj] = c
+                e = torch.sub(v, q, out=err[jj]).div_(u1[jj, jj])
+                if jj + 1 < i2 - i1:
+                    wt[i1 + jj + 1:i2].addr_(u1[jj, jj + 1:], e, alpha=-1)
         if i2 < k:
-            wt[i2:].sub_(u[i1:i2, i2:].t() @ err[:i2 - i1])
+            wt[i2:].addmm_(u[i1:i2, i2:].t(), err[:i2 - i1], alpha=-1)  # no [K, n] temporary
     assert codes is not None  # k > 0: at least one column was quantized
     return codes.t().contiguous()
 
