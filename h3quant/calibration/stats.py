@@ -66,6 +66,7 @@ class LayerStats:
     _load: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K, K] plain-basis Hessian
     absmean: torch.Tensor | None = None
     _h: torch.Tensor | None = None
+    _load_absmean: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] mean |x|
     _factors: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -112,10 +113,27 @@ class LayerStats:
         trace = float(damped(self.hessian()).diagonal().sum())  # a rotation keeps the trace
         return gain_from_factor(trace, u)
 
+    def channel_absmean(self) -> torch.Tensor | None:
+        """The mean ``|x|`` per input channel (read from the file on first use), or None."""
+        if self.absmean is None and self._load_absmean is not None:
+            self.absmean = self._load_absmean()
+        return self.absmean
+
+    def scaled(self, s: torch.Tensor) -> "LayerStats":
+        """The statistics of the inputs divided by ``s`` per channel: ``diag(1/s) H diag(1/s)``
+        (computed in fp64), ``absmean / s``; ``s`` all ones gives ``H`` exactly."""
+        inv = 1.0 / s.to(torch.float64)
+        h = (self.hessian().to(torch.float64) * inv[:, None] * inv[None, :]).to(torch.float32)
+        am = self.channel_absmean()
+        am = None if am is None else (am.double() * inv).float()
+        return LayerStats.from_hessian(self.key, h, self.rows, am)
+
     def release(self) -> None:
         """Drop the Hessian and its factors (the layer is done)."""
         self._h = None
         self._factors.clear()
+        if self._load_absmean is not None:
+            self.absmean = None
 
 
 class Statistics:
@@ -175,7 +193,8 @@ class Statistics:
             n = rows.get(key)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise _fail(self.path, f"metadata rows of {key} is {n!r}; a count is needed", name)
-            out[key] = LayerStats(key, shape[0], n, _load=self._reader(name))
+            out[key] = LayerStats(key, shape[0], n, _load=self._reader(name),
+                                  _load_absmean=self._reader(key + ".absmean"))
         extra = sorted(set(tensors) - {f"{k}.{s}" for k in out for s in ("hessian", "absmean")})
         if extra:
             raise _fail(self.path, "unexpected tensor (a statistics file holds only "

@@ -125,6 +125,10 @@ def _group_size(ctx, param, value):
               default=None,
               help="Statistics of other inputs (captured on IN too): the report also gives "
                    "each layer's output SQNR on them. Changes no byte.")
+@click.option("--no-awq-scale", is_flag=True,
+              help="With --calibration: write awq-w4a16 layers without AWQ's per-input-channel "
+                   "scaling (by default out_proj and fc2 are searched for channel scales, "
+                   "folded into the v rows of qkv_proj and the up rows of fc1).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -139,7 +143,7 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibration_heldout, overwrite, dry_run, as_json,
+            calibration_heldout, no_awq_scale, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -227,7 +231,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              overwrite=overwrite, rotation=rotation, layout=layout,
                              naming=naming, loras=tuple(loras),
                              lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
-                             calibration=calibration, calibration_heldout=calibration_heldout)
+                             calibration=calibration, calibration_heldout=calibration_heldout,
+                             awq_scale=not no_awq_scale)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

@@ -24,6 +24,9 @@ class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
     calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
+    # channel_scale() searches per-input-channel scales s (the weight stored as W diag(s), its
+    # input divided by s in the layer before): AWQ's scaling
+    scales_channels = False
     decodes = False  # the runtime may run the layer through ``decode_weight`` (float math)
     kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
     needs_row0 = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
@@ -56,6 +59,13 @@ class Codec:
     def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
         return rows["weight"]
+
+    def channel_scale(self, w: torch.Tensor, marker: dict | None, calibration
+                      ) -> tuple[torch.Tensor | None, Any, dict]:
+        """(``s`` fp32 [K] or None for no scaling, the statistics of the scaled inputs ``x / s``
+        to encode ``W diag(s)`` with (None with no scaling), a report entry) for the float
+        weight ``w`` with the layer's statistics; only called when ``scales_channels``."""
+        return None, None, {}
 
     def encode(self, w: torch.Tensor, marker: dict | None, method: str, pool=None,
                calibration=None) -> dict[str, torch.Tensor]:

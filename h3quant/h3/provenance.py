@@ -4,6 +4,10 @@ An int8 layer made from a W4A8 layer carries W4A8's error, not int8's, so ``veri
 W4A8's limits. ``convert`` records such layers in the file's header metadata (a JSON list of
 layer names, sorted); ComfyUI reads only ``_quantization_metadata`` and ignores this key.
 Torch-free: convert's planning writes it before torch is imported.
+
+Also the ``h3quant.awq_channel_scaling`` key (``SCALING_KEY``): the layers stored with AWQ's
+per-input-channel scaling, each mapped to the layer whose output rows carry the division (a
+JSON object, consumer: predecessor); alone, neither layer equals its float original.
 """
 
 from __future__ import annotations
@@ -13,6 +17,19 @@ import json
 from h3quant.formats import registry
 
 KEY = "h3quant.from_w4a8"
+SCALING_KEY = "h3quant.awq_channel_scaling"
+
+
+def read_scaling(metadata: dict[str, str] | None) -> dict[str, str]:
+    """``{consumer: predecessor}`` from the header (empty when absent or malformed)."""
+    raw = (metadata or {}).get(SCALING_KEY)
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
 # The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
 W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
 

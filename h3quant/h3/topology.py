@@ -36,6 +36,36 @@ _BLOCK_NORMS = ("norm1", "norm2", "attn.q_norm", "attn.k_norm")
 # Tensors that may sit beside an expected ``L.weight`` when ``L`` is quantized.
 COMPANION_SUFFIXES = frozenset(LAYER_SUFFIXES - {"weight", "bias"})
 
+# Block linears whose input is a linear function of some output rows of another linear of the
+# same block, so that dividing those rows by ``s`` divides the input by ``s`` exactly (AWQ's
+# channel scaling can be folded there): out_proj reads the attention output, linear in V, the
+# last third of qkv_proj's rows ``[q; k; v]`` (q and k pass qk-norm and RoPE, v does not);
+# fc2 reads ``silu(gate) * up``, ``up`` the second half of fc1's rows ``[gate; up]``. qkv_proj
+# and fc1 read the adaLN-modulated RMSNorm, whose shift comes from another layer: not foldable.
+FOLDABLE_INPUTS = {"attn.out_proj": "attn.qkv_proj", "mlp.fc2": "mlp.fc1"}
+_FOLD_PARTS = {"attn.out_proj": 3, "mlp.fc2": 2}  # the predecessor's rows: 3 k (q|k|v), 2 k
+
+
+def fold_predecessor(layer_name: str) -> str | None:
+    """The linear whose output rows feed ``layer_name``'s input (``blocks.3.attn.qkv_proj`` for
+    ``blocks.3.attn.out_proj``, under the same prefix), or None when no such fold exists."""
+    m = _BLOCK_LINEAR_RE.match(layer_name)
+    if m is None or m.group(2) not in FOLDABLE_INPUTS:
+        return None
+    return layer_name[:m.start(2)] + FOLDABLE_INPUTS[m.group(2)]
+
+
+def folded_rows(layer_name: str, pred_rows: int, k: int) -> tuple[int, int] | None:
+    """The rows ``[r0, r1)`` of the predecessor's output that are ``layer_name``'s ``k`` input
+    channels in order (v of qkv_proj, up of fc1: the last ``k`` rows), or None when the shapes
+    do not chain (``pred_rows`` is not 3 k / 2 k)."""
+    m = _BLOCK_LINEAR_RE.match(layer_name)
+    if m is None or m.group(2) not in _FOLD_PARTS or k <= 0 \
+            or pred_rows != _FOLD_PARTS[m.group(2)] * k:
+        return None
+    return pred_rows - k, pred_rows
+
+
 _BLOCK_LINEAR_RE = re.compile(
     r"^(?!(?:.*\.)?token_refiner\.)(?:.*\.)?blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$"
 )

@@ -60,6 +60,15 @@ class AWQW4A16Codec(Codec):
         t = encode_awq_w4a16(w, calibration, group_size=_g(marker))
         return {"weight": t["qweight"], "weight_scale": t["wscales"], "weight_zeros": t["wzeros"]}
 
+    scales_channels = True  # channel_scale: AWQ's per-input-channel scaling
+
+    def channel_scale(self, w, marker, calibration):
+        """(``s`` [K] or None, the statistics of ``x / s`` or None, the search's figures): see
+        ``scaling.search_channel_scale``."""
+        from h3quant.formats.awq_w4a16.scaling import search_channel_scale
+
+        return search_channel_scale(w, calibration, group_size=_g(marker))
+
     def report_grid(self, out, marker):
         from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16
 

@@ -15,10 +15,10 @@ and ``W[n, k] = (q - 8) * wscales[k // G, n] + wzeros[k // G, n]`` (per group as
 2. the codes: round to nearest on the stored (rounded) scale and zero, or, with statistics, error
    feedback over ``H`` (``calibration.gptq``) on the same levels.
 
-What this layout cannot carry: AWQ's per-input-channel scaling (weights multiplied by ``s_c``,
-activations divided by it) needs the division folded into the operation before the linear; in
-H3 that is the adaLN-modulated RMSNorm, whose shift comes from another layer's rows. That part
-is not done; the scales here are the per-group scales and zero points the format stores.
+AWQ's per-input-channel scaling (weights multiplied by ``s_c``, activations divided by it) is
+not in this module: the layout has no place for ``s``, so the division must be folded into the
+layer before; ``scaling.py`` searches ``s`` for the layers where that is possible, and the
+weight handed here is then ``W diag(s)`` with the statistics of the scaled inputs.
 Identity (or no) statistics reproduce the uncalibrated tensors exactly.
 """
 
@@ -40,17 +40,22 @@ def _codes(v: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def encode_awq_w4a16(w: torch.Tensor, stats=None, *, group_size: int = GROUP,
-                     dtype: torch.dtype = torch.bfloat16, grid: int = CLIP_GRID
+                     dtype: torch.dtype = torch.bfloat16, grid: int = CLIP_GRID,
+                     feedback: bool = True, importance: torch.Tensor | None = None
                      ) -> dict[str, torch.Tensor]:
     """``{"qweight", "wscales", "wzeros"}`` of float ``w`` [N, K]; ``stats``: the layer's
-    ``LayerStats`` (None: uncalibrated)."""
+    ``LayerStats`` (None: uncalibrated); ``feedback=False``: the weighted clipping search of the
+    statistics but codes rounded to nearest (the channel-scale search's fast estimate);
+    ``importance``: the per-channel weights of the clipping search (``diag H``) given directly,
+    in place of the statistics' (the search passes them without building a scaled ``H``)."""
     n, k = w.shape
     if k % group_size or group_size % 2:
         raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
     g = k // group_size
     wg = w.float().reshape(n, g, group_size)
-    if stats is not None:
-        imp = stats.hessian().diagonal().float().clamp(min=0).reshape(1, g, group_size)
+    if importance is not None or stats is not None:
+        d = importance if importance is not None else stats.hessian().diagonal()
+        imp = d.float().clamp(min=0).reshape(1, g, group_size)
         imp = imp / imp.mean().clamp(min=1e-30)
     else:
         imp = torch.ones(1, g, group_size)
@@ -68,7 +73,7 @@ def encode_awq_w4a16(w: torch.Tensor, stats=None, *, group_size: int = GROUP,
         best = torch.where(better, err, best)
         s_best = torch.where(better, s, s_best)
         z_best = torch.where(better, z, z_best)
-    if stats is None:
+    if stats is None or not feedback:  # rounded to nearest on the chosen levels
         codes = _codes(wg, s_best.unsqueeze(-1), z_best.unsqueeze(-1)).reshape(n, k)
     else:
         def quantize(v: torch.Tensor, j: int):

@@ -65,6 +65,7 @@ class ConvertOptions:
     layers: tuple = ()  # per-layer rules (convert.recipe.Rule), first match wins
     calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
     calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
+    awq_scale: bool = True  # AWQ channel scaling folded into the layer before (convert.folds)
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -94,6 +95,9 @@ class ConvertOptions:
         object.__setattr__(self, "loras", tuple(self.loras))
         if self.calibration_heldout and not self.calibration:
             raise ConvertError("--calibration-heldout needs --calibration")
+        if not self.awq_scale and not self.calibration:
+            raise ConvertError("--no-awq-scale needs --calibration (channel scaling is only "
+                               "done from statistics)")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")

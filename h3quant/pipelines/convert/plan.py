@@ -39,6 +39,9 @@ from h3quant.pipelines.convert.layers import (
     same_target,
     skip_reason,
 )
+from h3quant.pipelines.convert.folds import HEADER_KEY as FOLDS_KEY
+from h3quant.pipelines.convert.folds import header_value as folds_header
+from h3quant.pipelines.convert.folds import plan_folds
 from h3quant.pipelines.convert.options import ConvertOptions, is_h3, preset_selects, wide_rules
 from h3quant.pipelines.convert.recipe import check_rules
 from h3quant.pipelines.convert.relayout import conversion_via, describe_via
@@ -84,6 +87,7 @@ class ConvertPlan:
     lora: dict | None = None  # baked LoRAs: files, strengths, the layers each touches
     rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
     calibration: Any = None  # convert.calibrated.Calibration when --calibration is given
+    folds: dict = field(default_factory=dict)  # convert.folds.Fold by consumer (AWQ scaling)
 
     @property
     def output_bytes(self) -> int:
@@ -113,6 +117,8 @@ class ConvertPlan:
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             **({"naming": self.naming} if self.naming else {}),
             **({"lora": self.lora} if self.lora else {}),
+            **({"awq_channel_scaling": {f.consumer: f.predecessor for f in self.folds.values()}}
+               if self.folds else {}),
         }
 
 
@@ -191,6 +197,8 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
         plan.rules, overlaps = check_rules(options.layers, [p for p, _ in options._rules],
                                            candidates)
         plan.warnings += overlaps
+    if not identity:
+        plan.folds = plan_folds(plans, options)
     _plan_shards(plan, ckpt)
     return plan
 
@@ -375,6 +383,8 @@ def _plan_shards(plan: ConvertPlan, ckpt: Checkpoint) -> None:
             meta.pop(origin.KEY, None)
             if from_w4a8:
                 meta[origin.KEY] = origin.value(from_w4a8)
+            if plan.folds:
+                meta[FOLDS_KEY] = folds_header(plan.folds, meta.get(FOLDS_KEY))
         plan.shards[fname] = ShardPlan(fname, meta)
     for home, entry in shard_of.values():
         plan.shards[home].entries.append(entry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,7 @@ from h3quant.findings import Severity, rule
 from h3quant.formats import check as rules
 from h3quant.formats import registry
 from h3quant.pipelines.convert.compute import SourceRows, encode_layer
+from h3quant.pipelines.convert.folds import ChannelScales
 from h3quant.pipelines.convert.io import by_input_offset
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.relayout import run_via
@@ -104,8 +106,10 @@ def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     ok = False
     try:
+        scales = (ChannelScales(plan, lambda lp: CheckedRows(lp, stream.reader))
+                  if plan.folds and plan.calibration is not None else None)
         run = functools.partial(_run_layer, plan=plan, reader=stream.reader, sinks=stream.sinks,
-                                bar=bar, results=results, failures=failures)
+                                bar=bar, results=results, failures=failures, scales=scales)
         _convert_layers(layers, run, pool, stream)
         stream.sinks.wait_behind()  # the last layer's outputs (a write error is raised here)
         stream.copying.result()
@@ -133,7 +137,7 @@ def _convert_layers(layers, run, pool, stream) -> None:
         run(lp, pool=pool)
 
 
-def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None:
+def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=None) -> None:
     opts = lp.options or plan.options  # a per-layer rule's target, else --to
     copied = {c.src.name for c in lp.copies}
     total = sum(t.nbytes for t in lp.inputs.values() if t.name not in copied)
@@ -152,18 +156,31 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures) -> None
         if lp.action == "convert" and lp.via != "encode":  # codes moved, not quantized
             run_via(lp, reader, sinks, progress, opts.codec)
         elif lp.action == "convert":
-            src = CheckedRows(lp, reader)
+            src: Any = CheckedRows(lp, reader)  # or folds.Rescaled around it
             st, info = (None, None)
+            s, scaled, fold = None, None, None
+            if scales is not None:  # AWQ channel scaling: this layer's side of a fold
+                src, found, fold = scales.source(lp, src)
+                if found is not None:
+                    s, scaled = found
             if plan.calibration is not None and opts.codec.spec.quantized:
                 st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
                 entry["calibration"] = info
+            if fold is not None:
+                key = "channel_scaling" if lp.name in plan.folds else "folded_scale"
+                entry.setdefault("calibration", {})[key] = fold
+            stats = st if s is None or st is None else (scaled or st.scaled(s))
             samples = encode_layer(lp, src, opts, sinks, progress, opts.workers, pool,
-                                   calibration=st)
+                                   calibration=stats)
+            if stats is not None and stats is not st:
+                stats.release()
             if opts.report:  # on a worker when there are any: overlaps the next layer
                 ref, out = samples.cat()
                 args = (opts.codec, lp, ref, out)
                 if info is not None:
                     w_hat, _ = opts.codec.report_grid(out, lp.out_fields or {})
+                    if s is not None:  # the error of W diag(s) on x / s: in the plain basis
+                        ref, w_hat = ref / s, w_hat / s
                     info["output_sqnr_db"] = plan.calibration.output_sqnr(lp, ref, w_hat)
                 entry["metrics"] = (pool.submit(layer_metrics, *args) if pool
                                     else layer_metrics(*args))

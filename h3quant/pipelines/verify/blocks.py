@@ -21,6 +21,7 @@ from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats import registry
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify import provenance
+from h3quant.h3.provenance import SCALING_KEY
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 from h3quant.runtime.model.block import (
     FloatLinear,
@@ -390,6 +391,15 @@ def verify_checkpoint(
             if rck is not None:
                 rck.close()
         result.notes.extend(provenance.notes(result.provenance))
+        scaled = provenance.scaled_layers(ckpt)
+        if scaled and reference is not None:
+            result.notes.append(
+                f"{len(scaled)} layer(s) written with AWQ channel scaling (header "
+                f"{SCALING_KEY}; the report gives each one's alpha, 0 where no scaling "
+                "helped): out_proj / fc2 store W diag(s) and the v rows of qkv_proj / the up "
+                "rows of fc1 hold the division, so each of them alone differs from its float "
+                "layer by that scale; the pair computes what the float pair does: judge them by "
+                "the block and whole-model (--model) figures")
         if not siblings:
             result.notes.append("magnitude check skipped: the file has no float linear of a block "
                                 "linear's role to compare scales with")

@@ -71,6 +71,15 @@ def header_set(ckpt) -> set[str]:
     return set().union(*(origin.read(sf.metadata) for sf in ckpt.files))
 
 
+def scaled_layers(ckpt) -> dict[str, str]:
+    """The layers a checkpoint's header records as stored with AWQ channel scaling (any
+    shard), each with the layer that carries the division."""
+    out: dict[str, str] = {}
+    for sf in ckpt.files:
+        out.update(origin.read_scaling(sf.metadata))
+    return out
+
+
 def judge_checkpoint(ckpt, scan, prefixes: tuple[str, ...], *, first: bool = False
                      ) -> dict[str, Judgement]:
     """Judge the quantized layers whose names start with one of ``prefixes``. ``first``: stop
