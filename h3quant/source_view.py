@@ -29,7 +29,6 @@ from __future__ import annotations
 import struct
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
@@ -50,6 +49,7 @@ from h3quant.h3.naming import (
     staged_entries,
 )
 from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.virtual import VirtualFile
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
 
 
@@ -147,20 +147,11 @@ CACHE_EXTRA = 64 << 20
 ALIGN = 64
 
 
-class _ViewFile:
+class _ViewFile(VirtualFile):
     """The one file of a ``SourceView``: the reading interface ``convert`` uses of a
     ``SafetensorsFile`` (``read_bytes``, ``release_pages``, ``prefetch``, ``forward``)."""
 
     use_mmap = False  # reads go through the reader's lock: a tensor is computed once
-
-    def __init__(self, view: "SourceView", path: Path):
-        self.view = view
-        self.path = path
-        self.findings: list = []
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        return self.view.metadata
 
     def forward(self, info: TensorInfo):
         """(real file, real TensorInfo) of a tensor stored unchanged in a shard, else None."""

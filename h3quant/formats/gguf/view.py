@@ -20,6 +20,7 @@ from pathlib import Path
 
 from h3quant.errors import ClosedError, ContainerError
 from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.virtual import VirtualFile
 from h3quant.formats.gguf.reader import GgufFile, GgufTensor
 
 METADATA_KEY = "h3quant.gguf_source"
@@ -31,20 +32,11 @@ def view_dtype(qtype: str) -> str:
     return "F16" if qtype == "F16" else "F32"
 
 
-class _GgufViewFile:
+class _GgufViewFile(VirtualFile):
     """The one file of a ``GgufView``: the reading interface of a ``SafetensorsFile``
     (``read_bytes``, ``release_pages``, ``prefetch``, ``forward``, ``check_unchanged``)."""
 
     use_mmap = True  # reads are independent slices of a read-only mapping: no lock needed
-
-    def __init__(self, view: "GgufView", path: Path):
-        self.view = view
-        self.path = path
-        self.findings: list = []
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        return self.view.metadata
 
     def forward(self, info: TensorInfo):
         """No tensor is stored as the view shows it: every read is computed (never copied
