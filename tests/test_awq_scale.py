@@ -18,6 +18,8 @@ from h3quant.calibration.recorder import write_inputs
 BLOCKS = 4
 HEAD_DIM = 128
 
+pytestmark = pytest.mark.slow  # whole-block convert, capture and verify runs
+
 
 def _inputs(d, dims, seeds):
     """Seeded video, audio and text inputs (256 packed rows each) written as inputs files."""

@@ -70,6 +70,7 @@ def _adapter(hidden=512, rank=2):
     return down, up
 
 
+@pytest.mark.slow
 def test_a_lora_with_a_huge_stray_tensor_is_refused_from_its_header(base, tmp_path):
     down, up = _adapter()
     m = "diffusion_model.blocks.0.attn.qkv_proj"
@@ -87,6 +88,7 @@ def test_a_lora_with_a_huge_stray_tensor_is_refused_from_its_header(base, tmp_pa
     assert before is None or sha(lora) == before
 
 
+@pytest.mark.slow
 def test_an_absurd_lora_rank_is_refused_from_its_header(base, tmp_path):
     m = "diffusion_model.blocks.0.attn.qkv_proj"
     rank = 1 << 20
@@ -137,6 +139,7 @@ def test_recipe_json_is_read_through_the_bound(tmp_path):
     assert load_recipe(p)[0].pattern == "blocks"
 
 
+@pytest.mark.slow
 def test_lora_fixture_is_still_baked(base, tmp_path):
     lora = tiny_lora(tmp_path / "l.safetensors")
     res = h3q("convert", base, tmp_path / "o.safetensors", "--lora", lora, "--to", "bf16",

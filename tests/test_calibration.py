@@ -238,6 +238,7 @@ def _tensors_equal(a, b):
         return opts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["int8-convrot", "int8", "w4a8", "nvfp4", "int4-convrot"])
 def test_identity_statistics_convert_bytes(world, target):
     from h3quant.pipelines.convert import ConvertOptions, convert
@@ -251,6 +252,7 @@ def test_identity_statistics_convert_bytes(world, target):
     assert opts["calibration"].startswith("identity")
 
 
+@pytest.mark.slow
 def test_calibrated_convert_report_and_kitchen(world):
     """Real statistics change the codes; comfy-kitchen dequantizes them as the marker says."""
     from h3quant.formats.w4a8.tensors import decode_w4a8
@@ -368,6 +370,7 @@ def test_calibrated_4bit_file_reads_in_kitchen_and_beats_rounding(world, target)
     assert len(gains) == 8 and min(gains) > 0.5, gains
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, basis", [("nvfp4", "plain"), ("int4-convrot", "convrot g=256")])
 def test_4bit_report_calibrates_every_layer(world, target, basis):
     """The report says each nvfp4 / INT4 ConvRot layer was calibrated (in the basis the format
@@ -459,6 +462,7 @@ def test_capture_through_a_quantized_file(world):
         assert not torch.allclose(a.hessian(), b.hessian())  # later blocks see quantized ones
 
 
+@pytest.mark.slow
 def test_awq_w4a16_is_written_from_statistics_and_read_back(world):
     """convert --to awq-w4a16 needs statistics; with them the file validates and comfy-kitchen's
     AWQ reference dequantizes it as h3quant decodes it."""

@@ -51,6 +51,7 @@ def test_verify_blocks_shows_progress(files, terminal):
     assert res.exit_code == 0 and "blocks:" not in res.stderr
 
 
+@pytest.mark.slow
 def test_lora_survival_pass_is_shown_and_timed(files, terminal, tmp_path, monkeypatch):
     from h3quant.pipelines.convert import survival
 
