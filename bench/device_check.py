@@ -27,6 +27,7 @@ test of this script for machines without a GPU (the test suite does that).
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -210,6 +211,27 @@ def layer_checks(files, device: str) -> None:
              f"[{layer.out_features}x{layer.in_features}] {dtype}")
 
 
+def compare_check(files, device: str) -> None:
+    """The quality card on the device against the same card on the CPU: int8 and W4A8 against
+    the float file, 2 sampler steps; each file's final-latent SQNR within 3 dB of the CPU's and
+    the same ranking."""
+    def card(dev):
+        out = subprocess.run([sys.executable, "-m", "h3quant", "compare", str(files["int8"]),
+                              str(files["w4a8"]), "--reference", str(files["bf16"]), "--steps",
+                              "2", "--device", dev, "--no-frontier", "--json"],
+                             check=True, capture_output=True, text=True).stdout
+        recs = [r for r in json.loads(out)["records"] if r.get("role") == "file"]
+        return {Path(r["path"]).stem: (r["rank"], r["quality_db"], r["step_seconds"]) for r in recs}
+
+    dev, cpu = card(device), card("cpu")
+    spread = max(abs(dev[n][1] - cpu[n][1]) for n in cpu)
+    ok = set(dev) == set(cpu) and all(dev[n][0] == cpu[n][0] for n in cpu) and spread <= 3.0
+    line("PASS" if ok else "FAIL", "compare",
+         " ".join(f"{n} rank {dev[n][0]}/{cpu[n][0]} final {dev[n][1]:.2f}/{cpu[n][1]:.2f} dB "
+                  f"{dev[n][2]:.3f}/{cpu[n][2]:.3f} s/step" for n in sorted(cpu))
+         + f" ({device}/cpu; spread {spread:.2f} <= 3)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -236,6 +258,7 @@ def main() -> int:
             else:
                 line("SKIP", f"model-{t}", "this h3quant has no such convert target")
         layer_checks(files, args.device)
+        compare_check(files, args.device)
         calibration_checks(files, Path(tmp), args.device)
     return 0
 
