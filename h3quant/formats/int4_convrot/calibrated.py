@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.convrot import hadamard
 from h3quant.formats.int4_convrot.tensors import (CHUNK_ELEMS, INT4_MAX, encode_int4_convrot,
-                                                  pack_int4)
+                                                  pack_int4, rotate)
 
 
 def rotated(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -26,13 +25,10 @@ def rotated(w: torch.Tensor, group_size: int) -> torch.Tensor:
     a matmul per block of ``g`` columns with the transposed view of ``H_g``, in the same row
     chunks (so the rounding of a bf16 weight is the encoder's)."""
     n, k = w.shape
-    g = group_size
-    h_t = hadamard(g, w.device).to(w.dtype).contiguous().t()
     out = torch.empty((n, k), dtype=torch.float32)
     step = max(1, CHUNK_ELEMS // max(k, 1))
     for r0 in range(0, n, step):
-        part = w[r0:r0 + step]
-        out[r0:r0 + step] = torch.matmul(part.reshape(-1, k // g, g), h_t).reshape(-1, k)
+        out[r0:r0 + step] = rotate(w[r0:r0 + step], group_size)
     return out
 
 

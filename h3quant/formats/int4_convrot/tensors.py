@@ -63,9 +63,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _rows(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate(w: torch.Tensor, g: int) -> torch.Tensor:
+    """Rows ``w`` [n, K] in the ConvRot basis, in ``w``'s dtype: each block of ``g`` columns
+    times ``H_g`` (a matmul with the transposed view, the encoder's rounding)."""
     n, k = w.shape
-    rot = torch.matmul(w.reshape(n, k // g, g), _h_t(g, w.dtype, w.device)).reshape(n, k)
+    return torch.matmul(w.reshape(n, k // g, g), _h_t(g, w.dtype, w.device)).reshape(n, k)
+
+
+def _rows(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = w.shape[0]
+    rot = rotate(w, g)
     amax = torch.maximum(rot.amax(1, keepdim=True), rot.amin(1, keepdim=True).neg())
     s = amax.clamp_(min=AMAX_MIN) / INT4_MAX
     q = torch.div(rot, s, out=rot).round_().clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)

@@ -312,7 +312,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     for suffix, tensor in gathered.items():
         sink.write_tensor(f"{lp.name}.{suffix}", tensor)
     samples.extra = dict(gathered)
-    if samples.idx is not None and (unrowed or getattr(codec, "needs_row0", False)):
+    if samples.idx is not None and (unrowed or codec.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     if lp.marker is not None:
         sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
