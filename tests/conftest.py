@@ -7,10 +7,21 @@ pytest puts this directory on sys.path because it holds this conftest.py).
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 from helpers.h3files import quantize_file, small_h3, write
+
+
+def pytest_configure(config):
+    """A suite started in the background by a script (``cmd &`` without job control, nohup)
+    inherits SIGINT ignored, and so would every process it starts: Python keeps an ignored
+    SIGINT ignored, so Ctrl-C could not reach the converts the signal tests interrupt. They test
+    the process a user starts from a terminal, so SIGINT gets its default handling back here
+    (and, through exec, in every child)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -236,6 +236,19 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     assert cmds[1] in ci, f".ci/run does not run the README's test command {cmds[1]!r}"
 
 
+@pytest.mark.slow
+def test_suite_started_with_sigint_ignored_still_interrupts_its_children(tmp_path):
+    """A suite started in the background by a script (``pytest &``, nohup) inherits SIGINT
+    ignored; the Ctrl-C tests must still see a convert that SIGINT reaches, as from a terminal.
+    Without the conftest's reset their children stay deaf to SIGINT and the tests fail."""
+    import signal
+
+    res = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
+               "tests/test_convert_safety.py::test_sigint_mid_run_leaves_nothing[1-60]",
+               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
 def test_readme_links_the_format_document():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/FORMATS.md" in text and (ROOT / "docs" / "FORMATS.md").is_file()
