@@ -27,7 +27,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tp_files(tmp_path_factory) -> dict[str, Path]:
     """tiny preset, 1 block: BF16 source, int8 ConvRot (canonical and kn layouts) and W4A8,
-    converted by ``convert`` (the tensor-parallel and API tests)."""
+    converted by ``convert`` (the tensor-parallel, API and loadable-variant tests)."""
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.synth import synth_checkpoint
 

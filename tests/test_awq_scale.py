@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint
 
-from h3quant.calibration.recorder import write_inputs
+from helpers.inputs import input_dims, seeded_inputs
 
 BLOCKS = 4
 HEAD_DIM = 128
@@ -21,34 +21,18 @@ HEAD_DIM = 128
 pytestmark = pytest.mark.slow  # whole-block convert, capture and verify runs
 
 
-def _inputs(d, dims, seeds):
-    """Seeded video, audio and text inputs (256 packed rows each) written as inputs files."""
-    out = []
-    for s in seeds:
-        g = torch.Generator().manual_seed(s)
-        p = d / f"in{s}.safetensors"
-        write_inputs(p, torch.randn(1, dims["vc"], 2, 16, 16, generator=g),
-                     torch.randn(1, dims["ac"], 2, 32, generator=g),
-                     torch.randn(1, 64, dims["td"], generator=g), 0.25 + 0.1 * (s % 7),
-                     {"seed": str(s)})
-        out.append(p)
-    return out
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from h3quant.pipelines.capture import capture_statistics
     from h3quant.pipelines.convert import ConvertOptions, convert
-    from h3quant.runtime.model.model import H3Model
 
     d = tmp_path_factory.mktemp("awqscale")
     src = d / "bf16.safetensors"
     synth_checkpoint(src, preset="tiny", blocks=BLOCKS, seed=3)
-    with H3Model.open(src) as m:
-        dims = {"vc": m.video_channels, "ac": m.audio_channels, "td": m.text_dim}
+    dims = input_dims(src)
     stats, held = d / "cal.stats", d / "held.stats"
-    capture_statistics(src, _inputs(d, dims, range(5)), stats, predict=False)
-    capture_statistics(src, _inputs(d, dims, range(20, 25)), held, predict=False)
+    capture_statistics(src, seeded_inputs(d, dims, range(5)), stats, predict=False)
+    capture_statistics(src, seeded_inputs(d, dims, range(20, 25)), held, predict=False)
     out = {}
     for name, scale in (("scaled", True), ("plain", False)):
         out[name] = d / f"{name}.safetensors"

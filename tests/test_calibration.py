@@ -10,12 +10,13 @@ import torch
 from click.testing import CliRunner
 
 from h3quant.calibration.gptq import feedback, inverse_factor, output_sqnr_db, predicted_gain_db
-from h3quant.calibration.recorder import write_inputs
 from h3quant.calibration.stats import LayerStats, Statistics, layer_key
 from h3quant.cli import main
 from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint
+
+from helpers.inputs import input_dims, seeded_inputs
 
 TARGETS = [("int8-convrot", 64), ("int8-convrot", 256), ("int8", 256), ("w4a8", 256),
            ("nvfp4", 256), ("int4-convrot", 64), ("int4-convrot", 256)]
@@ -139,30 +140,15 @@ def test_layer_key_skips_the_token_refiner():
 
 # ------------------------------------------------------------------------- files end to end
 
-def _inputs(d, m, seeds, *, text=64, frames=2, hw=(16, 16)):
-    out = []
-    for s in seeds:
-        g = torch.Generator().manual_seed(s)
-        p = d / f"in{s}.safetensors"
-        write_inputs(p, torch.randn(1, m["vc"], frames, *hw, generator=g),
-                     torch.randn(1, m["ac"], 2, 32, generator=g),
-                     torch.randn(1, text, m["td"], generator=g), 0.25 + 0.1 * (s % 7),
-                     {"seed": str(s)})
-        out.append(p)
-    return out
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from h3quant.pipelines.capture import capture_statistics
-    from h3quant.runtime.model.model import H3Model
 
     d = tmp_path_factory.mktemp("calib")
     src = d / "bf16.safetensors"
     synth_checkpoint(src, preset="tiny", blocks=2, seed=3)
-    with H3Model.open(src) as m:
-        dims = {"vc": m.video_channels, "ac": m.audio_channels, "td": m.text_dim}
-    ins = _inputs(d, dims, range(5))  # 5 x 256 rows >= K = 1024 (fc2)
+    dims = input_dims(src)
+    ins = seeded_inputs(d, dims, range(5))  # 5 x 256 rows >= K = 1024 (fc2)
     stats = d / "a.stats"
     res = capture_statistics(src, ins, stats, predict=False)
     return {"d": d, "src": src, "inputs": ins, "stats": stats, "dims": dims, "result": res}

@@ -79,17 +79,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    from h3quant.synth import synth_checkpoint
-
-    d = tmp_path_factory.mktemp("variants")
-    bf16 = d / "bf16.safetensors"
-    synth_checkpoint(bf16, preset="tiny", blocks=2, seed=7)
-    int8 = d / "int8.safetensors"
-    r = CliRunner().invoke(main, ["convert", str(bf16), str(int8), "--to", "int8-convrot",
-                                  "-q", "--no-report"])
-    assert r.exit_code == 0, r.output
-    return {"dir": d, "bf16": bf16, "int8": int8}
+def src(tp_files):
+    """The session's tiny BF16 file and its int8 ConvRot conversion."""
+    return tp_files
 
 
 def _notes(path):
