@@ -263,3 +263,53 @@ def test_calibration_statistics_of_a_gguf_file_convert_it_and_only_it(h3, tmp_pa
                                   "--to", "int8-convrot", "--calibration", str(stats), "-q"])
     assert r.exit_code == 2, r.output
     assert "another checkpoint" in r.output or "measured on" in r.output, r.output
+
+
+def test_a_gguf_changed_while_read_is_refused_as_a_safetensors_input_is(h3, tmp_path):
+    """The same C109 rules as a safetensors input: a size change, a rewrite in place and a
+    replaced path are each told apart, and ``convert`` then writes nothing."""
+    import os
+    import shutil
+
+    from h3quant.formats.gguf.view import GgufView
+
+    f = tmp_path / "h3.gguf"
+    write_gguf(h3["tensors"], f, "Q8_0")
+
+    def touch(path):
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    def grow(path):
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 64)
+
+    def replace(path):
+        shutil.copy2(path, tmp_path / "copy.gguf")
+        os.replace(tmp_path / "copy.gguf", path)
+
+    for change, message in ((touch, "modified while being read"),
+                            (grow, r"changed size while being read \(\d+ -> \d+ bytes\)"),
+                            (replace, "replaced or removed while being read")):
+        with GgufView(f) as view:
+            view.check_unchanged()
+            change(f)
+            with pytest.raises(ContainerError, match=message) as err:
+                view.check_unchanged()
+            assert err.value.code == "C109"
+    write_gguf(h3["tensors"], f, "Q8_0")
+    from h3quant.pipelines.convert import stream
+
+    real = stream.run_plan
+
+    def touch_then_run(plan, ckpt, out, **kw):
+        report = real(plan, ckpt, out, **kw)
+        touch(f)
+        return report
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("h3quant.pipelines.convert.run_plan", touch_then_run)
+        r = CliRunner().invoke(main, ["convert", str(f), str(tmp_path / "o.safetensors"),
+                                      "--to", "bf16", "-q", "--no-report"])
+    assert r.exit_code != 0 and "modified while being read" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h3.gguf"]

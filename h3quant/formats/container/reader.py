@@ -214,6 +214,33 @@ def open_input(path: Path, *, what: str = "input"):
         raise
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What says a file is still the one opened: device, inode, size, modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_identity(path: Path, fd: int, opened: tuple[int, int, int, int], *,
+                   size_only: bool = False) -> None:
+    """``ContainerError`` (C109) when the input open as ``fd`` changed size, was modified, or
+    ``path`` no longer names it (replaced or removed), against ``identity()`` taken at open;
+    ``size_only`` checks the size alone."""
+    st = os.fstat(fd)
+    now = identity(st)
+    if now[2] != opened[2]:
+        raise ContainerError(f"the file changed size while being read ({opened[2]} "
+                             f"-> {now[2]} bytes); nothing was written", path=path, code="C109")
+    if not size_only and now != opened:
+        raise ContainerError("the file was modified while being read; nothing was written",
+                             path=path, code="C109")
+    try:
+        cur = os.stat(path)
+    except OSError:
+        cur = None
+    if not size_only and (cur is None or (cur.st_dev, cur.st_ino) != now[:2]):
+        raise ContainerError("the file was replaced or removed while being read; nothing "
+                             "was written", path=path, code="C109")
+
+
 class SafetensorsFile:
     """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls)."""
 
@@ -228,7 +255,7 @@ class SafetensorsFile:
         try:
             st = os.fstat(self._fh.fileno())
             self.file_size = st.st_size
-            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            self._identity = identity(st)
             raw_len = self._fh.read(8)
             parsed = parse_header(raw_len, self._read_exact, self.file_size, self.path)
         except OSError as exc:
@@ -249,22 +276,7 @@ class SafetensorsFile:
         """Raise ``ContainerError`` when the file was replaced, truncated or rewritten since it
         was opened. Called before every memory-mapped read: reading a mapped page past a
         shrunk end would kill the process with SIGBUS instead of an error."""
-        st = os.fstat(self._fh.fileno())
-        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if now[2] != self._identity[2]:
-            raise ContainerError(f"the file changed size while being read ({self._identity[2]} "
-                                 f"-> {now[2]} bytes); nothing was written", path=self.path,
-                                 code="C109")
-        if not size_only and now != self._identity:
-            raise ContainerError("the file was modified while being read; nothing was written",
-                                 path=self.path, code="C109")
-        try:
-            cur = os.stat(self.path)
-        except OSError:
-            cur = None
-        if not size_only and (cur is None or (cur.st_dev, cur.st_ino) != now[:2]):
-            raise ContainerError("the file was replaced or removed while being read; nothing "
-                                 "was written", path=self.path, code="C109")
+        check_identity(self.path, self._fh.fileno(), self._identity, size_only=size_only)
 
     def _read_exact(self, n: int) -> bytes:
         parts, got = [], 0

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from h3quant.errors import ClosedError, ContainerError
-from h3quant.formats.container.reader import TensorInfo
+from h3quant.formats.container.reader import TensorInfo, check_identity, identity, open_input
 from h3quant.formats.container.virtual import VirtualFile
 from h3quant.formats.gguf.reader import GgufFile, GgufTensor
 
@@ -112,10 +112,16 @@ class GgufView:
         self.index_metadata: dict = {}
         self.input_files = [self.path]
         self._closed = False
-        self.gguf = GgufFile(path)
+        # Opened before the gguf package maps the path: a file swapped in between is then seen
+        # by every check_unchanged (the path no longer names this descriptor's file).
+        self._fh = open_input(self.path)
         try:
-            st = os.stat(self.path)
-            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            self._identity = identity(os.fstat(self._fh.fileno()))
+            self.gguf = GgufFile(path)
+        except BaseException:
+            self._fh.close()
+            raise
+        try:
             self._file = _GgufViewFile(self, self.path)
             self.files = [self._file]
             self.tensors = self._layout(self.gguf.tensors)
@@ -126,7 +132,7 @@ class GgufView:
                 {"file": self.path.name, "architecture": self.gguf.architecture,
                  "types": types}, sort_keys=True)}
         except BaseException:
-            self.gguf.close()
+            self.close()
             raise
 
     def _layout(self, tensors: dict[str, GgufTensor]) -> dict[str, TensorInfo]:
@@ -192,19 +198,14 @@ class GgufView:
         return f.iter_bytes(info) if chunk is None else f.iter_bytes(info, chunk)
 
     def check_unchanged(self) -> None:
-        """``ContainerError`` if the GGUF file was modified, truncated or replaced since it was
-        opened."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            st = None
-        if st is None or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
-            raise ContainerError("the GGUF file was modified or replaced while being read; "
-                                 "nothing was written", path=self.path, code="C109")
+        """``ContainerError`` (C109) if the GGUF file was modified, truncated or replaced since
+        it was opened."""
+        check_identity(self.path, self._fh.fileno(), self._identity)
 
     def close(self) -> None:
         self._closed = True
         self.gguf.close()
+        self._fh.close()
 
     def __enter__(self) -> "GgufView":
         return self
