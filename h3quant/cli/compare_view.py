@@ -94,19 +94,22 @@ def render(res) -> str:
     return "\n".join(lines)
 
 
-def markdown(res) -> str:
+def _markdown_table(headers: list[str], body: list[list]) -> list[str]:
     def cell(x) -> str:
         return str(x).replace("|", "\\|")
 
-    out = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    out += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows(res)]
+    return (["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            + ["| " + " | ".join(cell(x) for x in r) + " |" for r in body])
+
+
+def markdown(res) -> str:
+    out = _markdown_table(HEADERS, rows(res))
     pre = [f"- {line}" for line in _preamble(res)]
     front: list[str] = []
     if res.frontier:
         front = ["", "#### Planner frontier (predicted)", "",
-                 "| " + " | ".join(FRONTIER_HEADERS) + " |", "|" + "---|" * len(FRONTIER_HEADERS)]
-        front += ["| " + " | ".join(cell(x) for x in r) + " |" for r in frontier_rows(res)]
-        front += ["", FRONTIER_NOTE[0].upper() + FRONTIER_NOTE[1:] + "."]
+                 *_markdown_table(FRONTIER_HEADERS, frontier_rows(res)),
+                 "", FRONTIER_NOTE[0].upper() + FRONTIER_NOTE[1:] + "."]
     return "\n".join(["### h3quant compare", ""] + pre + [""] + out + [
         "", "SQNR / PSNR against the reference's latents on the same inputs and noise; no VAE "
             "decode and no perceptual metric. Made with `h3quant compare` (docs/compare.md).",
