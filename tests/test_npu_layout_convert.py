@@ -14,7 +14,8 @@ import torch
 
 from h3quant.errors import ConvertError, FormatError
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.int8_kn.tensors import RowTransposer, kn_marker, nz_eligible, tp_degree_for
+from h3quant.formats.int8_kn.tensors import kn_marker, nz_eligible, tp_degree_for
+from h3quant.formats.transpose import RowTransposer
 from h3quant.formats.markers import parse_header_metadata
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.synth import synth_checkpoint

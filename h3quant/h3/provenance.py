@@ -17,6 +17,8 @@ import json
 from h3quant.formats import registry
 
 KEY = "h3quant.from_w4a8"
+# The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
+W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
 SCALING_KEY = "h3quant.awq_channel_scaling"
 
 
@@ -30,8 +32,6 @@ def read_scaling(metadata: dict[str, str] | None) -> dict[str, str]:
     if not isinstance(value, dict):
         return {}
     return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
-# The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
-W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
 
 
 def is_int8(fmt: str | None) -> bool:

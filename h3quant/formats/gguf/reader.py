@@ -183,7 +183,7 @@ class GgufFile:
         """(offset in the file, length) of the stored blocks holding values
         ``[first, stop)`` (in the original shape's row-major order)."""
         info = self.info(name)
-        raw, per_block, block_bytes = self._blocks(info)
+        _, per_block, block_bytes = self._blocks(info)
         b0, b1 = first // per_block, -(-stop // per_block)
         begin = self._reader.tensors[info.index].data_offset
         return begin + b0 * block_bytes, (b1 - b0) * block_bytes

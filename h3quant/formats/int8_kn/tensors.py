@@ -6,7 +6,7 @@ The format has its own name so that a reader that only knows int8_tensorwise fai
 of mis-reading the transposed weight (for a square layer no shape check would catch it).
 
 Every relayout (canonical -> kn, kn -> canonical, freshly encoded codes -> kn) goes through the
-streamed transposer of ``h3quant.formats.transpose`` (re-exported here). No devices, no files:
+streamed transposer of ``h3quant.formats.transpose``. No devices, no files:
 pure tensor and byte work. Importing this module does not import torch (inspect and validate
 read only headers).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from h3quant.convrot import check_group_size
 from h3quant.formats.int8.spec import NAME as CANONICAL  # the math it re-lays out
-from h3quant.formats.transpose import TRANSPOSE_BYTES, RowTransposer, transpose_stream
 
 FORMAT = "int8_tensorwise_kn"
 LAYOUTS = ("canonical", "npu")  # convert --layout values
@@ -104,12 +103,9 @@ __all__ = [
     "LAYOUTS",
     "NPU_MAX_N",
     "NZ_FORMAT",
-    "TRANSPOSE_BYTES",
-    "RowTransposer",
     "check_kn",
     "kn_marker",
     "nz_eligible",
     "nz_reason",
     "tp_degree_for",
-    "transpose_stream",
 ]

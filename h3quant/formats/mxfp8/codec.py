@@ -16,6 +16,7 @@ class MxFp8Codec(Codec):
         super().__init__(spec)
         self.needs_row0 = spec.needs_row0  # blocked scales: encode gets the chunk's first row
         self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
+
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale"]
 
