@@ -144,24 +144,35 @@ def _check_finite(lp: LayerPlan, out: dict[str, torch.Tensor], r0: int) -> None:
                               tensor=lp.name)
 
 
+def _planned(lp: LayerPlan) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each planned output of the layer by suffix (the marker aside): (shape, dtype)."""
+    planned = {e.name[len(lp.name) + 1:]: (tuple(e.shape), e.dtype) for e in lp.produced.values()}
+    planned.pop("comfy_quant", None)
+    return planned
+
+
+def _check_shapes(lp: LayerPlan, out: dict[str, torch.Tensor], planned: dict, want, where: str = ""
+                  ) -> None:
+    """``FormatError`` unless ``out`` holds exactly the planned suffixes, each of the shape
+    ``want(suffix, planned shape)`` gives."""
+    if set(out) != set(planned) or not all(tuple(v.shape) == want(sfx, planned[sfx][0])
+                                           for sfx, v in out.items()):
+        got = ", ".join(f"{sfx} {list(v.shape)}" for sfx, v in sorted(out.items()))
+        raise FormatError(f"encoder returned {got}{where}; the plan expects "
+                          + ", ".join(f"{sfx} {list(sh)}" for sfx, (sh, _) in sorted(planned.items())),
+                          tensor=lp.name)
+
+
 def _check_planned(lp: LayerPlan, out: dict[str, torch.Tensor], n: int,
                    unrowed: tuple[str, ...], transposed: tuple[str, ...] = ()) -> None:
     """The encoder returned exactly the planned tensors: ``n`` rows of each rowed one (of a
     transposed one: ``n`` rows of its planned [K, N] transpose)."""
-    planned = {e.name[len(lp.name) + 1:]: tuple(e.shape) for e in lp.produced.values()}
-    planned.pop("comfy_quant", None)
-
-    def fits(suffix: str) -> bool:
-        got, want = tuple(out[suffix].shape), planned[suffix]
+    def want(suffix: str, shape: tuple) -> tuple:
         if suffix in transposed:
-            return got == (n, want[0])
-        return got == want if suffix in unrowed else got == (n, *want[1:])
+            return (n, shape[0])
+        return shape if suffix in unrowed else (n, *shape[1:])
 
-    if set(out) != set(planned) or not all(fits(sfx) for sfx in out):
-        got = ", ".join(f"{sfx} {list(v.shape)}" for sfx, v in sorted(out.items()))
-        raise FormatError(f"encoder returned {got}; the plan expects "
-                          + ", ".join(f"{sfx} {list(sh)}" for sfx, sh in sorted(planned.items())),
-                          tensor=lp.name)
+    _check_shapes(lp, out, _planned(lp), want)
 
 
 def _row_bytes(lp: LayerPlan, suffix: str) -> int:
@@ -276,8 +287,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
             return part
 
         value = codec.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
-    planned = {e.name[len(lp.name) + 1:]: (tuple(e.shape), e.dtype) for e in lp.produced.values()}
-    planned.pop("comfy_quant", None)
+    planned = _planned(lp)
     unrowed = spec.unrowed_outputs
     gathered: dict[str, torch.Tensor] = {}
     samples = Samples.for_layer(n, opts.report)
@@ -323,17 +333,12 @@ def _check_streamed(lp: LayerPlan, out: dict[str, torch.Tensor], planned: dict, 
                     r1: int) -> None:
     """A streamed chunk's outputs are the planned tensors' rows from ``r0``: ``r1 - r0`` of
     them (the last chunk: up to the planned end, padding included); a 0-dim one whole."""
-    def fits(suffix: str) -> bool:
-        got, want = tuple(out[suffix].shape), planned[suffix][0]
-        if not want:
-            return got == want
-        return got == ((want[0] - r0 if r1 >= lp.n else r1 - r0), *want[1:])
+    def want(suffix: str, shape: tuple) -> tuple:
+        if not shape:
+            return shape
+        return ((shape[0] - r0 if r1 >= lp.n else r1 - r0), *shape[1:])
 
-    if set(out) != set(planned) or not all(fits(sfx) for sfx in out):
-        got = ", ".join(f"{sfx} {list(v.shape)}" for sfx, v in sorted(out.items()))
-        raise FormatError(f"encoder returned {got} for rows {r0}..{r1}; the plan expects "
-                          + ", ".join(f"{sfx} {list(sh)}" for sfx, (sh, _) in
-                                      sorted(planned.items())), tensor=lp.name)
+    _check_shapes(lp, out, planned, want, f" for rows {r0}..{r1}")
 
 
 def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, progress,
