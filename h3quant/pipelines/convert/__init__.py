@@ -113,7 +113,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             if options.calibration:
                 from h3quant.pipelines.convert.calibrated import Calibration
 
-                plan.calibration = Calibration(options, src, log)
+                plan.calibration = Calibration(options.calibration, src, log,
+                                               heldout=options.calibration_heldout)
             try:
                 report = run_plan(plan, source, out, progress=progress)
             finally:

@@ -22,18 +22,20 @@ from h3quant.errors import FormatError
 class Calibration:
     """The open statistics of one conversion (and the held-out ones, when given)."""
 
-    def __init__(self, options, src, log=None):
+    def __init__(self, stats, src, log=None, *, heldout=None):
+        """``stats``: the statistics file of checkpoint ``src`` (``heldout``: those of other
+        inputs, reported only); both are refused for another checkpoint."""
         from h3quant.calibration.fingerprint import checkpoint_fingerprint
         from h3quant.calibration.stats import Statistics
 
         self.log = log or (lambda msg: None)
         fp = checkpoint_fingerprint(src)
-        self.stats = Statistics(options.calibration)
+        self.stats = Statistics(stats)
         self.heldout = None
         try:
             self.stats.check_checkpoint(fp)
-            if options.calibration_heldout:
-                self.heldout = Statistics(options.calibration_heldout)
+            if heldout:
+                self.heldout = Statistics(heldout)
                 self.heldout.check_checkpoint(fp)
         except BaseException:
             self.close()
@@ -44,19 +46,20 @@ class Calibration:
                  f"{len(meta['inputs'])} input(s), {rows[0] if rows else 0:,} rows per layer, "
                  f"forward: {meta.get('forward', 'float')}")
 
-    def for_layer(self, lp, codec, marker) -> tuple[object, dict]:
-        """(the layer's ``LayerStats`` or None to round to nearest, its report entry)."""
+    def for_layer(self, name: str, k: int, codec, marker) -> tuple[object, dict]:
+        """(layer ``name``'s ``LayerStats`` or None to round to nearest, its report entry);
+        ``k``: the weight's input width, which the statistics must have."""
         info: dict = {}
-        st = self.stats.layer(lp.name)
+        st = self.stats.layer(name)
         if st is None:
             if codec.spec.write_refusal:
                 raise FormatError(f"the statistics have no entry for this layer; {codec.spec.name} is "
-                                  "written from statistics only", tensor=lp.name)
+                                  "written from statistics only", tensor=name)
             info["note"] = "no statistics for this layer: rounded to nearest"
             return None, info
-        if st.k != lp.k:
+        if st.k != k:
             raise FormatError(f"the statistics hold K={st.k} for this layer, the weight has "
-                              f"K={lp.k}", tensor=lp.name)
+                              f"K={k}", tensor=name)
         info["rows"] = st.rows
         if not codec.calibrates:
             info["note"] = f"{codec.spec.name} has no calibrated encoder: rounded to nearest"
@@ -64,17 +67,17 @@ class Calibration:
         if st.rows < st.k and codec.spec.write_refusal:  # written from statistics only
             info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.spec.name} "
                             "is written from statistics only)")
-            self.log(f"warning: {lp.name}: {info['note']}")
+            self.log(f"warning: {name}: {info['note']}")
         elif st.rows < st.k:
             info["note"] = (f"only {st.rows} rows for K={st.k} (a singular Hessian): rounded to "
                             "nearest")
-            self.log(f"warning: {lp.name}: {info['note']}")
+            self.log(f"warning: {name}: {info['note']}")
             return None, info
         convrot = codec.spec.uses_convrot(marker)
         g = int((marker or {}).get("convrot_groupsize", 256))
         info["basis"] = f"convrot g={g}" if convrot else "plain"
         info["predicted_gain_db"] = round(st.predicted_gain_db(convrot, g), 2)
-        self.log(f"calibrating {lp.name}: K={st.k}, {st.rows:,} rows, predicted gain "
+        self.log(f"calibrating {name}: K={st.k}, {st.rows:,} rows, predicted gain "
                  f"{info['predicted_gain_db']:+.1f} dB")
         return st, info
 

@@ -164,7 +164,7 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=
                 if found is not None:
                     s, scaled = found
             if plan.calibration is not None and opts.codec.spec.quantized:
-                st, info = plan.calibration.for_layer(lp, opts.codec, lp.out_fields)
+                st, info = plan.calibration.for_layer(lp.name, lp.k, opts.codec, lp.out_fields)
                 entry["calibration"] = info
             if fold is not None:
                 key = "channel_scaling" if lp.name in plan.folds else "folded_scale"

@@ -200,10 +200,8 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
         raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
     st = None
     if cand.calibrated and calibration is not None:
-        from types import SimpleNamespace
-
         # convert's own per-layer decision (no statistics, too few rows: rounded to nearest)
-        st, _ = calibration.for_layer(SimpleNamespace(name=layer.name, k=k), codec, marker)
+        st, _ = calibration.for_layer(layer.name, k, codec, marker)
     if st is not None:
         tensors = dict(codec.encode(layer.weight, marker, "exact", calibration=st))
         st.release()
@@ -265,12 +263,9 @@ def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool
     inputs = inputs or ModelInputs()
     calib = None
     if calibration is not None:
-        from types import SimpleNamespace
-
         from h3quant.pipelines.convert.calibrated import Calibration
 
-        calib = Calibration(SimpleNamespace(calibration=str(calibration),
-                                            calibration_heldout=None), path)
+        calib = Calibration(str(calibration), path)
     try:
         return _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib)
     finally:
