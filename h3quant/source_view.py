@@ -26,12 +26,14 @@ rounded once, and ``notes`` says why.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from collections import OrderedDict
 
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
+from h3quant.formats.container.dtypes import float_value
 from h3quant.formats.fp8.spec import per_tensor_marker
 from h3quant.formats.markers import MARKER_SUFFIX, marker_bytes
 from h3quant.h3 import naming
@@ -258,9 +260,12 @@ class SourceView:
         scale = 1.0
         if src.scale is not None:
             info = self.source.info(src.scale)
-            if _count(info.shape) != 1:
+            if math.prod(info.shape) != 1:
                 return "its fp8 scale is per row (ComfyUI's float8 layers hold one per tensor)"
-            scale = _scalar(bytes(self.source.read_bytes(src.scale)), info.dtype)
+            value = float_value(bytes(self.source.read_bytes(src.scale)), info.dtype)
+            if value is None:  # the naming rules (N305) let only F32 / BF16 / F16 scales here
+                raise FormatError(f"fp8 scale is {info.dtype}", code="N305")
+            scale = value
             if not (scale > 0 and scale < float("inf")):  # decoding it reports N305
                 return "its fp8 scale is not a finite positive value"
         layer = name[: -len(".weight")]
@@ -472,24 +477,6 @@ class SourceView:
                     len(v) for k, v in self._cache.items() if k != name) > CACHE_EXTRA:
                 self._cache.popitem(last=False)
             return data
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _scalar(raw: bytes, dtype: str) -> float:
-    """The one value of a little-endian F32 / F16 / BF16 tensor (exact in a Python float)."""
-    if dtype == "F32":
-        return float(struct.unpack("<f", raw[:4])[0])
-    if dtype == "F16":
-        return float(struct.unpack("<e", raw[:2])[0])
-    if dtype == "BF16":
-        return float(struct.unpack("<f", b"\x00\x00" + raw[:2])[0])
-    raise FormatError(f"fp8 scale is {dtype}", code="N305")
 
 
 def _u8():

@@ -249,3 +249,17 @@ def test_golden_bytes(tmp_path):
     assert raw == (DATA / "golden_tiny.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert n % 8 == 0 and json.loads(raw[8 : 8 + n])["__metadata__"] == {"format": "pt"}
+
+
+def test_float_value_reads_each_float_dtype_as_torch_stores_it():
+    """One value from raw little-endian bytes, without torch, equals what torch stored."""
+    from h3quant.formats.container.dtypes import float_value, from_torch
+
+    values = [0.0, -0.0, 1.0, -2.5, 3.140625, 65504.0, 1e-3, float("inf")]
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        for v in values:
+            t = torch.tensor([v, 7.0], dtype=dtype)
+            raw = t.view(torch.uint8).numpy().tobytes()
+            got = float_value(raw, from_torch(dtype))
+            assert got == float(t[0]) and str(got) == str(float(t[0])), (dtype, v, got)
+    assert float_value(b"\x01", "I8") is None and float_value(b"\x01", "F8_E4M3") is None

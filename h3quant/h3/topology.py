@@ -27,6 +27,7 @@ from h3quant.formats.fp8.spec import SCALED_FP8_MARKER
 from h3quant.errors import UnsupportedError
 from h3quant.findings import Finding
 from h3quant.formats import registry
+from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.formats.layers import LAYER_SUFFIXES
 
 FORMS = ("full", "pruned")
@@ -470,9 +471,6 @@ def check(tensors: dict, detection: Detection | None,
     return found
 
 
-FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
-
-
 def _variant_notes(tensors: dict, detection: Detection, expected: dict,
                    quantized: dict) -> list[Finding]:
     """Notes (T107, T109, T110) on what ComfyUI loads although H3's release differs."""
@@ -492,7 +490,7 @@ def _variant_notes(tensors: dict, detection: Detection, expected: dict,
         if info is None or layer in quantized:
             continue
         got = getattr(info, "dtype", None)
-        if got in FLOATS and dtype in FLOATS and got != dtype:
+        if got in FLOAT_DTYPES and dtype in FLOAT_DTYPES and got != dtype:
             cast.setdefault((got, dtype), []).append(name)
     for (got, want), names in sorted(cast.items()):
         found.append(Finding("T109", f"{len(names)} tensor(s) stored in {got} where H3 keeps "

@@ -7,10 +7,10 @@ against the full-size H3 topology (as many blocks as the file names).
 from __future__ import annotations
 
 import re
-import struct
 from pathlib import Path
 
 from h3quant.errors import H3QuantError, LoraError, UnsupportedError
+from h3quant.formats.container.dtypes import float_value
 from h3quant.h3 import lora as lora_keys
 from h3quant.h3.topology import config_for, expected_tensors
 
@@ -40,17 +40,12 @@ def looks_like_lora(path: str) -> bool:
     return bool(keys) and sum(bool(_PAIR_HINT.search(k)) for k in keys) * 2 >= len(keys)
 
 
-_SCALAR = {"F32": "<f", "F16": "<e", "F64": "<d"}
-
-
 def _scalar(sf, name: str) -> float:
     info = sf.tensors[name]
-    raw = bytes(sf.read_bytes(info))
-    if info.dtype == "BF16":
-        return struct.unpack("<f", b"\0\0" + raw[:2])[0]
-    if info.dtype not in _SCALAR:
+    value = float_value(bytes(sf.read_bytes(info)), info.dtype)
+    if value is None:
         raise LoraError(f"LoRA '{sf.path}': alpha '{name}' is {info.dtype}, not a float")
-    return float(struct.unpack(_SCALAR[info.dtype], raw[:struct.calcsize(_SCALAR[info.dtype])])[0])
+    return value
 
 
 def inspect_lora(path: str) -> dict:

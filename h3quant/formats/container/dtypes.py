@@ -5,6 +5,7 @@ torch is imported only when a torch dtype is asked for, so header-only commands 
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +42,20 @@ _RANK = {name: i for i, name in enumerate(STORAGE_ORDER)}
 
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
 QUANTIZED_WEIGHT_DTYPES = frozenset({"I8", "U8", "F8_E4M3", "F8_E5M2"})
+
+
+_FLOAT_STRUCT = {"F64": "<d", "F32": "<f", "F16": "<e"}  # little-endian, as safetensors stores
+
+
+def float_value(raw: bytes, dtype: str) -> float | None:
+    """The first value of the little-endian ``dtype`` bytes ``raw`` (BF16, F16, F32 or F64) as a
+    Python float, exactly, without torch; None for any other dtype."""
+    if dtype == "BF16":  # the upper half of an F32
+        return float(struct.unpack("<f", b"\0\0" + raw[:2])[0])
+    fmt = _FLOAT_STRUCT.get(dtype)
+    if fmt is None:
+        return None
+    return float(struct.unpack(fmt, raw[:struct.calcsize(fmt)])[0])
 
 
 def itemsize(name: str) -> int:
