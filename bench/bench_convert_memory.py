@@ -14,12 +14,10 @@ and tree with the peak's ratio to int8-convrot's in the same tree. Asserts nothi
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from child import run_h3quant
 
 HERE = Path(__file__).resolve().parent.parent
 TARGETS = ("int8-convrot", "fp8", "fp8-e5m2", "mxfp8", "nvfp4", "int4-convrot")
@@ -28,19 +26,9 @@ TARGETS = ("int8-convrot", "fp8", "fp8-e5m2", "mxfp8", "nvfp4", "int4-convrot")
 def run(tree: Path, src: Path, target: str, workers: int) -> tuple[float, float]:
     """(peak RSS in MiB, seconds) of one convert of ``src`` to ``target`` with ``tree``'s code."""
     with tempfile.TemporaryDirectory(dir=src.parent) as d:
-        out = Path(d) / "out.safetensors"
-        cmd = [sys.executable, "-m", "h3quant", "convert", str(src), str(out), "--to", target,
-               "--workers", str(workers), "-q"]
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
-        secs = time.perf_counter() - t0
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"{tree} convert --to {target} failed: {err.strip()}")
-    return usage.ru_maxrss / 1024, secs  # ru_maxrss is in KiB on Linux
+        child = run_h3quant(tree, ["convert", src, Path(d) / "out.safetensors", "--to", target,
+                                   "--workers", workers, "-q"], cwd=Path(d))
+    return child.peak_rss_mib, child.seconds
 
 
 def main() -> None:

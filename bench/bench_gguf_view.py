@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from child import run_h3quant
+
 HERE = Path(__file__).resolve().parent.parent
 
 
@@ -70,9 +72,6 @@ def run_once(tree: Path, gguf: Path, work: Path, target: str) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
     out = outdir / "out.safetensors"
-    cmd = [sys.executable, "-m", "h3quant", "convert", str(gguf), str(out), "--to", target,
-           "-q", "--no-report"]
-    env = dict(os.environ, PYTHONPATH=str(tree), TMPDIR=str(tmp), PYTHONDONTWRITEBYTECODE="1")
     peak = [0]
     done = threading.Event()
 
@@ -82,17 +81,15 @@ def run_once(tree: Path, gguf: Path, work: Path, target: str) -> dict:
             time.sleep(0.005)
 
     watcher = threading.Thread(target=poll, daemon=True)
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=work, env=env)
     watcher.start()
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t
-    done.set()
-    watcher.join()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"convert failed in {tree}")
+    try:
+        child = run_h3quant(tree, ["convert", gguf, out, "--to", target, "-q", "--no-report"],
+                            cwd=work, env={"TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"})
+    finally:
+        done.set()
+        watcher.join()
     out_bytes = out.stat().st_size
-    result = {"time_s": seconds, "rss_mb": usage.ru_maxrss / 1024,
+    result = {"time_s": child.seconds, "rss_mb": child.peak_rss_mib,
               "temp_mb": max(0, peak[0] - out_bytes) / 1e6, "out_mb": out_bytes / 1e6}
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(outdir, ignore_errors=True)
@@ -134,6 +131,7 @@ def main() -> None:
         print(f"{name:9s} time {min(r['time_s'] for r in rs):6.2f} s  peak RSS "
               f"{min(r['rss_mb'] for r in rs):7.1f} MB  temp bytes "
               f"{max(r['temp_mb'] for r in rs):7.1f} MB  output {rs[0]['out_mb']:.1f} MB")
+
 
 if __name__ == "__main__":
     main()
