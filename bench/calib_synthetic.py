@@ -123,7 +123,7 @@ def main() -> None:
     for fmt in args.formats:
         tf = time.perf_counter()
         codec = registry.target_codec(fmt)
-        marker = codec.marker(registry.target(fmt), 256)
+        marker = codec.spec.marker(registry.target(fmt), 256)
         convrot = codec.spec.uses_convrot(marker)  # the basis the format quantizes in
         rtn, cal = d / f"{fmt}_rtn.safetensors", d / f"{fmt}_cal.safetensors"
         t0 = time.perf_counter()
