@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.forge import cli
+from helpers.fp8 import fp8_release
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
 
 REFINER = "token_refiner.blocks.0.mlp.fc1"
 
@@ -25,13 +24,11 @@ REFINER = "token_refiner.blocks.0.mlp.fc1"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8kept")
-    comfy = root / "h3.safetensors"
-    synth_checkpoint(comfy, preset="tiny", seed=3)
-    write_layout(comfy, root / "fp8.safetensors", "comfy", fp8=True)
+    made = fp8_release(root, seed=3)
     out = root / "int8.safetensors"
-    res = cli("convert", root / "fp8.safetensors", out)
+    res = cli("convert", made["fp8"], out)
     assert res.exit_code == 0, res.output
-    return {"bf16": comfy, "fp8": root / "fp8.safetensors", "out": out, "log": res.output}
+    return {**made, "out": out, "log": res.output}
 
 
 def _raw(path: Path) -> tuple[dict, dict[str, bytes]]:

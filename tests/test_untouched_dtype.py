@@ -9,19 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.forge import cli
+from helpers.fp8 import fp8_release
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("untouched")
-    comfy = root / "h3.safetensors"
-    synth_checkpoint(comfy, preset="tiny", seed=1)
-    write_layout(comfy, root / "fp8.safetensors", "comfy", fp8=True)
-    return {"bf16": comfy, "fp8": root / "fp8.safetensors"}
+    return fp8_release(tmp_path_factory.mktemp("untouched"), seed=1)
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
