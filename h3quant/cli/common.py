@@ -63,6 +63,10 @@ def handle_errors(func):
             terminate_on_signals,
         )
 
+        from h3quant.cli.os_errors import is_out_of_memory, memory_line, os_error_line
+        from h3quant.formats.container.iofiles import forget_current
+
+        forget_current()
         done_before = len(committed_outputs())
         try:
             with terminate_on_signals():
@@ -75,15 +79,14 @@ def handle_errors(func):
             code, message = interrupt_outcome(exc, done_before)
             click.echo(message, err=True)
             sys.exit(code)
-        except MemoryError:
-            click.echo("h3quant: error: out of memory", err=True)
+        except MemoryError as exc:
+            click.echo(memory_line(exc), err=True)
             sys.exit(EXIT_USAGE)
         except RecursionError as exc:  # nesting deeper than Python's stack: hostile input
             click.echo(f"h3quant: error: input nested too deeply to read ({exc})", err=True)
             sys.exit(EXIT_USAGE)
         except OSError as exc:
-            where = f" {printable(str(exc.filename))}" if getattr(exc, "filename", None) else ""
-            click.echo(f"h3quant: error:{where}: {exc.strerror or exc}", err=True)
+            click.echo(os_error_line(exc), err=True)
             sys.exit(EXIT_USAGE)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -98,6 +101,9 @@ def handle_errors(func):
                        err=True)
             sys.exit(EXIT_USAGE)
         except InternalError as exc:
+            if is_out_of_memory(exc.original):
+                click.echo(memory_line(exc.original), err=True)
+                sys.exit(EXIT_USAGE)
             if is_torch_missing(exc.original):
                 ctx = click.get_current_context(silent=True)
                 click.echo(f"h3quant: error: "
@@ -108,6 +114,9 @@ def handle_errors(func):
             click.echo(internal_error_line(exc.original, exc.what), err=True)
             sys.exit(EXIT_INTERNAL)
         except Exception as exc:  # a bug: say so, no traceback unless asked
+            if is_out_of_memory(exc):
+                click.echo(memory_line(exc), err=True)
+                sys.exit(EXIT_USAGE)
             if debug_enabled():
                 raise
             click.echo(internal_error_line(exc), err=True)

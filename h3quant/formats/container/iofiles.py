@@ -36,6 +36,22 @@ from pathlib import Path
 
 
 
+_current: CommandFiles | None = None
+
+
+def current() -> CommandFiles | None:
+    """The files of the command now running (the last ``CommandFiles`` made), or None: an
+    operating-system error that names no file (a full disk, an allocation refused) is reported
+    with the files it can only be about."""
+    return _current
+
+
+def forget_current() -> None:
+    """A new command starts: no files are known yet."""
+    global _current
+    _current = None
+
+
 @dataclass(frozen=True)
 class FileUse:
     path: Path
@@ -50,6 +66,10 @@ class CommandFiles:
     command: str = "h3quant"
     inputs: list[FileUse] = field(default_factory=list)
     outputs: list[FileUse] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        global _current
+        _current = self  # what an operating-system error is about (see ``current``)
 
     # -- registration ---------------------------------------------------------------------
     def read(self, path: str | os.PathLike | None, what: str = "input") -> Path | None:

@@ -16,6 +16,7 @@ no-clobber rename      ``renameat2(RENAME_NOREPLACE)``, else          ``os.renam
 raw file descriptors   ``O_CLOEXEC``, ``O_NONBLOCK`` on inputs        ``O_BINARY`` (no newline
                                                                       translation)
 peak memory            ``resource.getrusage``                         not measured (None)
+read-ahead advice      ``posix_fadvise(WILLNEED)``                    none (the mapping faults)
 =====================  =============================================  ==========================
 
 Which branch runs is decided by what the interpreter offers (the module imports, the ``os``
@@ -111,6 +112,18 @@ def set_mode(fd: int, path, mode: int) -> None:
         os.fchmod(fd, mode)
     else:
         os.chmod(path, mode)
+
+
+def read_ahead(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start reading a byte range of ``fd`` into the page cache
+    (``posix_fadvise(WILLNEED)``; advice only, and nothing where the platform lacks it)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or length <= 0:
+        return
+    try:
+        advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
 
 
 def max_rss_bytes() -> int | None:

@@ -9,7 +9,6 @@ length and no overlaps. Problems become `Finding`s; in strict mode the first err
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
 import struct
@@ -22,7 +21,8 @@ from h3quant.errors import ContainerError
 from h3quant.findings import Finding, Severity
 from h3quant.formats.container import jsonsafe
 from h3quant.formats.container.dtypes import DTYPES, itemsize, to_torch
-from h3quant.formats.container.platform import open_fd
+from h3quant.formats.container.platform import open_fd, read_ahead
+from h3quant.formats.container.mapping import MappedWindows
 
 if TYPE_CHECKING:
     import torch
@@ -214,6 +214,10 @@ def open_input(path: Path, *, what: str = "input"):
         raise
 
 
+_RETRY = ("Another program is writing it (a download or copy still running?): run again once "
+          "it has finished")
+
+
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What says a file is still the one opened: device, inode, size, modification time."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -228,28 +232,35 @@ def check_identity(path: Path, fd: int, opened: tuple[int, int, int, int], *,
     now = identity(st)
     if now[2] != opened[2]:
         raise ContainerError(f"the file changed size while being read ({opened[2]} "
-                             f"-> {now[2]} bytes); nothing was written", path=path, code="C109")
+                             f"-> {now[2]} bytes); nothing was written. {_RETRY}", path=path,
+                             code="C109")
     if not size_only and now != opened:
-        raise ContainerError("the file was modified while being read; nothing was written",
-                             path=path, code="C109")
+        raise ContainerError(f"the file was modified while being read; nothing was written. "
+                             f"{_RETRY}", path=path, code="C109")
     try:
         cur = os.stat(path)
     except OSError:
         cur = None
     if not size_only and (cur is None or (cur.st_dev, cur.st_ino) != now[:2]):
         raise ContainerError("the file was replaced or removed while being read; nothing "
-                             "was written", path=path, code="C109")
+                             f"was written. {_RETRY}", path=path, code="C109")
 
 
 class SafetensorsFile:
-    """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls)."""
+    """One .safetensors file. ``mmap=False`` reads with plain buffered I/O (no page-fault stalls).
 
-    _mm: mmap.mmap | None  # declared here: __init__'s ``mmap`` argument hides the module
+    Memory-mapped reads map a window per read (the bytes asked for, widened to the platform's
+    mapping granularity), never the whole file: a private writable mapping is charged against
+    the operating system's commit limit (Linux's overcommit heuristic refuses one larger than
+    RAM plus swap, Windows charges it to the page file), so a whole-file mapping of a checkpoint
+    larger than memory fails before anything is read. A window lives as long as the tensors
+    that view it and is unmapped with them.
+    """
 
     def __init__(self, path: str | os.PathLike, *, mmap: bool = True, strict: bool = True):
         self.path = Path(path)
         self.use_mmap = mmap
-        self._mm = None
+        self._windows = MappedWindows(self.path)
         # Unbuffered: a header-only command reads exactly the header bytes, no read-ahead.
         self._fh = open_input(self.path)
         try:
@@ -293,20 +304,13 @@ class SafetensorsFile:
         """The open file's descriptor (for kernel-side copies of tensor bytes)."""
         return self._fh.fileno()
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            # ACCESS_COPY: a private writable mapping, so torch.frombuffer needs no copy and no
-            # write can ever reach the file.
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._mm
-
     def read_bytes(self, info: TensorInfo, start: int = 0, length: int | None = None):
         """Bytes of one tensor (or a slice of them): a memoryview (mmap) or a bytearray."""
         length = info.nbytes - start if length is None else length
         offset = info.begin + start
         if self.use_mmap and length:
             self.check_unchanged(size_only=True)
-            return memoryview(self._map())[offset : offset + length]
+            return self._windows.view(self._fh.fileno(), offset, length, info.name)
         buf = bytearray(length)
         view = memoryview(buf)
         self._fh.seek(offset)
@@ -319,31 +323,21 @@ class SafetensorsFile:
             got += n
         return buf
 
-    def _advise(self, advice_name: str, info: TensorInfo, start: int, length: int | None) -> None:
-        advice = getattr(mmap, advice_name, None)
-        if self._mm is None or advice is None:
-            return  # not mapped (or --no-mmap): nothing to advise
-        length = info.nbytes - start if length is None else length
-        begin = info.begin + start
-        lo = begin - begin % mmap.PAGESIZE
-        hi = min(begin + length, len(self._mm))
-        if hi > lo:
-            try:
-                self._mm.madvise(advice, lo, hi - lo)
-            except (OSError, ValueError):
-                pass  # advice only
-
     def release_pages(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
         """Let the kernel drop the mapped pages of a byte range (keeps RSS flat while streaming).
 
-        Safe on this private mapping because h3quant never writes to it: dropped pages are read
-        again from the file if touched.
+        Safe on these private mappings because h3quant never writes to them: dropped pages are
+        read again from the file if touched.
         """
-        self._advise("MADV_DONTNEED", info, start, length)
+        length = info.nbytes - start if length is None else length
+        self._windows.advise("MADV_DONTNEED", info.begin + start, length)
 
     def prefetch(self, info: TensorInfo, start: int = 0, length: int | None = None) -> None:
         """Ask the kernel to start reading a byte range ahead of use (mmap only)."""
-        self._advise("MADV_WILLNEED", info, start, length)
+        if not self.use_mmap:
+            return
+        length = info.nbytes - start if length is None else length
+        read_ahead(self._fh.fileno(), info.begin + start, length)
 
     def iter_bytes(self, info: TensorInfo, chunk: int = COPY_CHUNK) -> Iterator:
         """The tensor's bytes in chunks of at most ``chunk`` bytes (bounded memory)."""
@@ -364,12 +358,7 @@ class SafetensorsFile:
         return flat.reshape(info.shape)
 
     def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # tensors still view the mapping; it closes when they are gone
-            self._mm = None
+        self._windows.close()
         self._fh.close()
 
     def __enter__(self) -> "SafetensorsFile":

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from h3quant.alloc import keep_freed_memory
-from h3quant.errors import FindingError, FormatError, H3QuantError
+from h3quant.errors import ContainerError, FindingError, FormatError, H3QuantError
 from h3quant.findings import Severity, rule
 from h3quant.formats import check as rules
 from h3quant.formats import registry
@@ -194,9 +194,13 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
     except H3QuantError as exc:
+        if isinstance(exc, ContainerError) and exc.code == "C112":
+            raise  # the input could not be read at all (a mapping refused, I/O): about the
+            # file, not the layer, so the first one ends the run with the file named
         why = (f"[{exc.code}] {exc.reason}" if exc.code and f"[{exc.code}]" not in exc.reason
                else exc.reason)  # the rule's code, as validate names it
         entry["error"] = why
         failures.append({"name": lp.name, "error": why})
     progress(total)
     results[lp.name] = entry
+
