@@ -215,7 +215,7 @@ class OffsetWriter:
 class Reader:
     """Row-range reads of a checkpoint's tensors; in mmap mode, pages are dropped after use.
 
-    Dropping the pages (``MADV_DONTNEED`` on the read-only private mapping) keeps the resident
+    Dropping the pages (``MADV_DONTNEED`` on the private mapping windows, never written) keeps the resident
     set flat in the size of the checkpoint: without it every page of a memory-mapped input stays
     mapped, and counted, until the file is closed.
     """
