@@ -9,7 +9,7 @@ those commands when missing. For each file, each command runs in a child process
 checkout's code), after the page cache was dropped where the machine allows it (root, Linux:
 ``/proc/sys/vm/drop_caches``; the table says whether it was): the I/O floor (one sequential read
 of the whole file in 64 MiB reads), ``convert --to int8-convrot``, ``verify --blocks 1``,
-``verify --model --depth 2``, ``plan --target-sqnr 20``, ``compare --no-frontier --steps 2``
+``verify --model --depth 2`` (1 on the one-block file), ``plan --target-sqnr 20``, ``compare --no-frontier --steps 2``
 and ``capture`` over ``--inputs`` small seeded inputs files (its statistics, ~1.2 GB a block, are
 deleted at once). Printed per command and file: wall seconds, the bytes it read from the disk
 (``ru_inblock``) and their rate, the ratio of its time to the floor's time for those bytes,
@@ -31,7 +31,7 @@ from child import Child, run_h3quant
 
 HERE = Path(__file__).resolve().parent.parent
 CHUNK = 64 << 20
-COMMANDS = ("convert", "verify", "verify-model", "plan", "compare", "capture")
+COMMANDS = ("convert", "verify", "verify-model", "compare", "capture", "plan")
 
 
 def drop_caches() -> bool:
@@ -83,12 +83,12 @@ def make_inputs(src: Path, work: Path, n: int) -> list[Path]:
     return paths
 
 
-def args_for(cmd: str, src: Path, q: Path, work: Path, inputs: list[Path]) -> list:
+def args_for(cmd: str, src: Path, q: Path, work: Path, inputs: list[Path], depth: int) -> list:
     ins = [a for p in inputs for a in ("--inputs", p)]
     return {
         "convert": ["convert", src, q, "--to", "int8-convrot", "--overwrite"],
         "verify": ["verify", q, "--reference", src, "--blocks", "1"],
-        "verify-model": ["verify", q, "--reference", src, "--model", "--depth", "2"],
+        "verify-model": ["verify", q, "--reference", src, "--model", "--depth", depth],
         "plan": ["plan", src, "--target-sqnr", "20", "--out", work / "recipe.json",
                  "--overwrite"],
         "compare": ["compare", q, "--reference", src, "--no-frontier", "--steps", "2"],
@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another checkout: its convert on --big")
     ap.add_argument("--skip", nargs="*", default=[], choices=COMMANDS)
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds after which a command on the big file is stopped (its row "
+                         "then says how far it got: exit -9, peak RSS until then)")
     a = ap.parse_args()
     ensure(a.big, a.big_blocks)
     ensure(a.small, 1)
@@ -117,7 +120,7 @@ def main() -> None:
     inputs = make_inputs(a.small, work, a.inputs)
     rows: list[tuple[str, str, Child | None, bool]] = []
     floors: dict[str, float] = {}
-    for label, src in (("small", a.small.resolve()), ("big", a.big.resolve())):
+    for label, src, depth in (("small", a.small.resolve(), 1), ("big", a.big.resolve(), 2)):
         cold = drop_caches()
         secs, nbytes = io_floor(src)
         floors[label] = nbytes / secs
@@ -128,17 +131,21 @@ def main() -> None:
             if cmd in a.skip:
                 continue
             cold = drop_caches()
-            child = run_h3quant(HERE, args_for(cmd, src, q, work, inputs), cwd=work,
-                                check=False)
+            child = run_h3quant(HERE, args_for(cmd, src, q, work, inputs, depth), cwd=work,
+                                check=False, timeout=a.timeout if label == "big" else None)
             rows.append((cmd, label, child, cold))
             print(f"  {cmd:<13} exit {child.exit_code}  {child.seconds:7.1f} s  "
                   f"{child.peak_rss_mib:7.0f} MiB peak RSS", flush=True)
-            if child.exit_code:
+            if child.exit_code == -9:
+                last = child.stderr.strip().replace("\r", "\n").splitlines()
+                print(f"    stopped after {a.timeout:.0f} s; last progress: "
+                      f"{last[-1][-300:] if last else '-'}", flush=True)
+            elif child.exit_code:
                 print("    " + child.stderr.strip()[-600:], flush=True)
             (work / "h3.stats").unlink(missing_ok=True)
         if label == "big" and a.baseline:
             drop_caches()
-            child = run_h3quant(a.baseline.resolve(), args_for("convert", src, q, work, inputs),
+            child = run_h3quant(a.baseline.resolve(), args_for("convert", src, q, work, inputs, depth),
                                 cwd=work, check=False)
             rows.append(("convert (before)", label, child, True))
             print(f"  baseline convert exit {child.exit_code}: "

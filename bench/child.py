@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,17 +25,23 @@ class Child:
 
 
 def run_h3quant(tree: Path, args: list[str], *, cwd: Path, env: dict | None = None,
-                check: bool = True) -> Child:
+                check: bool = True, timeout: float | None = None) -> Child:
     """``python -m h3quant ARGS`` with checkout ``tree``'s code first on ``PYTHONPATH`` (plus
     ``env``), stdout discarded; raises ``SystemExit`` naming the tree when it fails (``check``;
-    else the failed child is returned with its exit code)."""
+    else the failed child is returned with its exit code). ``timeout``: seconds after which the
+    child is killed (its exit code is then -9, its figures those it reached)."""
     cmd = [sys.executable, "-m", "h3quant", *map(str, args)]
     full_env = dict(os.environ, PYTHONPATH=str(tree), **(env or {}))
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty child never blocks
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.DEVNULL,
                                 stderr=log)
+        timer = threading.Timer(timeout, proc.kill) if timeout else None
+        if timer is not None:
+            timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
+        if timer is not None:
+            timer.cancel()
         seconds = time.perf_counter() - t0
         log.seek(0)
         err = log.read().decode(errors="replace")
