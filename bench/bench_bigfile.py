@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,9 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another checkout: its convert on --big")
     ap.add_argument("--skip", nargs="*", default=[], choices=COMMANDS)
+    ap.add_argument("--files", choices=("both", "small", "big"), default="both",
+                    help="run the commands on these files only (a row needs the small file's "
+                         "run for its RSS ratio)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds after which a command on the big file is stopped (its row "
                          "then says how far it got: exit -9, peak RSS until then)")
@@ -121,13 +125,24 @@ def main() -> None:
     rows: list[tuple[str, str, Child | None, bool]] = []
     floors: dict[str, float] = {}
     for label, src, depth in (("small", a.small.resolve(), 1), ("big", a.big.resolve(), 2)):
+        if a.files not in ("both", label):
+            continue
         cold = drop_caches()
         secs, nbytes = io_floor(src)
         floors[label] = nbytes / secs
         print(f"{label}: I/O floor {nbytes / 1e9:.2f} GB in {secs:.1f} s = "
               f"{nbytes / secs / 1e6:.0f} MB/s ({'cold' if cold else 'warm'} cache)", flush=True)
         q = work / f"{src.stem}_int8-convrot.safetensors"
+        if label == "big" and a.baseline:
+            drop_caches()
+            child = run_h3quant(a.baseline.resolve(), args_for("convert", src, q, work, inputs, depth),
+                                cwd=work, check=False)
+            rows.append(("convert (before)", label, child, True))
+            print(f"  baseline convert exit {child.exit_code}: "
+                  f"{child.stderr.strip().splitlines()[-1] if child.stderr.strip() else ''}")
         for cmd in COMMANDS:
+            if cmd == "capture":  # the converted file is no longer needed: its disk goes to
+                q.unlink(missing_ok=True)  # the statistics (~1.2 GB a block)
             if cmd in a.skip:
                 continue
             cold = drop_caches()
@@ -137,19 +152,14 @@ def main() -> None:
             print(f"  {cmd:<13} exit {child.exit_code}  {child.seconds:7.1f} s  "
                   f"{child.peak_rss_mib:7.0f} MiB peak RSS", flush=True)
             if child.exit_code == -9:
+                for stale in work.glob(".h3quant-staging-*"):  # a killed run's temporaries
+                    shutil.rmtree(stale, ignore_errors=True)
                 last = child.stderr.strip().replace("\r", "\n").splitlines()
                 print(f"    stopped after {a.timeout:.0f} s; last progress: "
                       f"{last[-1][-300:] if last else '-'}", flush=True)
             elif child.exit_code:
                 print("    " + child.stderr.strip()[-600:], flush=True)
             (work / "h3.stats").unlink(missing_ok=True)
-        if label == "big" and a.baseline:
-            drop_caches()
-            child = run_h3quant(a.baseline.resolve(), args_for("convert", src, q, work, inputs, depth),
-                                cwd=work, check=False)
-            rows.append(("convert (before)", label, child, True))
-            print(f"  baseline convert exit {child.exit_code}: "
-                  f"{child.stderr.strip().splitlines()[-1] if child.stderr.strip() else ''}")
         q.unlink(missing_ok=True)
     small = {cmd: c for cmd, lab, c, _ in rows if lab == "small" and c is not None}
     print()
