@@ -249,9 +249,57 @@ def test_suite_started_with_sigint_ignored_still_interrupts_its_children(tmp_pat
     assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
-def test_readme_links_the_format_document():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "docs/FORMATS.md" in text and (ROOT / "docs" / "FORMATS.md").is_file()
+README_MAX_BYTES = 14 * 1024  # read in five minutes; the rest lives in docs/
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _readme_links(text: str) -> list[str]:
+    """Every link target of a Markdown text: inline ``[a](url)`` and reference ``[a]: url``."""
+    return (re.findall(r"\]\(([^)\s]+)\)", text)
+            + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M))
+
+
+def test_readme_is_short_and_its_links_work_on_pypi():
+    """PyPI shows the README as the project description, where a relative link is dead: every
+    link is absolute, and one into the repository names a file (and heading) that exists."""
+    tomllib = pytest.importorskip("tomllib")
+    raw = (ROOT / "README.md").read_bytes()
+    assert len(raw) <= README_MAX_BYTES, f"README.md is {len(raw)} bytes"
+    repo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Source"]
+    links = _readme_links(raw.decode("utf-8"))
+    ours = [u for u in links if u.startswith(repo + "/blob/main/")]
+    assert not [u for u in links if not u.startswith("https://")], links
+    assert any(u.endswith("/docs/FORMATS.md") for u in ours) and len(ours) >= 5, ours
+    for url in ours:
+        path, _, anchor = url.removeprefix(repo + "/blob/main/").partition("#")
+        target = ROOT / path
+        assert target.is_file(), url
+        if anchor:
+            heads = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.M)
+            assert anchor in {_slug(h) for h in heads}, url
+
+
+def test_the_link_checks_catch_planted_faults():
+    assert _readme_links("see [a](docs/x.md) and\n[b]: https://e.org/y#z\n") == [
+        "docs/x.md", "https://e.org/y#z"]
+    assert _slug("6. Devices") == "6-devices"
+    assert _slug("Which file is good? Compare them") == "which-file-is-good-compare-them"
+
+
+def test_what_left_the_readme_lives_in_the_user_guide():
+    """The versions table, convert_to_quant's option map and the long notes moved to
+    docs/guide.md, which the README links."""
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    for needle in ["| format (`--to`) | ComfyUI | comfy-kitchen |",
+                   "| convert_to_quant | h3quant |", "`--layer-config FILE`",
+                   "## Python API", "## Guarantees", "## Windows", "## Known limits",
+                   "## Tensor parallel", "## Bake a LoRA", "pip install 'h3quant[all]'"]:
+        assert needle in guide, needle
+    assert "/docs/guide.md" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", ["torch", "click", "tqdm", "numpy"])
