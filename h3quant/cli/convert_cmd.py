@@ -33,12 +33,12 @@ def default_output(src: str, target: str, layout: str | None = None) -> str:
     p = Path(src)
     if p.name.endswith(".index.json"):
         p = p.parent
-    stem, where = (p.name if p.is_dir() else p.name.removesuffix(".safetensors")), p.parent
+    # a file's name without its extension (h3-Q4_K.gguf -> h3-Q4_K); a folder's name as it is
+    stem, where = (p.name if p.is_dir() else p.stem), p.parent
     repo = next((a for a in p.absolute().parents if a.name.startswith("models--")), None)
     if repo is not None:
         rel = p.absolute().relative_to(repo).parts[2:]  # after snapshots/<rev>
-        stem = "_".join([repo.name.split("--")[-1], *[x.removesuffix(".safetensors")
-                                                      for x in rel]])
+        stem = "_".join([repo.name.split("--")[-1], *rel[:-1], *([stem] if rel else [])])
         where = Path(".")
     suffix = target + ("-npu" if layout == "npu" else "")
     return str(where / f"{stem or 'h3'}_{suffix}.safetensors")
