@@ -373,3 +373,38 @@ def test_public_names_stay_importable(module, names):
     mod = importlib.import_module(module)
     missing = [n for n in names if not callable(getattr(mod, n, None))]
     assert not missing, f"{module} lacks {missing}"
+
+
+# A size shown to people is formatted by h3quant.sizes only: one style (GB or MB, two decimals).
+_SIZE_MATH = re.compile(r"/\s*(1e6|1e9|1_000_000|2\s*\*\*\s*[23]0|\(?1\s*<<\s*[23]0\)?)\b")
+_SIZE_UNITS = re.compile(r"\b(KiB|MiB|GiB|kB)\b")
+
+
+def _size_formatting(path: Path) -> list[str]:
+    """Lines of ``path`` that scale bytes to a unit themselves, or print KiB/MiB/GiB/kB in an
+    f-string (help texts may quote a limit such as '16 MiB')."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    hits = [f"{i}: {line.strip()}" for i, line in enumerate(lines, 1)
+            if _SIZE_MATH.search(line) and "_per_s" not in line]  # a rate is not a size
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.JoinedStr):
+            parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+            if any(_SIZE_UNITS.search(str(p)) for p in parts):
+                hits.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return hits
+
+
+def test_sizes_have_one_style():
+    owner = ROOT / "h3quant" / "sizes.py"
+    hits = [f"{p.relative_to(ROOT)}:{h}" for d in ("cli", "pipelines")
+            for p in sorted((ROOT / "h3quant" / d).rglob("*.py")) if p != owner
+            for h in _size_formatting(p)]
+    assert not hits, "sizes formatted outside h3quant/sizes.py:\n" + "\n".join(hits)
+
+
+def test_the_size_style_check_finds_planted_formatting(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('a = f"{n / 1e6:.1f} MB"\nb = f"{n / 2**20:.1f}"\nc = f"{x} MiB"\n'
+                   'd = "at most 16 MiB"\ne = f"{n / 1e6 / t:.1f} MB/s"  # input_mb_per_s\n')
+    assert [h.split(":")[0] for h in _size_formatting(bad)] == ["1", "2", "3"]

@@ -22,6 +22,7 @@ from h3quant.cli.common import (
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
+from h3quant.sizes import size_text
 
 _TARGETS = tuple(registry.targets())
 
@@ -261,7 +262,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
         emit_json(report.to_dict())
     if not quiet:
         converted = report.counts["convert"]
-        log(f"wrote {dst}: {report.output_bytes:,} bytes, {converted} layer(s) converted, "
+        log(f"wrote {dst}: {size_text(report.output_bytes)}, {converted} layer(s) converted, "
             f"{report.copied['tensors']} tensor(s) copied, {report.elapsed_s:.1f} s "
             f"({report.input_mb_per_s} MB/s of input)")
         lora = report.to_dict().get("lora")
