@@ -408,3 +408,39 @@ def test_the_size_style_check_finds_planted_formatting(tmp_path):
     bad.write_text('a = f"{n / 1e6:.1f} MB"\nb = f"{n / 2**20:.1f}"\nc = f"{x} MiB"\n'
                    'd = "at most 16 MiB"\ne = f"{n / 1e6 / t:.1f} MB/s"  # input_mb_per_s\n')
     assert [h.split(":")[0] for h in _size_formatting(bad)] == ["1", "2", "3"]
+
+
+def _prints(path: Path) -> list[int]:
+    """Lines of a test module that write to the terminal past pytest's capture: a print() call,
+    capsys/capfd.disabled(), or a write to sys.stdout / sys.stderr / their originals. (A child
+    script's print inside a string literal is not a call here.)"""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "print":
+            out.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "disabled" and isinstance(f.value, ast.Name) \
+                and f.value.id in ("capsys", "capfd", "capsysbinary", "capfdbinary"):
+            out.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute) \
+                and f.value.attr in ("stdout", "stderr", "__stdout__", "__stderr__"):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_no_test_prints_into_pytest_q():
+    """pytest -q shows dots and the verdict only: a test's figures go to logging (shown with
+    --log-cli-level=INFO) or into its assertion messages."""
+    hits = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
+            for line in _prints(p)]
+    assert not hits, "tests writing to the terminal:\n" + "\n".join(hits)
+
+
+def test_the_print_check_finds_planted_prints(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("import sys\nprint(1)\nwith capsys.disabled():\n    pass\n"
+                   "sys.stdout.write('x')\nchild = \"print('fine: a string')\"\n"
+                   "sys.__stderr__.write('y')\n")
+    assert _prints(bad) == [2, 3, 5, 7]
