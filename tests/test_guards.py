@@ -104,6 +104,60 @@ def test_no_import_circles():
     assert import_cycles("h3quant") == []
 
 
+def package_loops(package: str) -> list[tuple[str, str]]:
+    """Pairs of sibling packages that import each other, directly or through others (a module
+    belongs to the package that holds it; imports between a package and its own subpackages
+    are not loops)."""
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    packages = {m for m in graph.modules if graph.find_children(m)} | {package}
+
+    def home(m: str) -> str:
+        return m if m in packages else m.rsplit(".", 1)[0]
+
+    def nested(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    edges: dict[str, set[str]] = {}
+    for m in graph.modules:
+        for d in graph.find_modules_directly_imported_by(m):
+            if not nested(home(m), home(d)):
+                edges.setdefault(home(m), set()).add(home(d))
+
+    def reach(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            for y in edges.get(todo.pop(), ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return seen
+
+    reached = {a: reach(a) for a in edges}
+    return sorted({(min(a, b), max(a, b)) for a in edges for b in reached[a]
+                   if b in reached and a in reached[b] and a != b})
+
+
+def test_no_package_loops():
+    """No two packages import each other (the runtime's backends and tensor parallel did,
+    through TpError, which now lives in h3quant.errors)."""
+    assert package_loops("h3quant") == []
+
+
+def test_package_loop_detector_finds_a_planted_loop(tmp_path, monkeypatch):
+    root = tmp_path / "loopy"
+    for sub in ("a", "b", "c"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "a" / "x.py").write_text("def f():\n    from loopy.b import y\n")
+    (root / "b" / "y.py").write_text("import loopy.a.x\n")
+    (root / "c" / "z.py").write_text("import loopy.a.x\nimport loopy.c\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_loops("loopy") == [("loopy.a", "loopy.b")]
+
+
 def test_import_circle_detector_finds_a_planted_circle(tmp_path, monkeypatch):
     """A three-module circle through a function-level import, and a clean module beside it."""
     pkg = tmp_path / "planted"

@@ -362,7 +362,7 @@ def verify_checkpoint(
         raise VerifyError(f"magnitude_factor must be 0 (off) or >= 1, got {th.magnitude_factor}")
     dev = require_device(device, probe=probe)
     tdev = dev.torch_device
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     with Checkpoint(path, mmap=mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
         idx = choose_blocks(blocks, block_indices(ckpt), path)

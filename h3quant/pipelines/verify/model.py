@@ -175,7 +175,7 @@ def verify_model(
         raise VerifyError("the schedule's first sigma must be > 0")
     th = thresholds or ModelThresholds()
     dev = require_device(device, probe=probe)
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     with H3Model.open(path, dev, mmap=mmap, backend=backend, probe=probe) as model, \
             H3Model.open(reference or path, "cpu", mmap=mmap,
                          linear="runtime" if reference else "reference",

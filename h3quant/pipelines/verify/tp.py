@@ -197,7 +197,7 @@ def _rank_body(ctx, spec: TpSpec, probe):
     probe = probe or live_probe()
     dev = _device(ctx.device, probe)
     tdev = dev.torch_device
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     comm = ctx.comm
     if spec.model:
         return _rank_model(ctx, spec, probe, dev, dtype)
