@@ -105,7 +105,7 @@ _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 @click.argument("ckpt", type=CHECKPOINT)
 @click.option("--reference", type=CHECKPOINT, default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
-@click.option("--device", default="auto", show_default=True, callback=device_callback(True),
+@click.option("--device", default="auto", show_default=True, callback=device_callback(True, parsed=True),
               help=f"{device_help()} (checked before any work).")
 @click.option("--model", "whole_model", is_flag=True,
               help="Run the whole H3 forward (all blocks, streamed) instead of per-block checks.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from h3quant.runtime.tp.runner import (
     shard_block,
     swiglu_input_slice,
 )
+
+if TYPE_CHECKING:
+    from h3quant.runtime.devices import Device
 
 PER_RANK_TOLERANCE = 0.05
 
@@ -361,7 +364,7 @@ def _peak_rss() -> int:
 # ------------------------------------------------------------------------------ entry point
 
 
-def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str = "cpu",
+def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str | Device = "cpu",
               blocks=None, tokens: int = 16, seed: int = 0, mmap: bool = True,
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,
