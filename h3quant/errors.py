@@ -112,3 +112,7 @@ class DeviceError(H3QuantError):
 
 class VerifyError(H3QuantError):
     """Verification could not be set up (missing layers, mismatched reference)."""
+
+
+class TpError(H3QuantError):
+    """Tensor parallel cannot be set up or a rank failed (clear reason, exit 2)."""

@@ -4,6 +4,7 @@ Figures here come from tiny synthetic checkpoints, whose activations are far mor
 than a real DiT's; they show the mechanism works, not what a real checkpoint gains."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -19,6 +20,8 @@ BLOCKS = 4
 HEAD_DIM = 128
 
 pytestmark = pytest.mark.slow  # whole-block convert, capture and verify runs
+# The measured figures go to the log (pytest --log-cli-level=INFO shows them), never into pytest -q.
+LOG = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +177,7 @@ def _entries(report):
 
 # ------------------------------------------- (3) scaling lowers the error on held-out inputs
 
-def test_scaling_lowers_heldout_output_error(world, capsys):
+def test_scaling_lowers_heldout_output_error(world):
     from h3quant.calibration.gptq import output_sqnr_db
     from h3quant.calibration.stats import Statistics
     from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16, encode_awq_w4a16
@@ -198,18 +201,16 @@ def test_scaling_lowers_heldout_output_error(world, capsys):
                     e = (w_hat.double() - w.double())
                     err[key] += float(((e @ h) * e).sum())
                 sig_total += float(((w.double() @ h) * w.double()).sum())
-                with capsys.disabled():
-                    print(f"\n{name}: alpha {info['alpha']}, held-out output SQNR "
-                          f"{output_sqnr_db(w, plain, h):.2f} dB unscaled, "
-                          f"{output_sqnr_db(w, scaled, h):.2f} dB scaled", end="")
+                LOG.info("%s: alpha %s, held-out output SQNR %.2f dB unscaled, %.2f dB scaled",
+                         name, info["alpha"], output_sqnr_db(w, plain, h),
+                         output_sqnr_db(w, scaled, h))
                 lines += 1
     finally:
         cal.close()
         held.close()
     gain = 10 * math.log10(err["plain"] / err["scaled"])
-    with capsys.disabled():
-        print(f"\nheld-out output error over {lines} layers: {gain:+.2f} dB with scaling "
-              "(tiny synthetic)")
+    LOG.info("held-out output error over %d layers: %+.2f dB with scaling (tiny synthetic)",
+             lines, gain)
     assert gain > 0.0
 
 
@@ -239,7 +240,7 @@ def test_kitchen_reads_the_scaled_layers(world):
 
 # -------------------------------------------------- (5) the whole model against the float file
 
-def test_verify_model_of_the_scaled_file(world, capsys):
+def test_verify_model_of_the_scaled_file(world):
     from h3quant.pipelines.validate import validate_checkpoint
     from h3quant.pipelines.verify.model import verify_model
 
@@ -252,9 +253,8 @@ def test_verify_model_of_the_scaled_file(world, capsys):
         got[name] = {o.name: o.sqnr_db for o in res.outputs}
         assert {"video", "audio"} <= set(got[name])
         assert all(math.isfinite(v) for v in got[name].values())
-    with capsys.disabled():
-        print(f"\nverify --model --reference float, tiny synthetic, {BLOCKS} blocks: "
-              f"unscaled {got['plain']}, scaled {got['scaled']}")
+    LOG.info("verify --model --reference float, tiny synthetic, %d blocks: unscaled %s, "
+             "scaled %s", BLOCKS, got["plain"], got["scaled"])
     # Scaling is not better everywhere: on this checkpoint it gains (video +0.4, audio +1.6 dB),
     # on an 8-block synthetic of another seed it lost 0.1 to 0.7 dB (docs/calibration.md), so
     # the bound is loose; the fold's exactness is tested above. (On a 2-block synthetic, a

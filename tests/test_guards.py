@@ -33,7 +33,10 @@ def test_import_contracts_are_kept():
     proc = _run("-c", "import sys; from importlinter.cli import lint_imports; "
                       "sys.exit(lint_imports(no_cache=True, no_logo=True))")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 broken" in proc.stdout and "11 kept" in proc.stdout, proc.stdout
+    declared = (ROOT / "pyproject.toml").read_text(encoding="utf-8").count(
+        "[[tool.importlinter.contracts]]")
+    assert declared >= 13  # the layers, formats, device records and backends-tp contracts
+    assert "0 broken" in proc.stdout and f"{declared} kept" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
@@ -102,6 +105,60 @@ def import_cycles(package: str) -> list[list[str]]:
 
 def test_no_import_circles():
     assert import_cycles("h3quant") == []
+
+
+def package_loops(package: str) -> list[tuple[str, str]]:
+    """Pairs of sibling packages that import each other, directly or through others (a module
+    belongs to the package that holds it; imports between a package and its own subpackages
+    are not loops)."""
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    packages = {m for m in graph.modules if graph.find_children(m)} | {package}
+
+    def home(m: str) -> str:
+        return m if m in packages else m.rsplit(".", 1)[0]
+
+    def nested(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    edges: dict[str, set[str]] = {}
+    for m in graph.modules:
+        for d in graph.find_modules_directly_imported_by(m):
+            if not nested(home(m), home(d)):
+                edges.setdefault(home(m), set()).add(home(d))
+
+    def reach(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            for y in edges.get(todo.pop(), ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return seen
+
+    reached = {a: reach(a) for a in edges}
+    return sorted({(min(a, b), max(a, b)) for a in edges for b in reached[a]
+                   if b in reached and a in reached[b] and a != b})
+
+
+def test_no_package_loops():
+    """No two packages import each other (the runtime's backends and tensor parallel did,
+    through TpError, which now lives in h3quant.errors)."""
+    assert package_loops("h3quant") == []
+
+
+def test_package_loop_detector_finds_a_planted_loop(tmp_path, monkeypatch):
+    root = tmp_path / "loopy"
+    for sub in ("a", "b", "c"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "a" / "x.py").write_text("def f():\n    from loopy.b import y\n")
+    (root / "b" / "y.py").write_text("import loopy.a.x\n")
+    (root / "c" / "z.py").write_text("import loopy.a.x\nimport loopy.c\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_loops("loopy") == [("loopy.a", "loopy.b")]
 
 
 def test_import_circle_detector_finds_a_planted_circle(tmp_path, monkeypatch):
@@ -249,9 +306,57 @@ def test_suite_started_with_sigint_ignored_still_interrupts_its_children(tmp_pat
     assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
-def test_readme_links_the_format_document():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "docs/FORMATS.md" in text and (ROOT / "docs" / "FORMATS.md").is_file()
+README_MAX_BYTES = 14 * 1024  # read in five minutes; the rest lives in docs/
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _readme_links(text: str) -> list[str]:
+    """Every link target of a Markdown text: inline ``[a](url)`` and reference ``[a]: url``."""
+    return (re.findall(r"\]\(([^)\s]+)\)", text)
+            + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M))
+
+
+def test_readme_is_short_and_its_links_work_on_pypi():
+    """PyPI shows the README as the project description, where a relative link is dead: every
+    link is absolute, and one into the repository names a file (and heading) that exists."""
+    tomllib = pytest.importorskip("tomllib")
+    raw = (ROOT / "README.md").read_bytes()
+    assert len(raw) <= README_MAX_BYTES, f"README.md is {len(raw)} bytes"
+    repo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Source"]
+    links = _readme_links(raw.decode("utf-8"))
+    ours = [u for u in links if u.startswith(repo + "/blob/main/")]
+    assert not [u for u in links if not u.startswith("https://")], links
+    assert any(u.endswith("/docs/FORMATS.md") for u in ours) and len(ours) >= 5, ours
+    for url in ours:
+        path, _, anchor = url.removeprefix(repo + "/blob/main/").partition("#")
+        target = ROOT / path
+        assert target.is_file(), url
+        if anchor:
+            heads = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.M)
+            assert anchor in {_slug(h) for h in heads}, url
+
+
+def test_the_link_checks_catch_planted_faults():
+    assert _readme_links("see [a](docs/x.md) and\n[b]: https://e.org/y#z\n") == [
+        "docs/x.md", "https://e.org/y#z"]
+    assert _slug("6. Devices") == "6-devices"
+    assert _slug("Which file is good? Compare them") == "which-file-is-good-compare-them"
+
+
+def test_what_left_the_readme_lives_in_the_user_guide():
+    """The versions table, convert_to_quant's option map and the long notes moved to
+    docs/guide.md, which the README links."""
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    for needle in ["| format (`--to`) | ComfyUI | comfy-kitchen |",
+                   "| convert_to_quant | h3quant |", "`--layer-config FILE`",
+                   "## Python API", "## Guarantees", "## Windows", "## Known limits",
+                   "## Tensor parallel", "## Bake a LoRA", "pip install 'h3quant[all]'"]:
+        assert needle in guide, needle
+    assert "/docs/guide.md" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", ["torch", "click", "tqdm", "numpy"])
@@ -325,3 +430,74 @@ def test_public_names_stay_importable(module, names):
     mod = importlib.import_module(module)
     missing = [n for n in names if not callable(getattr(mod, n, None))]
     assert not missing, f"{module} lacks {missing}"
+
+
+# A size shown to people is formatted by h3quant.sizes only: one style (GB or MB, two decimals).
+_SIZE_MATH = re.compile(r"/\s*(1e6|1e9|1_000_000|2\s*\*\*\s*[23]0|\(?1\s*<<\s*[23]0\)?)\b")
+_SIZE_UNITS = re.compile(r"\b(KiB|MiB|GiB|kB)\b")
+
+
+def _size_formatting(path: Path) -> list[str]:
+    """Lines of ``path`` that scale bytes to a unit themselves, or print KiB/MiB/GiB/kB in an
+    f-string (help texts may quote a limit such as '16 MiB')."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    hits = [f"{i}: {line.strip()}" for i, line in enumerate(lines, 1)
+            if _SIZE_MATH.search(line) and "_per_s" not in line]  # a rate is not a size
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.JoinedStr):
+            parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+            if any(_SIZE_UNITS.search(str(p)) for p in parts):
+                hits.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return hits
+
+
+def test_sizes_have_one_style():
+    owner = ROOT / "h3quant" / "sizes.py"
+    hits = [f"{p.relative_to(ROOT)}:{h}" for d in ("cli", "pipelines")
+            for p in sorted((ROOT / "h3quant" / d).rglob("*.py")) if p != owner
+            for h in _size_formatting(p)]
+    assert not hits, "sizes formatted outside h3quant/sizes.py:\n" + "\n".join(hits)
+
+
+def test_the_size_style_check_finds_planted_formatting(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('a = f"{n / 1e6:.1f} MB"\nb = f"{n / 2**20:.1f}"\nc = f"{x} MiB"\n'
+                   'd = "at most 16 MiB"\ne = f"{n / 1e6 / t:.1f} MB/s"  # input_mb_per_s\n')
+    assert [h.split(":")[0] for h in _size_formatting(bad)] == ["1", "2", "3"]
+
+
+def _prints(path: Path) -> list[int]:
+    """Lines of a test module that write to the terminal past pytest's capture: a print() call,
+    capsys/capfd.disabled(), or a write to sys.stdout / sys.stderr / their originals. (A child
+    script's print inside a string literal is not a call here.)"""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "print":
+            out.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "disabled" and isinstance(f.value, ast.Name) \
+                and f.value.id in ("capsys", "capfd", "capsysbinary", "capfdbinary"):
+            out.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute) \
+                and f.value.attr in ("stdout", "stderr", "__stdout__", "__stderr__"):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_no_test_prints_into_pytest_q():
+    """pytest -q shows dots and the verdict only: a test's figures go to logging (shown with
+    --log-cli-level=INFO) or into its assertion messages."""
+    hits = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "tests").rglob("*.py"))
+            for line in _prints(p)]
+    assert not hits, "tests writing to the terminal:\n" + "\n".join(hits)
+
+
+def test_the_print_check_finds_planted_prints(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("import sys\nprint(1)\nwith capsys.disabled():\n    pass\n"
+                   "sys.stdout.write('x')\nchild = \"print('fine: a string')\"\n"
+                   "sys.__stderr__.write('y')\n")
+    assert _prints(bad) == [2, 3, 5, 7]

@@ -1,6 +1,6 @@
-"""The house rules: a format's wire name and a source layout's name appear only in their own
-package (no special case by name anywhere else), and every format package exports its SPEC and
-CODEC through the one registry."""
+"""The house rules: a format's wire name, a source layout's name and a device kind's name appear
+only in their own modules (no special case by name anywhere else), and every format package
+exports its SPEC and CODEC through the one registry."""
 
 import ast
 from pathlib import Path
@@ -9,7 +9,8 @@ import pytest
 
 from h3quant.formats import registry
 from h3quant.h3 import layouts
-from h3quant.runtime.tp.plan import TpError
+from h3quant import device_kinds
+from h3quant.errors import TpError
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "h3quant"
@@ -68,6 +69,47 @@ def test_layout_names_live_in_the_layouts_registry():
             for p in sorted(PKG.rglob("*.py")) if p not in own
             for line, name in _literals(p, names)]
     assert not hits, "source layout names outside h3/layouts.py:\n" + "\n".join(hits)
+
+
+# The device modules: the records, the parser, the probes of what a machine has, the backends
+# (one per device's int8 op) and the simulations of devices we lack.
+_DEVICE_MODULES = ("device_kinds.py", "runtime/devices.py", "runtime/probe.py",
+                   "runtime/capabilities.py", "runtime/availability.py", "runtime/backends",
+                   "testing")
+# Reviewed exceptions, each a fact that is not a decision by device kind:
+_DEVICE_WORD_EXCEPTIONS = {
+    # "npu" is also the name of int8's pre-transposed layout (convert --layout npu)
+    ("formats/int8_kn/spec.py", "npu"), ("formats/int8_kn/tensors.py", "npu"),
+    ("pipelines/convert/options.py", "npu"), ("pipelines/convert/recipe.py", "npu"),
+    ("cli/convert_cmd.py", "npu"),
+    # a format states where ComfyUI runs comfy-kitchen's eager INT4 path (formats know no runtime)
+    ("formats/int4_convrot/codec.py", "mps"), ("formats/int4_convrot/codec.py", "xpu"),
+    # a codec's kernel is a CUDA kernel with a minimum sm capability
+    ("runtime/decoded.py", "cuda"),
+}
+
+
+def test_device_kinds_live_in_the_device_modules():
+    """No special case by a device's name outside the device modules: code asks the kind's
+    record (h3quant.device_kinds) for its backend, dtype, collective and help text. "cpu" is
+    left out: it is the host every tensor can move to (``.to("cpu")``, the float reference)."""
+    kinds = set(device_kinds.names()) - {device_kinds.HOST.name}
+    assert {"cuda", "npu", "mps"} <= kinds
+    own = [PKG / p for p in _DEVICE_MODULES]
+    hits = [f"{p.relative_to(ROOT)}:{line}: {name!r}"
+            for p in sorted(PKG.rglob("*.py"))
+            if not any(p == o or o in p.parents for o in own)
+            for line, name in _literals(p, kinds)
+            if (p.relative_to(PKG).as_posix(), name) not in _DEVICE_WORD_EXCEPTIONS]
+    assert not hits, "device kinds named outside the device modules:\n" + "\n".join(hits)
+
+
+def test_device_word_exceptions_are_still_needed():
+    """Every reviewed exception still names a literal its file holds (a stale one is removed)."""
+    kinds = set(device_kinds.names())
+    stale = [(f, w) for f, w in sorted(_DEVICE_WORD_EXCEPTIONS)
+             if w not in {name for _, name in _literals(PKG / f, kinds)}]
+    assert not stale, stale
 
 
 def test_the_detector_finds_a_planted_name(tmp_path):

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from helpers.forge import cli, float_layer, int8_layer, quantized_synth, save, simple, w4a8_layer
-from h3quant.cli.inspect_cmd import human_bytes
+from h3quant.sizes import mb_number, size_text
 from h3quant.formats.container import reader as container
 from h3quant.h3.topology import is_h3_block_linear
 from h3quant.pipelines.inspect import inspect_checkpoint
@@ -183,10 +183,13 @@ def test_w4a8_and_float_layers(tmp_path):
     assert rows["c"]["bits_per_weight"] == 16.0
 
 
-def test_human_bytes():
-    assert human_bytes(512) == "512 B"
-    assert human_bytes(1500) == "1.50 kB"
-    assert human_bytes(20_970_000_000) == "20.97 GB"
+def test_one_size_style():
+    """GB from 1 GB up, MB below, two decimals, decimal units; bare MB numbers for columns."""
+    assert size_text(20_970_000_000) == "20.97 GB"
+    assert size_text(999_999_999) == "1.00 GB" and size_text(994_000_000) == "994.00 MB"
+    assert size_text(33_512_345) == "33.51 MB" and size_text(5000) == "0.01 MB"
+    assert size_text(1500) == "<0.01 MB" and size_text(0) == "0.00 MB"
+    assert mb_number(33_512_345) == "33.51"
 
 
 def test_broken_container_is_a_clear_error(tmp_path):

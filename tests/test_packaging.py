@@ -41,15 +41,41 @@ def test_changelog_has_a_release_entry_for_this_version():
 
 
 def test_license_and_metadata_for_pypi():
-    project = _project()["project"]
+    doc = _project()
+    project = doc["project"]
     text = (ROOT / "LICENSE").read_text()
-    assert project["license"] == {"text": "Apache-2.0"}
+    # PEP 639: an SPDX expression and the license file; setuptools deprecates the table form and
+    # the License :: classifiers (they may not be given with an expression)
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert not any(c.startswith("License ::") for c in project["classifiers"])
+    tools = next(r for r in doc["build-system"]["requires"] if r.startswith("setuptools"))
+    assert int(re.fullmatch(r"setuptools>=(\d+)", tools).group(1)) >= 77, tools  # PEP 639 support
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert "END OF TERMS AND CONDITIONS" in text
     assert {"Homepage", "Source", "Issues", "Changelog"} <= set(project["urls"])
-    assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
     assert "Operating System :: Microsoft :: Windows" in project["classifiers"]
+
+
+def test_the_python_this_suite_runs_on_is_classified():
+    """The classifiers name the Python versions the suite runs on: a CI on a new Python fails
+    here until it is classified."""
+    project = _project()["project"]
+    here = f"Programming Language :: Python :: {sys.version_info.major}.{sys.version_info.minor}"
+    assert here in project["classifiers"]
+    floor = re.fullmatch(r">=3\.(\d+)", project["requires-python"])
+    versions = [int(c.rsplit(".", 1)[1]) for c in project["classifiers"]
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert floor and versions and min(versions) >= int(floor.group(1))
+
+
+def test_the_all_extra_is_every_extra_that_runs_anywhere():
+    """``[all]`` installs every optional feature (torch, GGUF, Hugging Face names, plots); only
+    the platform-specific npu extra and the test extra stay out."""
+    extras = _project()["project"]["optional-dependencies"]
+    m = re.fullmatch(r"h3quant\[([a-z,]+)\]", " ".join(extras["all"]))
+    assert m, extras["all"]
+    assert set(m.group(1).split(",")) == set(extras) - {"all", "npu", "test"}
 
 
 def test_torch_is_an_extra_the_test_extra_includes():
@@ -59,7 +85,7 @@ def test_torch_is_an_extra_the_test_extra_includes():
     assert any(d.startswith("torch") for d in extras["torch"])
     assert "h3quant[torch]" in extras["test"]
     first = re.search(r"```bash\n(.*?)\n", (ROOT / "README.md").read_text()).group(1)
-    assert "'.[torch]'" in first  # the README's first command still installs everything
+    assert "'.[torch]'" in first  # the README's first command installs what the demo needs
 
 
 _NO_TORCH = textwrap.dedent("""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from h3quant.cli.common import device_callback, emit_json, format_table, handle_errors
+from h3quant.device_kinds import device_help
 
 _HELP = """List the runtime's int8 linear backends with their availability on a device and, for
 each unavailable one, every reason (missing device, missing op in this torch, missing package).
@@ -56,7 +57,7 @@ def format_rows(device: str, probe=None) -> list[dict]:
 
 @click.command("backends", help=_HELP, context_settings={"max_content_width": 100})
 @click.option("--device", default="auto", show_default=True, callback=device_callback(False),
-              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
+              help=f"{device_help()}.")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON on stdout.")
 @handle_errors
 def command(device, as_json):

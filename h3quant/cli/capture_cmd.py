@@ -17,6 +17,7 @@ from h3quant.cli.common import (
     log,
     progress_enabled,
 )
+from h3quant.device_kinds import device_help
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,7 +34,7 @@ from h3quant.cli.common import (
 @click.option("--sigma", type=finite_float(1e-6, 1.0), default=0.6, show_default=True,
               help="Noise level of inputs files that record none.")
 @click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
-              help="Where the forward and the accumulation run: cpu, cuda, cuda:N, mps, npu "
+              help=f"Where the forward and the accumulation run: {device_help(auto=False)} "
                    "(fp32 math everywhere).")
 @click.option("--through", type=CHECKPOINT_PATH, default=None,
               help="Run the forward through this checkpoint instead (an uncalibrated "

@@ -259,23 +259,26 @@ SEED = click.IntRange(0, 2**32 - 1)  # numpy and torch both take it; beyond is a
 WORKERS = click.IntRange(1, MAX_WORKERS)
 
 
-def check_device(spec: str, *, require_available: bool) -> str:
-    """Validate a ``--device`` value before any work; raises ``click.BadParameter``."""
+def check_device(spec: str, *, require_available: bool, parsed: bool = False):
+    """Validate a ``--device`` value before any work; raises ``click.BadParameter``. Returns
+    ``spec``, or with ``parsed`` the ``Device`` it names (``auto`` resolved), which the
+    pipelines take as it is: the string is parsed once."""
     from h3quant.errors import DeviceError
     from h3quant.runtime.devices import parse_device
 
     from h3quant.runtime.availability import require_device
 
     try:  # require_device parses too, then asks the machine
-        (require_device if require_available else parse_device)(spec)
+        dev = (require_device if require_available else parse_device)(spec)
     except DeviceError as exc:
         raise click.BadParameter(exc.reason, param_hint="'--device'") from None
-    return spec
+    return dev if parsed else spec
 
 
-def device_callback(require_available: bool):
+def device_callback(require_available: bool, *, parsed: bool = False):
     def callback(ctx, param, value):
-        return None if value is None else check_device(value, require_available=require_available)
+        return None if value is None else check_device(value, require_available=require_available,
+                                                       parsed=parsed)
 
     return callback
 

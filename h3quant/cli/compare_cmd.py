@@ -22,6 +22,7 @@ from h3quant.cli.common import (
     mmap_option,
     progress_enabled,
 )
+from h3quant.device_kinds import device_help
 
 _HELP = """Compare FILE... against a reference: which file is good? Prints a card: per file the
 output SQNR of one forward (video and audio apart), the drift after every block, a sampling
@@ -55,7 +56,7 @@ Examples:
 @click.option("--reference", type=CHECKPOINT, default=None,
               help="The reference file (default: the most precise of FILE...).")
 @click.option("--device", default="auto", show_default=True, callback=device_callback(True),
-              help="Where the files run: auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n].")
+              help=f"Where the files run: {device_help()}.")
 @click.option("--steps", type=click.IntRange(0, 1000), default=8, show_default=True,
               help="Sampler steps of the sampling run (the simple schedule, shift 12); 0: no "
                    "sampling run.")

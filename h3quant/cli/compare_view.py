@@ -6,6 +6,7 @@ import math
 import os
 
 from h3quant.cli.common import format_table
+from h3quant.sizes import MB, mb_number
 
 
 def _db(x) -> str:
@@ -14,10 +15,6 @@ def _db(x) -> str:
     if isinstance(x, float) and math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return f"{x:.1f}"
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f}"
 
 
 def _s(x) -> str:
@@ -35,7 +32,7 @@ def rows(res) -> list[list]:
         fv, fa = c.final.get("video"), c.final.get("audio")
         out.append([
             "ref" if ref else c.rank, os.path.basename(c.facts.path), c.facts.label,
-            _mb(c.facts.size_bytes),
+            mb_number(c.facts.size_bytes),
             "-" if c.facts.bits_per_weight is None else f"{c.facts.bits_per_weight:.2f}",
             "-" if ref else _db(c.outputs["video"].sqnr_db),
             "-" if ref else _db(c.outputs["audio"].sqnr_db),
@@ -54,7 +51,7 @@ FRONTIER_NOTE = ("planner frontier: predicted by h3quant plan's additive noise m
 
 def frontier_rows(res) -> list[list]:
     return [[p["name"], ", ".join(f"{k} {v}" for k, v in sorted(p["formats"].items())),
-             _mb(p["predicted_bytes"]), _db(p["predicted_sqnr_db"]["video"]),
+             mb_number(p["predicted_bytes"]), _db(p["predicted_sqnr_db"]["video"]),
              _db(p["predicted_sqnr_db"]["audio"])] for p in res.frontier or ()]
 
 
@@ -133,11 +130,11 @@ def plot_png(res) -> bytes:
         q = c.quality_db
         if q is None or not math.isfinite(q):
             continue
-        ax.scatter([c.facts.size_bytes / 1e6], [q], color=style[id(c)][0],
+        ax.scatter([c.facts.size_bytes / MB], [q], color=style[id(c)][0],
                    marker=style[id(c)][1])
-        ax.annotate(os.path.basename(c.facts.path), (c.facts.size_bytes / 1e6, q),
+        ax.annotate(os.path.basename(c.facts.path), (c.facts.size_bytes / MB, q),
                     fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axvline(res.reference.facts.size_bytes / 1e6, color="grey", linestyle=":",
+    ax.axvline(res.reference.facts.size_bytes / MB, color="grey", linestyle=":",
                label=f"reference ({os.path.basename(res.reference.facts.path)})")
     if res.frontier:
         _draw_frontier(ax, res, cards, style)
@@ -185,7 +182,7 @@ def _draw_frontier(ax, res, cards, style) -> None:
     """The planner's predicted frontier (one forward's output SQNR, the worse output) as a
     stepped line; with a sampling run the files' own one-forward output SQNR is drawn too
     (hollow markers), the quantity the frontier predicts."""
-    pts = [(p["predicted_bytes"] / 1e6, p["predicted_min_sqnr_db"]) for p in res.frontier
+    pts = [(p["predicted_bytes"] / MB, p["predicted_min_sqnr_db"]) for p in res.frontier
            if p["predicted_min_sqnr_db"] is not None
            and math.isfinite(p["predicted_min_sqnr_db"])]
     if pts:
@@ -195,7 +192,7 @@ def _draw_frontier(ax, res, cards, style) -> None:
         for p in res.frontier:
             y = p["predicted_min_sqnr_db"]
             if y is not None and math.isfinite(y):
-                ax.annotate(p["name"], (p["predicted_bytes"] / 1e6, y), fontsize=6,
+                ax.annotate(p["name"], (p["predicted_bytes"] / MB, y), fontsize=6,
                             color="dimgrey", xytext=(3, -9), textcoords="offset points")
     if res.run["steps"]:
         ax.set_ylabel("SQNR (dB): final latent (filled), one forward (hollow, frontier)")
@@ -203,7 +200,7 @@ def _draw_frontier(ax, res, cards, style) -> None:
         for c in cards:
             vals = [m.sqnr_db for m in c.outputs.values()]
             if vals and math.isfinite(min(vals)):
-                ax.scatter([c.facts.size_bytes / 1e6], [min(vals)], facecolors="none",
+                ax.scatter([c.facts.size_bytes / MB], [min(vals)], facecolors="none",
                            edgecolors=[style[id(c)][0]], marker=style[id(c)][1],
                            label="files: one-forward output SQNR" if first else None)
                 first = False

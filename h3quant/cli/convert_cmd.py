@@ -22,6 +22,7 @@ from h3quant.cli.common import (
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
+from h3quant.sizes import size_text
 
 _TARGETS = tuple(registry.targets())
 
@@ -33,12 +34,12 @@ def default_output(src: str, target: str, layout: str | None = None) -> str:
     p = Path(src)
     if p.name.endswith(".index.json"):
         p = p.parent
-    stem, where = (p.name if p.is_dir() else p.name.removesuffix(".safetensors")), p.parent
+    # a file's name without its extension (h3-Q4_K.gguf -> h3-Q4_K); a folder's name as it is
+    stem, where = (p.name if p.is_dir() else p.stem), p.parent
     repo = next((a for a in p.absolute().parents if a.name.startswith("models--")), None)
     if repo is not None:
         rel = p.absolute().relative_to(repo).parts[2:]  # after snapshots/<rev>
-        stem = "_".join([repo.name.split("--")[-1], *[x.removesuffix(".safetensors")
-                                                      for x in rel]])
+        stem = "_".join([repo.name.split("--")[-1], *rel[:-1], *([stem] if rel else [])])
         where = Path(".")
     suffix = target + ("-npu" if layout == "npu" else "")
     return str(where / f"{stem or 'h3'}_{suffix}.safetensors")
@@ -261,7 +262,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
         emit_json(report.to_dict())
     if not quiet:
         converted = report.counts["convert"]
-        log(f"wrote {dst}: {report.output_bytes:,} bytes, {converted} layer(s) converted, "
+        log(f"wrote {dst}: {size_text(report.output_bytes)}, {converted} layer(s) converted, "
             f"{report.copied['tensors']} tensor(s) copied, {report.elapsed_s:.1f} s "
             f"({report.input_mb_per_s} MB/s of input)")
         lora = report.to_dict().get("lora")

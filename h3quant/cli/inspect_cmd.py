@@ -12,20 +12,8 @@ from h3quant.cli.common import (
     handle_errors,
     mmap_option,
 )
+from h3quant.sizes import size_text
 
-_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
-
-
-def human_bytes(n: int) -> str:
-    """Decimal units with 2 decimals: 20970000000 -> '20.97 GB'."""
-    if n < 1000:
-        return f"{n} B"
-    value = float(n)
-    for unit in _UNITS[1:]:
-        value /= 1000
-        if value < 1000 or unit == _UNITS[-1]:
-            return f"{value:.2f} {unit}"
-    return f"{n} B"  # unreachable
 
 
 def fmt_bpw(x: float | None) -> str:
@@ -38,7 +26,7 @@ def render(res) -> str:
         out.append(f"index        {res.index}")
     nfiles = len(res.files)
     plural = "s" * (nfiles != 1)
-    out.append(f"size         {human_bytes(res.total_bytes)} in {nfiles} file{plural}, "
+    out.append(f"size         {size_text(res.total_bytes)} in {nfiles} file{plural}, "
                f"{res.tensor_count} tensors, {res.parameters:,} weights")
     lc = res.layer_counts
     out.append(f"layers       {lc['layers']} ({lc['quantized']} quantized), "
@@ -56,24 +44,24 @@ def render(res) -> str:
     for n in res.notes:
         out.append(f"note         {n['code']} {n['name']}" + (f" {n['tensor']}:" if n["tensor"]
                                                               else ":") + f" {n['message']}")
-    out.append(f"data read    {res.bytes_read} bytes (marker tensors only)")
+    out.append(f"data read    {res.bytes_read:,} bytes (marker tensors only)")
     if nfiles > 1:
-        out += ["", format_table(["file", "size"], [[f["path"], human_bytes(f["size"])]
+        out += ["", format_table(["file", "size"], [[f["path"], size_text(f["size"])]
                                                     for f in res.files], {1})]
     out += ["", format_table(["dtype", "tensors", "size"],
-                             [[k, v["tensors"], human_bytes(v["bytes"])]
+                             [[k, v["tensors"], size_text(v["bytes"])]
                               for k, v in res.dtypes.items()],
                              {1, 2})]
     if res.formats:
         out += ["", format_table(["format", "layers", "size"],
-                                 [[k, v["layers"], human_bytes(v["bytes"])]
+                                 [[k, v["layers"], size_text(v["bytes"])]
                                   for k, v in res.formats.items()], {1, 2})]
     if res.mix:
         from h3quant.cli.render import render_mix
 
         out += ["", render_mix(res.mix)]
     if res.layers is not None:
-        rows = [[r["name"], r["format"], r["N"], r["K"], human_bytes(r["bytes"]),
+        rows = [[r["name"], r["format"], r["N"], r["K"], size_text(r["bytes"]),
                  fmt_bpw(r["bits_per_weight"]), r["source"] or "-", r.get("layout") or "-",
                  {True: "yes", False: "no (ND)"}.get(r.get("nz"), "-"),
                  " ".join(f"{s}:{d}" for s, d in r["dtypes"].items())] for r in res.layers]

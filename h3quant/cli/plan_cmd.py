@@ -11,6 +11,7 @@ import click
 
 from h3quant.cli.common import CHECKPOINT, SEED, emit_json, finite_float, format_table, guard, \
     handle_errors, log, mmap_option, progress_enabled
+from h3quant.sizes import mb_number, size_text
 from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
@@ -79,15 +80,15 @@ def render_prediction(pred, exact_bytes: int, input_bytes: int) -> str:
     counts = ", ".join(f"{n} x {f}" for f, n in sorted(pred.counts().items()))
     return (f"planned: {counts}\npredicted whole-model SQNR: video {_db(pred.sqnr_db['video'])} "
             f"dB, audio {_db(pred.sqnr_db['audio'])} dB\n"
-            f"planned size: {exact_bytes:,} bytes ({exact_bytes / 1e6:,.2f} MB; "
-            f"input {input_bytes / 1e6:,.2f} MB)")
+            f"planned size: {exact_bytes:,} bytes ({size_text(exact_bytes)}; "
+            f"input {size_text(input_bytes)})")
 
 
 def render_frontier(points) -> str:
     rows = []
     for p in points:
-        rows.append([p.name, f"{p.predicted_bytes / 1e6:,.2f}",
-                     "-" if p.measured_bytes is None else f"{p.measured_bytes / 1e6:,.2f}",
+        rows.append([p.name, mb_number(p.predicted_bytes),
+                     "-" if p.measured_bytes is None else mb_number(p.measured_bytes),
                      _db(p.predicted_min),
                      "-" if p.measured_min is None else _db(p.measured_min),
                      "-" if p.measured_min is None or not math.isfinite(p.predicted_min)

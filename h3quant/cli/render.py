@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
+from h3quant.sizes import size_text
 from h3quant.pipelines.convert.options import REPORT_ROWS
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
 
 
 def render_plan(d: dict) -> str:
@@ -57,7 +54,7 @@ def render_plan(d: dict) -> str:
             for note in lay.get("notes", ()):
                 lines.append(f"      note: {note}")
     c = d["copied"]
-    lines.append(f"copied byte for byte: {c['tensors']} tensor(s), {_mb(c['bytes'])}")
+    lines.append(f"copied byte for byte: {c['tensors']} tensor(s), {size_text(c['bytes'])}")
     if d["dropped"]:
         lines.append(f"not written (replaced or dropped): {len(d['dropped'])} tensor(s)")
     for r in d["repairs"]:
@@ -68,8 +65,8 @@ def render_plan(d: dict) -> str:
         lines.append("nothing to convert: the output re-emits the input unchanged")
     files = d["files"]
     where = f" in {len(files)} files" if len(files) > 1 else ""
-    lines.append(f"output size: {d['output_bytes']:,} bytes ({_mb(d['output_bytes'])}){where}; "
-                 f"input {_mb(d['input_bytes'])}")
+    lines.append(f"output size: {d['output_bytes']:,} bytes ({size_text(d['output_bytes'])}){where}; "
+                 f"input {size_text(d['input_bytes'])}")
     return "\n".join(lines)
 
 

@@ -8,15 +8,10 @@ from pathlib import Path
 import click
 
 from h3quant.cli.common import MAX_BLOCKS, SEED, handle_errors, log
+from h3quant.sizes import size_text
 from h3quant.h3 import layouts
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for outputs at least this big
-
-
-def _size(n: int) -> str:
-    if n < 1 << 20:
-        return f"{n} B"
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,7 +82,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
             result = type(result)(out, result.config, nbytes, result.tensors)
     if not quiet:
         c = result.config
-        log(f"wrote {out} ({_size(result.nbytes)}, {result.tensors} tensors): H3 "
+        log(f"wrote {out} ({size_text(result.nbytes)}, {result.tensors} tensors): H3 "
             f"preset={preset} form={c.form} blocks={c.blocks} refiner_blocks={c.refiner_blocks} "
             f"hidden={c.hidden} heads={c.heads}x{c.head_dim} ffn={c.ffn} t={c.t_dim} seed={seed}"
             + (f" head_bank={head_bank}" if head_bank > 1 else ""))

@@ -27,6 +27,7 @@ from h3quant.cli.common import (
     log,
     mmap_option,
 )
+from h3quant.device_kinds import device_help
 
 _HELP = """Verify CKPT numerically: each quantized linear of the first N blocks, and each whole block,
 against a float reference, plus reference-free checks of the stored codes; or (--model) the
@@ -104,8 +105,8 @@ _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
 @click.argument("ckpt", type=CHECKPOINT)
 @click.option("--reference", type=CHECKPOINT, default=None,
               help="Float (BF16) checkpoint the file was quantized from.")
-@click.option("--device", default="auto", show_default=True, callback=device_callback(True),
-              help="auto, cpu, cuda[:n], mps, npu[:n] or xpu[:n] (checked before any work).")
+@click.option("--device", default="auto", show_default=True, callback=device_callback(True, parsed=True),
+              help=f"{device_help()} (checked before any work).")
 @click.option("--model", "whole_model", is_flag=True,
               help="Run the whole H3 forward (all blocks, streamed) instead of per-block checks.")
 @click.option("--blocks", type=click.IntRange(1, MAX_BLOCKS), default=2, show_default=True,

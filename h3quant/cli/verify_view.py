@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 from h3quant.cli.common import format_table
+from h3quant.sizes import mb_number
 from h3quant.errors import H3QuantError
 
 
@@ -126,10 +127,6 @@ def plot(res, path: str, *, overwrite: bool = False, inputs=()) -> None:
     write_bytes(path, buf.getvalue(), overwrite=overwrite, inputs=inputs, what="plot")
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}"
-
-
 def render_tp(res) -> str:
     out = [f"checkpoint  {res.path}",
            (f"tensor parallel  tp={res.tp}   scale {res.scale_mode}   device {res.device}   "
@@ -144,10 +141,10 @@ def render_tp(res) -> str:
                              "max |diff|", "rel L2", "limit", ""], rows, {6, 7}))
     out.append("")
     total = max(res.linear_bytes, 1)
-    rows = [[r.rank, _mib(r.bytes_read), f"{r.bytes_read / total:.3f}", _mib(r.bytes_held),
-             _mib(r.peak_rss)] for r in res.ranks]
-    out.append(format_table(["rank", "linears read MiB", "share of linears", "held MiB (1 block)",
-                             "peak RSS MiB"], rows, {1, 2, 3, 4}))
+    rows = [[r.rank, mb_number(r.bytes_read), f"{r.bytes_read / total:.3f}",
+             mb_number(r.bytes_held), mb_number(r.peak_rss)] for r in res.ranks]
+    out.append(format_table(["rank", "linears read MB", "share of linears", "held MB (1 block)",
+                             "peak RSS MB"], rows, {1, 2, 3, 4}))
     out.append("")
     if res.reference is not None:  # --reference: the single-device verify against it
         out += ["vs the float reference (the same blocks on one device, which the sharded run "

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from h3quant.findings import Finding
 from h3quant.formats.gguf.reader import GgufFile
+from h3quant.sizes import size_text
 
 
 def _views(g: GgufFile) -> dict:
@@ -66,11 +67,11 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
 
 def render_inspect(info: dict) -> str:
     lines = [f"{info['path']}: GGUF v{info['gguf_version']}, architecture "
-             f"{info['architecture'] or '-'}, {info['total_bytes']:,} bytes, "
+             f"{info['architecture'] or '-'}, {size_text(info['total_bytes'])}, "
              f"{info['tensor_count']} tensors ({info['naming']})"]
     bpw = info["bits_per_weight"]
     lines.append(f"bits per weight: all {bpw['all']}, DiT block linears {bpw['block_linears']}")
-    lines.append("types: " + ", ".join(f"{k} {v['tensors']} ({v['bytes']:,} B)"
+    lines.append("types: " + ", ".join(f"{k} {v['tensors']} ({size_text(v['bytes'])})"
                                        for k, v in sorted(info["types"].items())))
     topo = info["topology"]
     if topo:

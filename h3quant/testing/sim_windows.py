@@ -18,7 +18,7 @@ Third-party packages (torch, numpy, click, tqdm) and the standard-library module
 their implementation at import are imported first, on the real platform: on Windows they are
 their Windows builds, which this machine does not have. What runs simulated is h3quant itself.
 What it cannot show: Windows' refusal to delete or replace a file another handle has open, and
-path rules (drive letters, reserved names); see the README.
+path rules (drive letters, reserved names); see docs/guide.md, Windows.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
         raise VerifyError(f"the planner's frontier needs a float reference; "
                           f"{ref_facts.path} is {ref_facts.label}", path=ref_facts.path)
     dev = require_device(opts.device, probe=opts.probe)
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     run = {"inputs": {k: v for k, v in vars(opts.inputs).items()}, "seed": opts.inputs.seed,
            "schedule": sched, "steps": None if sched is None else len(sched) - 1,
            "device": str(dev), "dtype": str(dtype).replace("torch.", ""),

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from h3quant import device_kinds
 from h3quant.runtime.model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, schedule_tensor, time_shift
 
 
@@ -24,11 +25,8 @@ def audio_sigmas(sched: torch.Tensor) -> torch.Tensor:
 
 
 def sync(device) -> None:
-    kind = getattr(device, "type", str(device)).split(":")[0]
-    if kind == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    elif kind == "mps" and hasattr(torch, "mps"):
-        torch.mps.synchronize()
+    """Wait for the device's queued work (for timing), as its kind's record says."""
+    device_kinds.kind(getattr(device, "type", str(device)).split(":")[0]).sync()
 
 
 def euler(model, noise_video: torch.Tensor, noise_audio: torch.Tensor, text: torch.Tensor,

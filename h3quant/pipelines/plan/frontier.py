@@ -16,6 +16,7 @@ from pathlib import Path
 
 from h3quant.pipelines.plan.planner import FLOAT, Model, Prediction, choose, recipe_rules
 from h3quant.pipelines.plan.sensitivity import OUTPUTS, PlanError, Sensitivity, split_calibrated
+from h3quant.sizes import MB
 
 
 @dataclass
@@ -161,7 +162,7 @@ def plot(points: list[Point], plt) -> bytes:
             y = getattr(p, attr)
             size = p.predicted_bytes if attr == "predicted_min" else p.measured_bytes
             if y is not None and math.isfinite(y) and size is not None:
-                xs.append(size / 1e6)
+                xs.append(size / MB)
                 ys.append(y)
                 names.append(p.name)
         ax.scatter(xs, ys, marker=marker, label=label)

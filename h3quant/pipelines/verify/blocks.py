@@ -38,6 +38,10 @@ from h3quant.runtime.loader import (
     find_prefix,
     load_blocks,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from h3quant.runtime.devices import Device
 
 DEFAULT_BLOCKS = 2
 DEFAULT_SIGMA = 0.6
@@ -338,7 +342,7 @@ def verify_checkpoint(
     path: str | os.PathLike,
     *,
     reference: str | os.PathLike | None = None,
-    device: str = "auto",
+    device: str | Device = "auto",
     blocks: int | list[int] | None = None,
     tokens: int = 64,
     seed: int = 0,
@@ -362,7 +366,7 @@ def verify_checkpoint(
         raise VerifyError(f"magnitude_factor must be 0 (off) or >= 1, got {th.magnitude_factor}")
     dev = require_device(device, probe=probe)
     tdev = dev.torch_device
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     with Checkpoint(path, mmap=mmap) as ckpt:
         scan = scan_checkpoint(ckpt)
         idx = choose_blocks(blocks, block_indices(ckpt), path)

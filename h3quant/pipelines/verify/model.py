@@ -23,6 +23,10 @@ from h3quant.pipelines.metrics import error_metrics
 from h3quant.formats import registry
 from h3quant.pipelines.verify import provenance
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from h3quant.runtime.devices import Device
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ def verify_model(
     path: str | os.PathLike,
     *,
     reference: str | os.PathLike | None = None,
-    device: str = "auto",
+    device: str | Device = "auto",
     inputs: ModelInputs | None = None,
     depth: int | None = None,
     mmap: bool = True,
@@ -175,7 +179,7 @@ def verify_model(
         raise VerifyError("the schedule's first sigma must be > 0")
     th = thresholds or ModelThresholds()
     dev = require_device(device, probe=probe)
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     with H3Model.open(path, dev, mmap=mmap, backend=backend, probe=probe) as model, \
             H3Model.open(reference or path, "cpu", mmap=mmap,
                          linear="runtime" if reference else "reference",

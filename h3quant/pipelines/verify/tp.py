@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from h3quant.runtime.tp.runner import (
     shard_block,
     swiglu_input_slice,
 )
+
+if TYPE_CHECKING:
+    from h3quant.runtime.devices import Device
 
 PER_RANK_TOLERANCE = 0.05
 
@@ -197,7 +200,7 @@ def _rank_body(ctx, spec: TpSpec, probe):
     probe = probe or live_probe()
     dev = _device(ctx.device, probe)
     tdev = dev.torch_device
-    dtype = torch.float32 if dev.kind == "cpu" else torch.bfloat16
+    dtype = dev.compute_dtype
     comm = ctx.comm
     if spec.model:
         return _rank_model(ctx, spec, probe, dev, dtype)
@@ -361,7 +364,7 @@ def _peak_rss() -> int:
 # ------------------------------------------------------------------------------ entry point
 
 
-def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str = "cpu",
+def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str | Device = "cpu",
               blocks=None, tokens: int = 16, seed: int = 0, mmap: bool = True,
               timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
               start_method: str | None = None, dist_backend: str | None = None,

@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 
 from h3quant.source_view import open_as_comfy
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from h3quant.runtime.devices import Device
 
 
 def precheck_reference(reference: str | os.PathLike, mmap: bool = True) -> None:
@@ -25,7 +29,7 @@ def precheck_reference(reference: str | os.PathLike, mmap: bool = True) -> None:
     open_as_comfy(reference, mmap=mmap).close()  # any layout convert takes
 
 
-def reference_verdict(path, reference, *, device: str, blocks, tokens: int, seed: int,
+def reference_verdict(path, reference, *, device: str | Device, blocks, tokens: int, seed: int,
                       sigma: float, mmap: bool, backend: str | None, model: bool,
                       model_inputs=None, depth: int | None = None, thresholds=None):
     """The single-device verify of ``path`` against ``reference`` (a ``VerifyResult``, or a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from h3quant.errors import DeviceError
+from h3quant.errors import DeviceError, TpError
 from h3quant.runtime.backends.base import (
     Backend,
     BackendStatus,
@@ -50,7 +50,6 @@ DEQUANTIZED = ("dequant", "reference")
 def int32_matmul_for(device: Device, probe: Probe | None = None):
     """The raw int8 x int8 -> int32 matmul of the first backend in ``device``'s preference
     order that has one (tensor parallel's shared activation scale); TpError when none can."""
-    from h3quant.runtime.tp.plan import TpError
 
     probe = probe or live_probe()
     for name in PREFERENCE.get(device.kind, ()):

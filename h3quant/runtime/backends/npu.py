@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 
+from h3quant.errors import TpError
 from h3quant.formats.int8_kn.tensors import NPU_MAX_N, NZ_FORMAT, nz_eligible
 from h3quant.runtime.backends.base import (
     Backend,
@@ -170,7 +171,6 @@ class NpuBackend(Backend):
         return _NpuRunner(w, device, probe.npu_module(), options)
 
     def int32_matmul(self, device: Device, probe: Probe):
-        from h3quant.runtime.tp.plan import TpError
 
         mod = probe.npu_module()
         if mod is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from h3quant.errors import TpError
 from h3quant.runtime.backends.base import Backend, Int8Weights, LinearOptions, Runner
 from h3quant.runtime.capabilities import Capability, Probe, ShapeGate, int8_mm_capability
 from h3quant.runtime.devices import Device
@@ -56,7 +57,6 @@ class TorchInt8Backend(Backend):
         return _TorchInt8Runner(w, device, probe.shape_gate(device.kind))
 
     def int32_matmul(self, device: Device, probe: Probe):
-        from h3quant.runtime.tp.plan import TpError
 
         cap = int8_mm_capability(device, probe)
         if not cap.available:

@@ -15,17 +15,18 @@ import os
 
 import torch
 
-from h3quant.runtime.tp.plan import TpError
+from h3quant import device_kinds
+from h3quant.errors import TpError
 from h3quant.runtime.tp.watchdog import bounded
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+BACKENDS = device_kinds.collectives()  # kind -> backend, from the device records
 DEFAULT_TIMEOUT_S = 120.0
 
 
 def backend_for(kind: str) -> str:
     """The torch.distributed backend for a device kind; TpError if TP cannot run there."""
     if kind not in BACKENDS:
-        raise TpError(f"tensor parallel runs on cpu (gloo), cuda (nccl) or npu (hccl); device "
+        raise TpError(f"tensor parallel runs on {device_kinds.collective_help()}; device "
                       f"{kind!r} has no torch.distributed backend")
     return BACKENDS[kind]
 

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3quant.errors import H3QuantError
+from h3quant import device_kinds
+from h3quant.errors import DeviceError, H3QuantError
 from h3quant.runtime.tp.group import (
     DEFAULT_TIMEOUT_S,
     Collectives,
@@ -55,18 +56,14 @@ class RankContext:
 
 
 def rank_device(kind: str, local_rank: int) -> str:
-    if kind == "cpu":
-        return "cpu"
-    import torch
-
-    if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-    elif kind == "npu":
-        try:
-            import torch_npu  # noqa: F401 (registers torch.npu)
-        except ImportError:
-            raise TpError("device npu needs torch_npu, which is not installed") from None
-        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
+    """The rank's own device string (``cuda:<local_rank>``), made current on its kind."""
+    record = device_kinds.kind(kind)
+    if not record.indexed:
+        return kind
+    try:
+        record.set_device(local_rank)
+    except DeviceError as exc:
+        raise TpError(exc.reason) from None
     return f"{kind}:{local_rank}"
 
 
@@ -104,7 +101,8 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
 def default_start_method(kind: str) -> str:
     """fork for CPU ranks on Linux (no re-import of torch: ~0.3 s instead of seconds per rank);
     spawn wherever a device runtime is involved (CUDA / NPU cannot be forked)."""
-    return "fork" if kind == "cpu" and sys.platform.startswith("linux") else "spawn"
+    host = device_kinds.kind(kind) is device_kinds.HOST
+    return "fork" if host and sys.platform.startswith("linux") else "spawn"
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
@@ -120,12 +118,15 @@ def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
     check_world(world)
     backend = backend or backend_for(device_kind)
     check_backend(backend)
-    if device_kind == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < world:
-            raise TpError(f"tp={world} needs {world} CUDA devices, this machine has "
-                          f"{torch.cuda.device_count()}")
+    record = device_kinds.kind(device_kind)
+    if record.indexed:
+        try:
+            have = record.device_count()
+        except DeviceError as exc:
+            raise TpError(exc.reason) from None
+        if have < world:
+            raise TpError(f"tp={world} needs {world} {record.label} devices, this machine has "
+                          f"{have}")
     threads = max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory(prefix="h3quant-tp-") as outdir:
         margs = (fn, world, free_port(), device_kind, backend, timeout_s, args, outdir,

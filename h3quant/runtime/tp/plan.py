@@ -28,16 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h3quant.errors import H3QuantError
+from h3quant.errors import TpError as TpError  # its home; importable from here as before
 
 COLUMN_PARALLEL = {"attn.qkv_proj": 3, "mlp.fc1": 2}  # number of stacked parts ([q;k;v], [gate;up])
 ROW_PARALLEL = ("attn.out_proj", "mlp.fc2")
 MAX_INT32_K = (2**31 - 1) // (127 * 128)  # 132104
 SCALE_MODES = ("shared", "per-rank")
-
-
-class TpError(H3QuantError):
-    """Tensor parallel cannot be set up or a rank failed (clear reason, exit 2)."""
 
 
 @dataclass(frozen=True)
