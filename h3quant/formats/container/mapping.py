@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 
 from h3quant.errors import ContainerError
+from h3quant.sizes import size_text
 
 _PRUNE_EVERY = 64  # live-window list entries between sweeps of the dead ones
 
@@ -83,6 +84,6 @@ def map_failure(exc: BaseException, nbytes: int) -> str:
     reason = getattr(exc, "strerror", None) or str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.EAGAIN) or \
             getattr(exc, "winerror", None) in (8, 1455):  # not enough memory / page file
-        return (f"cannot map {nbytes / 1e6:.2f} MB of this file ({reason}): not enough memory "
+        return (f"cannot map {size_text(nbytes)} of this file ({reason}): not enough memory "
                 "or address space; close other programs, or rerun with --no-mmap")
-    return f"cannot map {nbytes / 1e6:.2f} MB of this file ({reason}); rerun with --no-mmap"
+    return f"cannot map {size_text(nbytes)} of this file ({reason}); rerun with --no-mmap"
