@@ -123,6 +123,10 @@ def test_hostile_statistics_get_one_verdict(world, tmp_path, name):
               "--target-sqnr", "20", "-q")
     verdicts["plan"] = (res.exit_code, words in res.output)
     assert set(verdicts.values()) == {(2, True)}, verdicts
+    v = run("validate", stats, "--json")  # the same rule, as a finding
+    doc = json.loads(v.stdout)
+    assert v.exit_code == 1 and [f["code"] for f in doc["findings"]] == ["K101"], doc
+    assert words in doc["findings"][0]["message"] and doc["findings"][0]["tensor"].startswith(L)
 
 
 def test_a_missing_hessian_is_named_as_the_hessian(world):
@@ -136,6 +140,8 @@ def test_a_missing_hessian_is_named_as_the_hessian(world):
 def test_valid_statistics_pass_every_format(world, tmp_path):
     with Statistics(world["good"]):
         pass
+    v = run("validate", world["good"])
+    assert v.exit_code == 0 and "statistics" in v.output, v.output
     for to in ("w4a8", "nvfp4"):
         res = run("convert", world["src"], tmp_path / f"{to}.safetensors", "--to", to,
                   "--calibration", world["good"], "--no-report", "-q")
