@@ -6,6 +6,7 @@ write most of them)."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 U8, U32, STRING, ARRAY = 0, 4, 8, 9
@@ -15,7 +16,7 @@ def _s(b: bytes, claim: int | None = None) -> bytes:
     return struct.pack("<Q", len(b) if claim is None else claim) + b
 
 
-def gguf_bytes(fields: list[bytes] = (), tensors: list[bytes] = (), *, n_fields: int | None = None,
+def gguf_bytes(fields: Sequence[bytes] = (), tensors: Sequence[bytes] = (), *, n_fields: int | None = None,
                n_tensors: int | None = None, tail: bytes = b"") -> bytes:
     """A GGUF v3 header of raw ``fields`` and ``tensors`` (their counts overridable), then
     ``tail``."""

@@ -390,7 +390,7 @@ def check_finite(info: TensorInfo, reader: Reader) -> None:
     bad, first = 0, None
     for start, data in parts:
         n, i = nonfinite(data, info.dtype)
-        if n and first is None:
+        if i is not None and first is None:
             first = start // size + i
         bad += n
     if bad:
