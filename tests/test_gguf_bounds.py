@@ -85,3 +85,47 @@ def test_a_big_endian_header_is_walked(tmp_path):
     p.write_bytes(bytes(be))
     with pytest.raises(ContainerError, match="malformed GGUF header"):
         check_header(p)
+
+
+SIGINT_CHILD = """
+import sys, time
+from pathlib import Path
+import h3quant.formats.gguf.header as header
+real = header._Walker.spend
+src, flag = sys.argv[1:3]
+def slow(self, n, key):
+    Path(flag).write_text("walking")
+    time.sleep(60)  # a header walk that takes long: SIGINT must still end it
+    return real(self, n, key)
+header._Walker.spend = slow
+from h3quant.cli import main
+sys.argv = ["h3quant", "inspect", src]
+main()
+"""
+
+
+def test_sigint_during_a_header_walk_exits_130(bombs, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hostile_util import ENV, ROOT
+
+    flag = tmp_path / "flag"
+    proc = subprocess.Popen([sys.executable, "-c", SIGINT_CHILD, str(bombs["1e6 strings"]),
+                             str(flag)], stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
