@@ -250,8 +250,8 @@ def build_round5(d: Path, f: dict) -> None:
         t[f"{L}.absmean"][7] = -1.0
 
     f["stats"] = {"asymmetric H": (stats("asym", asym), "not symmetric"),
-                  "NaN mean |x|": (stats("nanmean", nan_mean), "non-finite"),
-                  "negative mean |x|": (stats("negmean", neg_mean), "negative"),
+                  "NaN mean abs": (stats("nanmean", nan_mean), "non-finite"),
+                  "negative mean abs": (stats("negmean", neg_mean), "negative"),
                   "missing H": (stats("noh", lambda t: t.pop(f"{L}.hessian")),
                                 ".hessian is missing")}
     # a Hugging Face cache whose entries lead outside their repository folder
