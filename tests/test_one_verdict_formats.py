@@ -120,3 +120,19 @@ def test_a_non_finite_copied_tensor_is_refused_like_validate_deep_flags_it(made,
     assert res.exit_code == 1 and "D106" in res.output and name in res.output, res.output
     assert "flat index 7" in res.output
     assert not o.exists()
+
+
+@pytest.mark.parametrize("name", ["int4-convrot row scale 3e38", "nvfp4 weight_scale_2 3e38",
+                                  "mxfp8 block scales 254"])
+@pytest.mark.parametrize("how", ["another layer converted", "kept in its format"])
+def test_a_broken_layer_copied_as_it_is_is_refused(made, tmp_path, name, how):
+    """The layer is not converted (another one is, or the target is its own format): convert
+    copies it as it is, and refuses it as validate --deep flags it."""
+    fmt, suffix, edit = EDITS[name]
+    src = _edited(made, fmt, suffix, edit, name)
+    o = tmp_path / "o.safetensors"
+    extra = (["--to", "int8", "--include", r"blocks\.0\.attn\.qkv_proj"]
+             if how == "another layer converted" else ["--to", fmt])
+    res = run("convert", src, o, *extra, "--no-report", "-q")
+    assert res.exit_code == 1 and "D106" in res.output and L in res.output, res.output
+    assert not o.exists()
