@@ -367,6 +367,9 @@ def round5(f: dict, d: Path) -> list:
                   "D106", p))
         c.append((f"{name}: verify", ["verify", p, "--reference", f["base"], "--blocks", "1",
                                       "--tokens", "8"], 1, "FAIL", None))
+        c.append((f"{name}: convert, the layer kept", ["convert", p, o, "--to", "int8",
+                                                      "--include", r"blocks\.0\.attn\.qkv_proj",
+                                                      "--no-report"], 1, "D106", p))
     c.append(("NaN in a copied bias: validate --deep", ["validate", "--deep",
                                                         f["copied nan"]], 1, "D106", None))
     c.append(("NaN in a copied bias: convert", ["convert", f["copied nan"], o, "--to", "int8",
