@@ -4,6 +4,7 @@ was expected, what happened, the exit status, the child's peak memory and whethe
 could have damaged is unchanged. Synthetic tiny files only, made here.
 
     python bench/hostile.py            # prints the table; exit 1 when a row is unexpected
+    python bench/hostile.py GGUF HF    # only the rows whose name contains GGUF or HF
 """
 
 from __future__ import annotations
@@ -150,7 +151,141 @@ def build(d: Path) -> dict:
     doc["sensitivity"]["signal"]["video"] = 0.0
     f["zero"] = d / "zero.json"
     f["zero"].write_text(json.dumps(doc))
+    build_round5(d, f)
     return f
+
+
+L = "blocks.0.mlp.fc1"
+
+
+def _edit(src: Path, dst: Path, fn) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(src))
+    fn(t)
+    save_file(t, str(dst))
+    return dst
+
+
+def build_round5(d: Path, f: dict) -> None:
+    """GGUF header bombs, decoded overflow per format, a NaN in a copied tensor, broken files
+    for compare, hostile statistics, Hugging Face cache escapes, pickles."""
+    import hashlib
+
+    import torch
+
+    from h3quant.testing.hostile_gguf import write_hostile
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    f["gguf"] = write_hostile(d)
+    for to in ("int4-convrot", "nvfp4", "mxfp8"):
+        f[to] = d / f"{to}.safetensors"
+        subprocess.run([sys.executable, "-m", "h3quant", "convert", f["base"], f[to], "--to", to,
+                        "--no-report", "-q"], cwd=ROOT, check=True, env=env)
+
+    def setv(name, value):
+        return lambda t: t.__setitem__(name, value(t[name]))
+
+    def row(v, i=5):
+        def fn(x):
+            x = x.clone()
+            x[i] = v
+            return x
+        return fn
+
+    def e8m0(x):
+        return torch.full_like(x.view(torch.uint8), 254).view(x.dtype)
+
+    def nan_byte(x):
+        raw = x.view(torch.uint8).clone()
+        raw.view(-1)[3] = 0x7F
+        return raw.view(x.dtype)
+
+    f["over"] = {
+        "int4-convrot row scale 3e38": _edit(f["int4-convrot"], d / "o-int4.safetensors",
+                                             setv(f"{L}.weight_scale", row(3e38))),
+        "nvfp4 weight_scale_2 3e38": _edit(f["nvfp4"], d / "o-nvfp4.safetensors",
+                                           setv(f"{L}.weight_scale_2",
+                                                lambda x: torch.tensor(3e38))),
+        "mxfp8 block scales 254": _edit(f["mxfp8"], d / "o-mxfp8.safetensors",
+                                        setv(f"{L}.weight_scale", e8m0)),
+    }
+    f["copied nan"] = _edit(f["base"], d / "copied-nan.safetensors",
+                            setv("audio_patch_proj.bias", row(float("nan"), 0)))
+    f["nvfp4 nan"] = _edit(f["nvfp4"], d / "nvfp4-nan.safetensors",
+                           setv(f"{L}.weight_scale", nan_byte))
+    # statistics: valid X^T X per layer, then one rule broken each
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from h3quant.calibration.fingerprint import checkpoint_fingerprint
+    from h3quant.calibration.stats import LINEARS
+
+    with safe_open(str(f["base"]), "pt") as fh:
+        ks = {f"blocks.0.{x}": fh.get_slice(f"blocks.0.{x}.weight").get_shape()[1]
+              for x in LINEARS}
+    g = torch.Generator().manual_seed(0)
+    good = {}
+    for k, n in ks.items():
+        x = torch.randn(4 * n, n, generator=g)
+        good[f"{k}.hessian"], good[f"{k}.absmean"] = (x.t() @ x).contiguous(), x.abs().mean(0)
+    meta = {"h3quant.calibration": json.dumps({
+        "version": 1, "checkpoint": checkpoint_fingerprint(f["base"]), "blocks": 1,
+        "inputs": [], "rows": {k: 4 * n for k, n in ks.items()}, "forward": "float"})}
+
+    def stats(name, fn):
+        t = {k: v.clone() for k, v in good.items()}
+        fn(t)
+        p = d / f"{name}.stats"
+        save_file(t, str(p), metadata=meta)
+        return p
+
+    def asym(t):
+        t[f"{L}.hessian"][3, 5] += 0.5 * float(t[f"{L}.hessian"].diagonal().max())
+
+    def nan_mean(t):
+        t[f"{L}.absmean"][7] = float("nan")
+
+    def neg_mean(t):
+        t[f"{L}.absmean"][7] = -1.0
+
+    f["stats"] = {"asymmetric H": (stats("asym", asym), "not symmetric"),
+                  "NaN mean abs": (stats("nanmean", nan_mean), "non-finite"),
+                  "negative mean abs": (stats("negmean", neg_mean), "negative"),
+                  "missing H": (stats("noh", lambda t: t.pop(f"{L}.hessian")),
+                                ".hessian is missing")}
+    # a Hugging Face cache whose entries lead outside their repository folder
+    hub = d / "hf" / "hub"
+    os.environ["HF_HOME"] = str(d / "hf")
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    outside = d / "outside" / "transformer"
+    outside.mkdir(parents=True)
+    (outside / "h3.safetensors").write_bytes(f["base"].read_bytes())
+    for repo, how in (("Hf/Plain", "plain"), ("Hf/Refs", "refs"), ("Hf/Sub", "sub"),
+                      ("Hf/Link", "link")):
+        r = hub / ("models--" + repo.replace("/", "--"))
+        snap = r / "snapshots" / rev / "transformer"
+        (r / "blobs").mkdir(parents=True)
+        (r / "refs").mkdir()
+        (r / "refs" / "main").write_text(rev)
+        data = f["base"].read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        (r / "blobs" / digest).write_bytes(data)
+        if how == "sub":
+            snap.parent.mkdir(parents=True)
+            snap.symlink_to(outside, target_is_directory=True)
+            continue
+        snap.mkdir(parents=True)
+        if how == "link":
+            (snap / "h3.safetensors").symlink_to(outside / "h3.safetensors")
+        else:
+            (snap / "h3.safetensors").symlink_to(Path("../../..") / "blobs" / digest)
+        if how == "refs":
+            (r / "refs" / "main").write_text(os.path.relpath(outside.parent, r / "snapshots"))
+    f["pt"] = d / "model.pt"
+    torch.save({"w": torch.zeros(3)}, f["pt"])
+    f["ckpt"] = d / "old.ckpt"
+    torch.save({"w": torch.zeros(3)}, f["ckpt"], _use_new_zipfile_serialization=False)
 
 
 def cases(f: dict, d: Path):
@@ -212,6 +347,62 @@ def cases(f: dict, d: Path):
         ("backends", ["backends"], 0, "", None),
         ("demo --blocks 0", ["demo", "--blocks", "0"], 2, "", None),
     ]
+    return c + round5(f, d)
+
+
+GGUF_LIMITS = (10.0, 500.0)  # each hostile GGUF answered in under 10 s and 500 MB
+
+
+def round5(f: dict, d: Path) -> list:
+    o = d / "out.safetensors"
+    c: list = []
+    for name, p in f["gguf"].items():
+        for cmd, want in (("inspect", 2), ("validate", 1), ("convert", 2)):
+            args = [cmd, p] + ([o, "--to", "bf16"] if cmd == "convert" else [])
+            c.append((f"GGUF {name}: {cmd}", args, want, "malformed GGUF header", p,
+                      GGUF_LIMITS))
+    for name, p in f["over"].items():
+        c.append((f"{name}: validate --deep", ["validate", "--deep", p], 1, "D106", None))
+        c.append((f"{name}: convert", ["convert", p, o, "--to", "bf16", "--no-report"], 1,
+                  "D106", p))
+        c.append((f"{name}: verify", ["verify", p, "--reference", f["base"], "--blocks", "1",
+                                      "--tokens", "8"], 1, "FAIL", None))
+        c.append((f"{name}: convert, the layer kept", ["convert", p, o, "--to", "int8",
+                                                      "--include", r"blocks\.0\.attn\.qkv_proj",
+                                                      "--no-report"], 1, "D106", p))
+    c.append(("NaN in a copied bias: validate --deep", ["validate", "--deep",
+                                                        f["copied nan"]], 1, "D106", None))
+    c.append(("NaN in a copied bias: convert", ["convert", f["copied nan"], o, "--to", "int8",
+                                                "--no-report"], 1, "D106", f["copied nan"]))
+    small = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
+             "--text-tokens", "4", "--device", "cpu", "--no-frontier"]
+    c.append(("nvfp4 NaN block scale: compare", ["compare", f["nvfp4 nan"], "--reference",
+                                                 f["base"], *small], 1, "FAILED", None))
+    c.append(("nvfp4 NaN block scale as reference: compare",
+              ["compare", f["nvfp4"], "--reference", f["nvfp4 nan"], *small], 1,
+              "reference fails", None))
+    for name, (p, words) in f["stats"].items():
+        for to in ("w4a8", "nvfp4", "awq-w4a16"):
+            c.append((f"statistics {name}: convert --to {to}",
+                      ["convert", f["base"], o, "--to", to, "--calibration", p, "--no-report"],
+                      2, words, p))
+        c.append((f"statistics {name}: plan", ["plan", f["base"], "--formats", "int8",
+                                                "--calibration", p, "--target-sqnr", "20"],
+                  2, words, p))
+        c.append((f"statistics {name}: validate", ["validate", p], 1, "K101", p))
+    c += [
+        ("HF plain reference", ["inspect", "Hf/Plain:transformer"], 0, "", None),
+        ("HF refs/main outside", ["inspect", "Hf/Refs:transformer"], 2, "outside the", None),
+        ("HF subfolder link outside", ["inspect", "Hf/Sub:transformer"], 2, "outside the",
+         None),
+        ("HF file link outside", ["inspect", "Hf/Link:transformer"], 2, "outside the", None),
+        ("HF root: names the subfolder", ["inspect", "Hf/Plain"], 2, "Hf/Plain:transformer",
+         None),
+        ("HF subfolder typo: lists them", ["inspect", "Hf/Plain:transfomer"], 2,
+         "'transformer'", None),
+        ("torch.save zip (.pt): inspect", ["inspect", f["pt"]], 2, "zip archive", None),
+        ("legacy pickle (.ckpt): convert", ["convert", f["ckpt"], o], 2, "Python pickle", None),
+    ]
     return c
 
 
@@ -220,13 +411,18 @@ def main() -> int:
         d = Path(tmp)
         f = build(d)
         rows, bad = [], 0
-        for name, args, want, words, victim in cases(f, d):
+        only = sys.argv[1:]
+        for name, args, want, words, victim, *limits in cases(f, d):
+            if only and not any(w in name for w in only):
+                continue
             before = sha(victim) if victim else None
             code, text, secs, peak = run(args)
             after = sha(victim) if victim else None
             ok = (code == want and (not words or words in text)
                   and "Traceback" not in text and "internal error" not in text
                   and before == after)
+            if limits:  # (seconds, MB) the answer must stay under
+                ok = ok and secs < limits[0][0] and peak < limits[0][1]
             bad += not ok
             last = [ln for ln in text.strip().splitlines() if ln.strip()]
             observed = (last[-1] if last else "")[:70].replace("|", "/")

@@ -151,6 +151,10 @@ _r("G101", "gguf-header", E, "a GGUF file has the GGUF magic and a header the gg
 _r("G102", "gguf-type", E, "every tensor type is one the gguf package dequantizes")
 _r("G103", "gguf-not-h3", W, "the tensors carry ComfyUI's H3 names (ComfyUI-GGUF's layout)")
 _r("G104", "gguf-non-finite", E, "every tensor is finite once dequantized (validate --deep)")
+# Calibration statistics ('h3quant capture'), validated as convert and plan read them.
+_r("K101", "statistics-values", E, "a statistics file's names, shapes and values pass the rules "
+   "convert --calibration and plan --calibration apply (finite values, mean |x| >= 0, each "
+   "Hessian symmetric and a sum X^T X)")
 # A check that could not run.
 _r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
    "the input is malformed in a way h3quant does not anticipate)")

@@ -28,6 +28,12 @@ no value can make a command allocate without bound. ``--help`` of each command s
   (``h3quant.patterns``), so ``(.|.|.|.)*Z$`` takes microseconds.
 * ``MAX_SQNR_DB`` (300): a quality target in dB (``plan --target-sqnr``, ``--targets``): fp32
   rounding itself is about 150 dB; the range is [-300, 300].
+* ``MAX_GGUF_METADATA_VALUES`` (65536): a GGUF header's metadata fields and their array
+  elements, all told. The header is walked by h3quant first (every count and length against
+  the bytes left in the file and these limits) before the gguf package reads it, which builds a
+  Python object per element: at the limit it takes about a second. An H3 GGUF from
+  ComfyUI-GGUF holds a few dozen.
+* ``MAX_GGUF_TENSORS`` (65536): tensors a GGUF header may describe (H3 has about 1,500).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ MAX_JSON_BYTES = 16 << 20
 MAX_LORA_RANK = 1024
 MAX_PATTERN_CHARS = 65536
 MAX_SQNR_DB = 300.0
+MAX_GGUF_METADATA_VALUES = 1 << 16
+MAX_GGUF_TENSORS = 1 << 16
 
 
 def model_rows(frames: int, height: int, width: int, audio_frames: int, text_tokens: int) -> int:

@@ -82,3 +82,28 @@ def sparse_safetensors(path: Path, entries: dict, data: dict | None = None) -> P
 def peak_rss_mb(res) -> float:
     """Peak resident memory of the children this process has waited for, in MB (Linux kB)."""
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def h3q_measured(*args, timeout: float = 120) -> tuple[int, str, float, float]:
+    """``python -m h3quant ARGS`` under ``memory_cap()``: (exit status, stdout + stderr, wall
+    seconds, the child's own peak RSS in MB from ``os.wait4``)."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile() as log:
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "h3quant", *map(str, args)], env=ENV,
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_limit)
+        while True:  # wait4 (not Popen.wait) reaps the child: its usage comes with it
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - t0 > timeout:
+                proc.kill()
+            time.sleep(0.02)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        secs = time.monotonic() - t0
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    return proc.returncode, text, secs, usage.ru_maxrss / 1024

@@ -16,6 +16,13 @@ checksum of the checkpoint measured, ``calibration.fingerprint``), ``blocks`` (i
 count), ``inputs`` (each input's file name, sha256, sigma and, when the file records one, its
 seed), ``rows`` (rows per layer), ``forward`` (``float``: the checkpoint's own weights in float
 math, or the checksum of the checkpoint the forward ran through, ``through``).
+
+A file is checked whole when it is opened, before any layer uses it, so every command that
+reads it (convert with any calibrated format, plan) gives it one verdict: from its header the
+names, dtypes and shapes (every ``.absmean`` beside its ``.hessian``), then from its values,
+one layer at a time: every value finite, each mean ``|x|`` >= 0, each Hessian symmetric
+(``|H - H^T| <= SYMMETRY_TOL x max diag``) with a non-negative diagonal and
+``|H_ij| <= sqrt(H_ii H_jj)`` (as ``X^T X`` always is, to the same tolerance).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ META_KEY = "h3quant.calibration"
 VERSION = 1
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 MAX_K = 65536  # an input width beyond any H3 linear: refused from the header
+SYMMETRY_TOL = 1e-4  # |H - H^T| allowed, relative to H's largest diagonal entry
 _KEY_RE = re.compile(r"(?:^|\.)(blocks\.\d+\.(?:attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2))$")
 
 
@@ -98,7 +106,12 @@ class LayerStats:
         key = (bool(convrot), int(group_size) if convrot else 0)
         with self._lock:
             if key not in self._factors:
-                self._factors[key] = inverse_factor(self.hessian(convrot, group_size))
+                try:
+                    self._factors[key] = inverse_factor(self.hessian(convrot, group_size))
+                except torch.linalg.LinAlgError:  # passed the checks, yet not factorable
+                    raise UsageError(f"--calibration: the Hessian of {self.key} is not positive "
+                                     "definite even after damping; capture the statistics "
+                                     "again", tensor=f"{self.key}.hessian") from None
             return self._factors[key]
 
     def feedback(self, x: torch.Tensor, quantize, *, convrot: bool, group_size: int = 256):
@@ -151,6 +164,7 @@ class Statistics:
         try:
             self.meta = self._parse_meta()
             self.layers = self._parse_layers()
+            self._check_values()
         except BaseException:
             self._fh.close()
             raise
@@ -176,6 +190,11 @@ class Statistics:
         tensors = self._fh.tensors
         rows = self.meta["rows"]
         out: dict[str, LayerStats] = {}
+        for name in tensors:
+            if name.endswith(".absmean") and name[:-len(".absmean")] + ".hessian" not in tensors:
+                raise _fail(self.path, f"{name[:-len('.absmean')]}.hessian is missing (each "
+                            "layer holds {layer}.hessian and {layer}.absmean)",
+                            name[:-len(".absmean")] + ".hessian")
         for name, info in tensors.items():
             if not name.endswith(".hessian"):
                 continue
@@ -202,6 +221,32 @@ class Statistics:
         if not out:
             raise _fail(self.path, "the file holds no layer statistics")
         return out
+
+    def _check_values(self) -> None:
+        """Every layer's values against the rules above, one layer in memory at a time."""
+        for key in sorted(self.layers):
+            am = self._fh.read(self._fh.tensors[key + ".absmean"]).float()
+            self._finite(am, key + ".absmean")
+            neg = am < 0
+            if bool(neg.any()):
+                i = int(neg.nonzero()[0, 0])
+                raise _fail(self.path, f"{int(neg.sum())} mean |x| value(s) are negative (first: "
+                            f"{am[i].item()!r} at channel {i}); a mean of |x| is >= 0",
+                            key + ".absmean")
+            del am
+            h = self._fh.read(self._fh.tensors[key + ".hessian"]).float()
+            self._finite(h, key + ".hessian")
+            reason = hessian_violation(h)
+            if reason is not None:
+                raise _fail(self.path, reason + "; capture the statistics again ('h3quant "
+                            "capture')", key + ".hessian")
+            del h
+
+    def _finite(self, t: torch.Tensor, name: str) -> None:
+        bad = ~torch.isfinite(t.reshape(-1))
+        if bool(bad.any()):
+            raise _fail(self.path, f"holds {int(bad.sum())} non-finite value(s) (first at flat "
+                        f"index {int(bad.nonzero()[0, 0])})", name)
 
     def _reader(self, name: str):
         info = self._fh.tensors[name]
@@ -238,6 +283,37 @@ class Statistics:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def hessian_violation(h: torch.Tensor, tol: float = SYMMETRY_TOL) -> str | None:
+    """Why ``h`` (finite, [K, K]) cannot be a sum ``X^T X``, or None: a negative diagonal
+    entry, asymmetry beyond ``tol x max diag``, or ``|H_ij| > sqrt(H_ii H_jj)`` beyond it.
+    Row blocks at a time: memory stays near one block beside ``h``."""
+    d = h.diagonal().to(torch.float64)
+    if bool((d < 0).any()):
+        i = int((d < 0).nonzero()[0, 0])
+        return f"diagonal entry {i} is {d[i].item()!r}; a sum of squares is >= 0"
+    scale = float(d.max()) if d.numel() else 0.0
+    slack = tol * scale
+    root = d.clamp_min(0).sqrt()
+    k = h.shape[0]
+    step = max(1, (4 << 20) // max(k, 1))
+    for r0 in range(0, k, step):
+        r1 = min(k, r0 + step)
+        rows = h[r0:r1].to(torch.float64)
+        asym = (rows - h[:, r0:r1].t().to(torch.float64)).abs()
+        if float(asym.max()) > slack:
+            i, j = divmod(int(asym.argmax()), k)
+            return (f"not symmetric: H[{r0 + i}, {j}] = {rows[i, j].item():.6g} but "
+                    f"H[{j}, {r0 + i}] = {h[j, r0 + i].item():.6g} (tolerance {slack:.3g}, "
+                    f"{tol:g} x the largest diagonal entry)")
+        excess = rows.abs() - root[r0:r1, None] * root[None, :]
+        if float(excess.max()) > slack:
+            i, j = divmod(int(excess.argmax()), k)
+            return (f"|H[{r0 + i}, {j}]| = {abs(rows[i, j].item()):.6g} exceeds "
+                    f"sqrt(H[{r0 + i}, {r0 + i}] H[{j}, {j}]) = "
+                    f"{(root[r0 + i] * root[j]).item():.6g}: not a sum X^T X")
+    return None
 
 
 __all__ = ["LINEARS", "META_KEY", "VERSION", "LayerStats", "Statistics", "layer_key"]

@@ -10,6 +10,7 @@ from h3quant.cli.common import (
     CHECKPOINT,
     given_options,
     inputs_from_file,
+    EXIT_FINDINGS,
     EXIT_OK,
     MAX_AUDIO_FRAMES,
     MAX_TOKENS,
@@ -126,6 +127,10 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
         from h3quant.cli.compare_view import render
 
         click.echo(render(res))
+    if res.failed:  # validate --deep's data verdict, or non-finite outputs: never a success
+        for c in res.failed:
+            click.echo(f"h3quant: error: {c.facts.path}: {c.failures[0]}", err=True)
+        sys.exit(EXIT_FINDINGS)
     sys.exit(EXIT_OK)
 
 

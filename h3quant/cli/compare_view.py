@@ -30,12 +30,13 @@ def rows(res) -> list[list]:
     for c in [res.reference] + res.ranked():
         ref = c.role == "reference"
         fv, fa = c.final.get("video"), c.final.get("audio")
+        ov, oa = c.outputs.get("video"), c.outputs.get("audio")
         out.append([
-            "ref" if ref else c.rank, os.path.basename(c.facts.path), c.facts.label,
-            mb_number(c.facts.size_bytes),
+            "ref" if ref else (c.rank if not c.failures else "FAIL"),
+            os.path.basename(c.facts.path), c.facts.label, mb_number(c.facts.size_bytes),
             "-" if c.facts.bits_per_weight is None else f"{c.facts.bits_per_weight:.2f}",
-            "-" if ref else _db(c.outputs["video"].sqnr_db),
-            "-" if ref else _db(c.outputs["audio"].sqnr_db),
+            "-" if ref or ov is None else _db(ov.sqnr_db),
+            "-" if ref or oa is None else _db(oa.sqnr_db),
             _db(fv.sqnr_db) if fv else "-", _db(fa.sqnr_db) if fa else "-",
             _db(fv.psnr_db) if fv else "-", _s(c.step_seconds),
             "-" if ref else c.suspect_block,
@@ -84,6 +85,9 @@ def render(res) -> str:
     for c in res.ranked():
         for n in c.notes:
             lines.append(f"note: {os.path.basename(c.facts.path)}: {n}")
+    for c in res.failed:
+        for n in c.failures:
+            lines.append(f"FAILED: {c.facts.path}: {n}")
     lines += [f"note: {n}" for n in res.notes]
     if res.frontier:
         lines += ["", format_table(FRONTIER_HEADERS, frontier_rows(res), right={2, 3, 4}),

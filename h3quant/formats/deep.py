@@ -3,7 +3,9 @@
 Memory stays bounded: scales and codebooks are small and read whole; weights are streamed in
 CHUNK_BYTES pieces through plain reads into one reused buffer (never memory-mapped).
 Codes: D101 non-finite scale, D102 non-positive scale, D103 int8 code -128, D104 bad codebook,
-D106 non-finite float weight.
+D106 non-finite float weight: a stored float weight, or any supported format's weight decoded
+as convert and verify decode it (the codec's ``decode_rows``), so a finite scale whose decoded
+weights overflow gets the same verdict from every command.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from h3quant.formats import registry
 from h3quant.formats.container.dtypes import FLOAT_DTYPES, itemsize, to_torch
 
 CHUNK_BYTES = 16 << 20
+DECODE_BYTES = 16 << 20  # fp32 bytes of decoded weight rows at once
 
 
 
@@ -48,6 +51,25 @@ class Stream:
                                      path=info.file, tensor=info.name, code="C109")
             yield buf[:n]
             pos += n
+
+    def rows(self, info, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (dim 0) of a tensor, as a copy in its own dtype and shape."""
+        dtype = to_torch(info.dtype)
+        row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        if r1 <= r0 or row == 0:
+            return torch.empty((max(r1 - r0, 0), *info.shape[1:]), dtype=dtype)
+        fh = self._files.get(info.file)
+        if fh is None:
+            fh = self._files[info.file] = open(info.file, "rb", buffering=0)
+        buf = bytearray((r1 - r0) * row)
+        fh.seek(info.begin + r0 * row)
+        got = fh.readinto(buf)
+        if got != len(buf):
+            raise ContainerError(f"short read: {got} of {len(buf)} bytes at offset "
+                                 f"{info.begin + r0 * row}", path=info.file, tensor=info.name,
+                                 code="C109")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(
+            (r1 - r0, *info.shape[1:]))
 
     def close(self) -> None:
         for fh in self._files.values():
@@ -122,7 +144,40 @@ def _check_float(src, info, out: list[Finding]) -> None:
                            tensor=info.name, file=str(info.file)))
 
 
+def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
+    """The layer's weight decoded as convert reads its source (``decode_rows`` of the stored
+    tensors, row chunks of DECODE_BYTES): every value finite (D106), one rule for every
+    format, so a finite scale whose decoded weights overflow (3e38) is found as convert and
+    verify find it."""
+    n, k = rules.logical_shape(layer)
+    t, f = layer.tensors, layer.fields or {}
+    w = t.get("weight")
+    if not n or not k or w is None:
+        return
+    row_names, whole_names = codec.source_tensors(f, t)
+    if any(s not in t for s in (*row_names, *whole_names, *codec.spec.column_sources)):
+        return  # the header rules report what is missing
+    whole = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in whole_names}
+    cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.column_sources}
+    views = codec.row_views(whole, f)
+    step = max(1, DECODE_BYTES // (4 * k))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows: dict = {s: src.rows(t[s], r0, r1) for s in row_names}
+        rows.update({s: c[:, r0:r1].t() for s, c in cols.items()})
+        if codec.needs_row0:
+            rows["_row0"] = r0
+        rows.update({s: v[r0:r1] for s, v in views.items()})
+        v = rules.weight_violation(codec.decode_rows(rows, whole, f), r0 * k)
+        if v is not None:
+            out.append(Finding(v.code, f"{v.message} once decoded from the stored "
+                               f"{codec.spec.name} tensors (as convert and verify decode them)",
+                               tensor=w.name, file=str(w.file)))
+            return
+
+
 def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
+    before = len(out)
     fmt = layer.format
     t = layer.tensors
     codec = registry.get(fmt) if fmt is not None else None
@@ -153,6 +208,10 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             info = t.get(v.suffix) or t.get("weight")
             out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),
                                file=str(info.file) if info is not None else None))
+        w = t.get("weight")
+        if w is not None and len(out) == before:  # one finding per broken layer
+            _check_decoded(src, layer, codec, out)
+            checked.add(w.name)
     elif fmt is not None:
         # Unsupported formats: float scales must at least be finite (block scales may be 0).
         for suffix, info in t.items():

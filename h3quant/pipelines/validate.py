@@ -98,8 +98,27 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
                          "quantized_layers": 0, "topology": None, "stages": ["container"]}
         if any(f.code in FATAL_CODES for f in findings) or not ckpt.files:
             return _result(p, deep, findings, checked)
+        if _statistics(ckpt, p, findings, checked):
+            return _result(p, deep, findings, checked)
         _checks(ckpt, deep, findings, checked, on_bytes=on_bytes)
         return _result(p, deep, findings, checked)
+
+
+def _statistics(ckpt: Checkpoint, p: Path, findings: list[Finding], checked: dict) -> bool:
+    """A statistics file ('h3quant capture'): checked as convert and plan check it when they
+    open it (K101), instead of as a checkpoint. True when ``ckpt`` is one."""
+    from h3quant.calibration.stats import META_KEY, Statistics
+
+    if META_KEY not in ckpt.metadata or ckpt.is_sharded:
+        return False
+    checked["stages"].append("statistics")
+    try:
+        with Statistics(p):
+            pass
+    except H3QuantError as e:
+        reason = e.reason.removeprefix("--calibration: ")
+        findings.append(Finding("K101", reason, tensor=e.tensor, file=str(p)))
+    return True
 
 
 def header_findings(ckpt: Checkpoint, got=None) -> list[Finding]:

@@ -33,6 +33,19 @@ def _cache_repo(folder: Path) -> Path | None:
     return None
 
 
+def _described(findings: list[Finding], f: Path) -> list[Finding]:
+    """A header-length finding (C101) on a file whose first bytes show what it is (a PyTorch
+    pickle, a .gguf without the magic) says that instead of a raw length."""
+    from h3quant.formats.container.sniff import describe
+
+    if not any(x.code == "C101" for x in findings):
+        return findings
+    what = describe(f)
+    if what is None:
+        return findings
+    return [Finding("C101", what, file=x.file) if x.code == "C101" else x for x in findings]
+
+
 def _inside(root: Path, fname: str, folder: Path | None = None) -> str | None:
     """Why a shard name from an index is refused, or None when it is accepted: one plain path
     component naming a file inside ``root`` (the index's resolved directory). A symbolic link
@@ -163,7 +176,7 @@ class Checkpoint:
             return
         self.files.append(sf)
         self._by_path[f] = sf
-        self.findings.extend(sf.findings)
+        self.findings.extend(_described(sf.findings, f))
 
     def _collect(self, weight_map: dict[str, str] | None) -> None:
         for sf in self.files:

@@ -87,3 +87,21 @@ def from_torch(dtype: torch.dtype) -> str:
 def storage_key(name: str, dtype: str) -> tuple[int, str]:
     """Sort key giving the safetensors library's tensor order."""
     return (_RANK[dtype], name)
+
+
+# float dtype -> (unsigned integer view, exponent mask): a value is NaN or infinite exactly when
+# every exponent bit is set (IEEE 754 binary16/32/64 and bfloat16)
+_EXPONENT = {"F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F32": ("<u4", 0x7F800000),
+             "F64": ("<u8", 0x7FF0000000000000)}
+
+
+def nonfinite(data, dtype: str) -> tuple[int, int | None]:
+    """(count, first flat index or None) of the NaN and infinite values in raw little-endian
+    ``data`` of float ``dtype`` (bit tests in numpy: no torch, no float conversion)."""
+    import numpy as np
+
+    view, mask = _EXPONENT[dtype]
+    a = np.frombuffer(data, dtype=view)
+    bad = (a & np.array(mask, dtype=view)) == mask
+    n = int(np.count_nonzero(bad))
+    return n, (int(np.argmax(bad)) if n else None)

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3quant.errors import ContainerError, UnsupportedError
+from h3quant.formats.gguf.header import MAX_DIMS, MAX_ELEMENTS, check_header
 from h3quant.formats.gguf.naming import ORIG_SHAPE_FIELD, comfy_name, uses_prefix
+from h3quant.limits import MAX_GGUF_TENSORS as MAX_TENSORS
 
 GGUF_MAGIC = b"GGUF"
-MAX_TENSORS = 1 << 20
-MAX_ELEMENTS = 1 << 40  # elements of one tensor
-MAX_DIMS = 8
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -70,6 +69,7 @@ class GgufFile:
         if not is_gguf(path):
             raise ContainerError("not a GGUF file (no GGUF magic)", path=path)
         gguf = _gguf()
+        check_header(path)  # bounded: counts and lengths against the file and the limits
         try:
             self._reader = gguf.GGUFReader(path, "r")
         except (ValueError, KeyError, IndexError, OSError, TypeError) as e:

@@ -45,6 +45,8 @@ class FileCard:
     step_seconds: float | None = None  # mean time of one sampler step on the device
     rank: int | None = None
     notes: list[str] = field(default_factory=list)
+    # why the file fails (validate --deep's data findings, non-finite outputs): never ranked
+    failures: list[str] = field(default_factory=list)
 
     @property
     def quality_db(self) -> float | None:
@@ -70,6 +72,7 @@ class FileCard:
             "drift": [asdict(d) for d in self.drift],
             "steps": [asdict(s) for s in self.steps],
             "step_seconds": self.step_seconds, "notes": self.notes,
+            "failures": self.failures,
         }
 
 
@@ -87,6 +90,11 @@ class CompareResult:
     def ranked(self) -> list[FileCard]:
         return sorted(self.files, key=lambda c: (c.rank or math.inf))
 
+    @property
+    def failed(self) -> list[FileCard]:
+        """The files that fail (data findings or non-finite outputs): compare exits 1."""
+        return [c for c in self.files if c.failures]
+
     def to_dict(self) -> dict:
         """One record per file (the reference first), each carrying the run's settings."""
         records = []
@@ -100,10 +108,17 @@ class CompareResult:
 
 
 def rank(cards: list[FileCard]) -> None:
-    """Rank 1 = the highest quality; a non-finite or missing quality ranks last."""
+    """Rank 1 = the highest quality. A file whose quality is NaN or -inf (its outputs are not
+    finite) fails and, like every failing file, gets no rank."""
+    for c in cards:
+        q = c.quality_db
+        if q is not None and (math.isnan(q) or q == -math.inf) and not c.failures:
+            c.failures.append(f"its outputs are NaN or infinite (quality {q} dB)")
+
     def key(c: FileCard):
         q = c.quality_db
-        return -(q if q is not None and not math.isnan(q) else -math.inf)
+        return -(q if q is not None else -math.inf)
 
-    for i, c in enumerate(sorted(cards, key=key)):
+    ok = [c for c in cards if not c.failures]
+    for i, c in enumerate(sorted(ok, key=key)):
         c.rank = i + 1

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3quant.errors import VerifyError
+from h3quant.errors import FindingError, VerifyError
 from h3quant.pipelines.compare.card import BlockDrift, CompareResult, FileCard, Metric, StepDrift
 from h3quant.pipelines.compare.card import rank as rank_cards
 from h3quant.pipelines.compare.facts import FileFacts, file_facts, pick_reference
@@ -111,6 +111,11 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
     if chosen:
         notes.append(f"no reference given: the most precise file, {ref_facts.path} "
                      f"({ref_facts.label}), is the reference")
+    bad = data_findings(ref_facts.path)
+    if bad:
+        raise FindingError(f"the reference fails validate --deep: {bad[0]}"
+                           + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
+                           path=ref_facts.path)
     with tempfile.TemporaryDirectory(prefix="h3quant-compare-") as work:
         ref, ref_card = _reference(ref_facts, opts, sched, dev, dtype, work, progress, log)
         try:
@@ -120,7 +125,14 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
                 for f in facts:
                     if log is not None:
                         log(f"comparing {f.path} ({f.label})")
-                    cards.append(_file_card(f, ref, opts, sched, dev, dtype, work, progress))
+                    bad = data_findings(f.path)
+                    if bad:  # validate --deep's verdict: not run, not ranked
+                        card = FileCard(f, "file")
+                        card.failures = bad
+                        cards.append(card)
+                    else:
+                        cards.append(_file_card(f, ref, opts, sched, dev, dtype, work,
+                                                progress))
                     bar.update(1)
             finally:
                 bar.close()
@@ -131,6 +143,23 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
     if opts.frontier is not False and not ref_facts.quantized:
         result.frontier = _frontier(ref_facts, opts, progress, log)
     return result
+
+
+def data_findings(path: str) -> list[str]:
+    """validate --deep's error findings on the file's values (D1xx; G104 for GGUF), as text:
+    a file compare would otherwise run through NaN scales gets the verdict validate gives."""
+    from h3quant.findings import Severity
+    from h3quant.formats.gguf.reader import is_gguf
+    from h3quant.pipelines.gguf_view import validate_gguf
+    from h3quant.pipelines.validate import validate_checkpoint
+
+    if is_gguf(path):
+        findings = validate_gguf(path, deep=True)[1]
+    else:
+        findings = validate_checkpoint(path, deep=True).findings
+    return [f"[{f.code}] " + (f"{f.tensor}: " if f.tensor else "") + f.message
+            for f in findings if f.severity is Severity.ERROR
+            and (f.code.startswith("D") or f.code == "G104")]
 
 
 def _frontier(facts: FileFacts, opts: CompareOptions, progress, log) -> list[dict]:

@@ -21,10 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3quant.errors import ContainerError
+from h3quant.errors import ContainerError, FindingError
 from h3quant.formats.container.atomic import open_temp, publish
 from h3quant.formats.container.reader import TensorInfo
-from h3quant.formats.container.dtypes import itemsize, to_torch
+from h3quant.formats.container.dtypes import FLOAT_DTYPES, itemsize, nonfinite, to_torch
 from h3quant.formats.container.platform import datasync, pwrite
 from h3quant.formats.container.writer import Layout, tensor_bytes
 
@@ -376,6 +376,28 @@ def copy_tensor(item, reader: Reader, sink, progress) -> None:
     for start, data in reader.chunks(info, COPY_CHUNK, first=done):
         sink.write(item.out, start, data)
         progress(len(data))
+
+
+def check_finite(info: TensorInfo, reader: Reader) -> None:
+    """Refuse a float tensor copied unchanged that holds NaN or infinity (D106, the rule
+    ``validate --deep`` applies to every float tensor): copying it would write a file that
+    ``validate --deep`` fails. Read in ``COPY_CHUNK`` pieces, bits tested without torch."""
+    if info.dtype not in FLOAT_DTYPES or not info.nbytes:
+        return
+    whole = reader.computed_bytes(info)
+    parts = [(0, whole)] if whole is not None else reader.chunks(info, COPY_CHUNK)
+    size = itemsize(info.dtype)
+    bad, first = 0, None
+    for start, data in parts:
+        n, i = nonfinite(data, info.dtype)
+        if i is not None and first is None:
+            first = start // size + i
+        bad += n
+    if bad:
+        raise FindingError(f"source tensor (copied unchanged): {bad} of "
+                           f"{info.nbytes // size} values are NaN or infinite (first at flat index "
+                           f"{first}); expected finite values; nothing written", tensor=info.name,
+                           code="D106")
 
 
 def by_input_offset(items, info_of) -> list:

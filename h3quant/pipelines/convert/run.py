@@ -89,6 +89,30 @@ class CheckedRows(SourceRows):
         return out
 
 
+def check_kept_layer(lp, reader) -> None:
+    """Refuse a quantized layer convert copies as it is (kept, skipped, untouched) when its
+    source breaks the rules a converted layer's source is held to: its scales (D101 / D102 ...)
+    and its weight decoded through the codec, every value finite (D106). Copying it would
+    write a file that ``validate --deep`` fails, as converting it would be refused."""
+    from h3quant.pipelines.convert.compute import rows_per_chunk
+
+    fmt = (lp.src_fields or {}).get("format")
+    codec = registry.get(fmt) if fmt is not None else None
+    if codec is None or "weight" not in lp.inputs:
+        return
+    try:
+        check_source_scales(lp, reader)
+        rows = CheckedRows(lp, reader)
+        n, k = lp.n, lp.k
+    except (KeyError, NotImplementedError):
+        return  # a layer whose tensors the header rules already refuse
+    step = rows_per_chunk(k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows.rows(r0, r1)
+        rows.release(r0, r1)
+
+
 def convert_layers(plan: ConvertPlan, stream, bar) -> dict[str, dict]:
     """Convert ``plan``'s layers into ``stream`` (a ``stream.CopyStream``), in input offset
     order, their row chunks on ``workers`` threads; returns each layer's report entry. Waits
@@ -191,6 +215,7 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=
                 if lay is not None:
                     lay.release()
         else:
+            check_kept_layer(lp, reader)  # copied as it is: the same verdict as converted
             for name in lp.produced:  # keep / skip / untouched produce at most a marker
                 sinks.write(name, 0, lp.marker)
     except H3QuantError as exc:

@@ -24,7 +24,14 @@ from pathlib import Path
 
 from h3quant.formats.container.atomic import fsync_dir
 from h3quant.formats.container.signals import deferred_signals
-from h3quant.pipelines.convert.io import OffsetWriter, Reader, Sinks, by_input_offset, copy_tensor
+from h3quant.pipelines.convert.io import (
+    OffsetWriter,
+    Reader,
+    Sinks,
+    by_input_offset,
+    check_finite,
+    copy_tensor,
+)
 from h3quant.pipelines.convert.plan import ConvertPlan
 from h3quant.pipelines.convert.result import ConvertReport, build_report
 
@@ -40,6 +47,7 @@ def copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
     for item in items:
         if stop.is_set():
             return
+        check_finite(item.src, reader)  # validate --deep's rule on every float tensor
         copy_tensor(item, reader, sinks, progress)
 
 
