@@ -334,6 +334,13 @@ class SourceView:
             self._unmarked.add(unmark)
         self._layout()
 
+    def current(self, name: str):
+        """(a function giving ``name`` as the view shows it now, one giving it before any
+        replacement): what a further ``replace`` builds on."""
+        if name in self._replaced:
+            return self._replaced[name][2], self._replaced[name][3]
+        return (lambda: self.stored(name)), (lambda: self.stored(name))
+
     def exact(self, name: str):
         """Tensor ``name`` from its sources before any rounding (an fp8 weight: its fp32
         decode), for a merge that rounds once."""
