@@ -298,3 +298,47 @@ def _kitchen_decode(target, t, shape):
                                     codebook=t["weight_codebook"], orig_dtype=torch.float32,
                                     orig_shape=tuple(shape))
     return QuantizedTensor(t["weight"], "AsymW4A8Int8Layout", lay).dequantize().float()
+
+
+def _target(name):
+    from h3quant.formats import registry
+
+    codec = registry.target_codec(name)
+    return codec, codec.spec.marker(registry.target(name), 256)
+
+
+@pytest.mark.parametrize("name", ["w4a8", "int8-convrot", "int4-convrot"])
+def test_runtime_output_is_the_runtimes_layer(name):
+    """The search's activation path against the runtime's own linear for the same tensors."""
+    from h3quant.runtime.linear import QuantizedLinear
+
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(64, 512, generator=g), torch.randn(16, 512, generator=g) * 3
+    codec, marker = _target(name)
+    out = codec.encode(w, marker, "exact")
+    got = smooth.runtime_output(codec, marker, out, x)
+    if name == "int4-convrot":
+        from h3quant.formats.int4_convrot.tensors import w4a4_linear
+
+        want = w4a4_linear(x, out["weight"].view(torch.int8), out["weight_scale"], 256)
+    else:
+        q, s = codec.int8_grid(out, marker)
+        lin = QuantizedLinear.from_int8(q, s, convrot=True, group_size=256, device="cpu")
+        want = lin(x)
+    assert torch.allclose(got, want.float(), rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    y = x @ w.t()
+    assert float((got - y).norm() / y.norm()) < 0.5  # and it is the layer, quantized
+
+
+def test_choose_smooths_an_outlier_channel_and_leaves_flat_inputs():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(128, 512, generator=g)
+    x = torch.randn(256, 512, generator=g)
+    codec, marker = _target("int4-convrot")
+    flat = smooth.choose(w, x.abs().amax(0), x, codec, marker)
+    assert flat.s is None
+    x[:, :4] *= 60.0  # four outlier channels
+    c = smooth.choose(w, x.abs().amax(0), x, codec, marker)
+    assert c.s is not None and bool((c.s[:4] > 1).all())
+    assert c.modelled_db["smoothed"] > c.modelled_db["plain"] + smooth.MIN_GAIN_DB
+    assert torch.equal(torch.log2(c.s), torch.log2(c.s).round())
