@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ALPHAS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+ALPHAS = tuple(i / 16 for i in range(1, 17))  # 1/16 .. 1
 MIN_GAIN_DB = 0.2  # a smaller modelled gain leaves the layer unsmoothed
 MAX_EXP = 8  # factors within 2^-8 .. 2^8
 SEARCH_ROWS = 256  # output rows of the weight encoded per candidate
