@@ -81,7 +81,7 @@ def main() -> None:
         held = make_inputs(d, m, "h", HELDOUT)
     stats = d / "calib.stats"
     t0 = time.perf_counter()
-    capture_statistics(src, calib, stats, predict=False)
+    capture_statistics(src, calib, stats, predict=False, overwrite=True)
     print(f"SYNTHETIC tiny H3, {args.blocks} blocks (seed {args.seed}); capture "
           f"{time.perf_counter() - t0:.1f} s; held-out files: "
           + ", ".join(f"seed {s} size {z} sigma {g}" for s, z, g in HELDOUT))
