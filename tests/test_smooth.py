@@ -338,7 +338,7 @@ def test_choose_smooths_an_outlier_channel_and_leaves_flat_inputs():
     flat = smooth.choose(w, x.abs().amax(0), x, codec, marker)
     assert flat.s is None
     x[:, :4] *= 60.0  # four outlier channels
-    c = smooth.choose(w, x.abs().amax(0), x, codec, marker)
+    c = smooth.choose_for_target(w, x.abs().amax(0), x, "int4-convrot")
     assert c.s is not None and bool((c.s[:4] > 1).all())
     assert c.modelled_db["smoothed"] > c.modelled_db["plain"] + smooth.MIN_GAIN_DB
     assert torch.equal(torch.log2(c.s), torch.log2(c.s).round())

@@ -165,6 +165,19 @@ def choose(w: torch.Tensor, x_max: torch.Tensor, sample: torch.Tensor, codec, ma
     return Choice(best, best_alpha, dbs)
 
 
+def choose_for_target(w: torch.Tensor, x_max: torch.Tensor, sample: torch.Tensor, target: str,
+                      group_size: int = 256, **kw) -> Choice:
+    """``choose`` for a ``convert --to`` target name (``int4-convrot``, ``w4a8``, ``int8``,
+    ``int8-convrot``, ``nvfp4`` ...) with its marker at ``group_size``. The caller folds
+    ``1 / choice.s`` into whatever produces the layer's input (a norm's weight and bias, the
+    rows of the linear before) and quantizes ``w * choice.s``."""
+    from h3quant.formats import registry
+
+    codec = registry.target_codec(target)
+    return choose(w, x_max, sample, codec, codec.spec.marker(registry.target(target), group_size),
+                  **kw)
+
+
 # ----------------------------------------------------------------------------------- the fold
 
 def shift_rows(linear: str, hidden: int) -> list[tuple[int, int]]:
@@ -223,5 +236,6 @@ def fold_block(tensors: dict[str, torch.Tensor], factors_of: dict[str, torch.Ten
     return {name: apply_ops(tensors[name], o) for name, o in ops.items() if name in tensors}
 
 
-__all__ = ["ALPHAS", "Choice", "MIN_GAIN_DB", "SMOOTHED", "apply_ops", "choose", "factors",
+__all__ = ["ALPHAS", "Choice", "MIN_GAIN_DB", "SMOOTHED", "apply_ops", "choose",
+           "choose_for_target", "factors",
            "fold_block", "fold_plan", "power_of_two", "runtime_output", "shift_rows"]
