@@ -166,9 +166,14 @@ class LayerStats:
         def per_channel(load):
             return None if load is None else (lambda: (load().double() * inv).float())
 
-        am = self.channel_absmean
+        def absmean() -> torch.Tensor:
+            am = self.channel_absmean()
+            if am is None:
+                raise ValueError(f"{self.key}: statistics without channel magnitudes")
+            return am
+
         return LayerStats(self.key, self.k, self.rows, load_h,
-                          _load_absmean=lambda: (am().double() * inv).float(),
+                          _load_absmean=per_channel(absmean),
                           _load_absmax=per_channel(self._load_absmax),
                           _load_sample=per_channel(self._load_sample))
 
