@@ -239,6 +239,7 @@ class SourceView:
         self._hidden: set[str] = set()
         self._unmarked: set[str] = set()
         self.lora = None  # a convert.lora.LoraSet, once ``convert.bake`` has applied one
+        self.extra_metadata: dict[str, str] = {}  # header keys added to the source's
         self._cache: OrderedDict[str, memoryview] = OrderedDict()
         self._lock = threading.Lock()
         self._layout()
@@ -370,6 +371,8 @@ class SourceView:
     @property
     def metadata(self) -> dict[str, str]:
         meta = self.source.metadata
+        if self.extra_metadata:  # keys a transformation of the tensors adds (smoothing)
+            meta = {**meta, **self.extra_metadata}
         if not self._kept and (not self._unmarked or HEADER_KEY not in meta):
             return meta
         meta = dict(meta)

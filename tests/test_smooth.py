@@ -229,6 +229,7 @@ def test_convert_smooth_keys_markers_folds_and_kitchen(world, target):
                 assert bytes(a.read_bytes(n)) == bytes(b.read_bytes(n)), n
         ma, mb = dict(a.metadata), dict(b.metadata)
         oa, ob = json.loads(ma.pop("h3quant.options")), json.loads(mb.pop("h3quant.options"))
+        assert json.loads(mb.pop("h3quant.smoothing")) == sorted(smoothed)
         assert ma == mb and ob.get("smooth") == "auto" and "smooth" not in oa
         hidden = src["blocks.0.norm1.weight"].shape[0]
         got, s_of = {}, {}

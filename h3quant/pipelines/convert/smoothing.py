@@ -18,10 +18,12 @@ of this runs and the output is byte for byte what it was.
 
 from __future__ import annotations
 
+import json
 import math
 
 from h3quant.errors import UsageError
 
+HEADER_KEY = "h3quant.smoothing"  # JSON list of the smoothed layers
 FLOATS = ("F32", "BF16", "F16")
 
 
@@ -141,8 +143,10 @@ def apply(view, options, src, log) -> tuple[dict, dict]:
         stats.check_checkpoint(checkpoint_fingerprint(src))
         found, report = search(view, stats, options, log)
     fold_into(view, found)
+    if found:  # the smoothed layers, for tools reading the output (the report has the details)
+        view.extra_metadata[HEADER_KEY] = json.dumps(sorted(found), separators=(",", ":"))
     log(f"smoothing: {len(found)} of {len(report)} searched layers smoothed")
     return found, report
 
 
-__all__ = ["apply", "fold_into", "search"]
+__all__ = ["HEADER_KEY", "apply", "fold_into", "search"]
