@@ -343,3 +343,35 @@ def test_choose_smooths_an_outlier_channel_and_leaves_flat_inputs():
     assert c.s is not None and bool((c.s[:4] > 1).all())
     assert c.modelled_db["smoothed"] > c.modelled_db["plain"] + smooth.MIN_GAIN_DB
     assert torch.equal(torch.log2(c.s), torch.log2(c.s).round())
+
+
+@pytest.mark.slow
+def test_smooth_composes_with_a_rule_and_a_lora(world):
+    """--layer rule (another target for block 1) and --lora with --smooth auto: each layer is
+    searched on its own target, the LoRA-merged weights are smoothed, the key set and markers
+    are those of the same conversion without smoothing."""
+    from click.testing import CliRunner
+
+    from h3quant.cli import main
+
+    d = world["d"]
+    lora = d / "style.safetensors"
+    r = CliRunner().invoke(main, ["synth-lora", str(lora), "--blocks", "2", "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    common = ["--to", "int4-convrot", "--layer", r"blocks\.1\.=w4a8", "--lora", str(lora),
+              "--calibration", str(world["stats"]), "--overwrite"]
+    plain, smo, rep = d / "rl_plain.safetensors", d / "rl_smooth.safetensors", d / "rl.json"
+    r = CliRunner().invoke(main, ["convert", str(world["src"]), str(plain), *common, "--no-report"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["convert", str(world["src"]), str(smo), *common,
+                                  "--smooth", "auto", "--report", str(rep)])
+    assert r.exit_code == 0, r.output
+    entries = json.loads(rep.read_text())["smoothing"]
+    assert {n.split(".")[1] for n, e in entries.items() if e["smoothed"]} == {"0", "1"}
+    with Checkpoint(plain) as a, Checkpoint(smo) as b:
+        assert {n: (i.dtype, i.shape) for n, i in a.tensors.items()} == \
+            {n: (i.dtype, i.shape) for n, i in b.tensors.items()}
+        assert b.read("blocks.1.attn.qkv_proj.comfy_quant").numel() > 0
+        for n in a.tensors:
+            if n.endswith(".comfy_quant"):
+                assert bytes(a.read_bytes(n)) == bytes(b.read_bytes(n)), n
