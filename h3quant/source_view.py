@@ -239,6 +239,7 @@ class SourceView:
         self._hidden: set[str] = set()
         self._unmarked: set[str] = set()
         self.lora = None  # a convert.lora.LoraSet, once ``convert.bake`` has applied one
+        self.extra_metadata: dict[str, str] = {}  # header keys added to the source's
         self._cache: OrderedDict[str, memoryview] = OrderedDict()
         self._lock = threading.Lock()
         self._layout()
@@ -334,6 +335,13 @@ class SourceView:
             self._unmarked.add(unmark)
         self._layout()
 
+    def current(self, name: str):
+        """(a function giving ``name`` as the view shows it now, one giving it before any
+        replacement): what a further ``replace`` builds on."""
+        if name in self._replaced:
+            return self._replaced[name][2], self._replaced[name][3]
+        return (lambda: self.stored(name)), (lambda: self.stored(name))
+
     def exact(self, name: str):
         """Tensor ``name`` from its sources before any rounding (an fp8 weight: its fp32
         decode), for a merge that rounds once."""
@@ -363,6 +371,8 @@ class SourceView:
     @property
     def metadata(self) -> dict[str, str]:
         meta = self.source.metadata
+        if self.extra_metadata:  # keys a transformation of the tensors adds (smoothing)
+            meta = {**meta, **self.extra_metadata}
         if not self._kept and (not self._unmarked or HEADER_KEY not in meta):
             return meta
         meta = dict(meta)

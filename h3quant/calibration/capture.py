@@ -6,7 +6,9 @@
 ``calls`` are the model inputs (video, audio, text, sigma) of the user's sampler steps. The run is
 block-major: every call is started (embeddings, text refiner, conditioning), then block 0 runs
 on every call's hidden state while its four linears accumulate ``H = X^T X`` (fp32) and
-``sum |x|`` over all the rows they see (text, audio and video rows alike); block 0's statistics
+``sum |x|`` and ``max |x|`` per input channel over all the rows they see (text, audio and video
+rows alike), and keep a fixed sample of whole rows (``SAMPLE_ROWS`` evenly spaced over the
+calls: what smoothing needs to model per-token activation rounding); block 0's statistics
 are written to the output and dropped, then block 1 runs, and so on. Memory holds one block's
 statistics (fqkv, out_proj, fc1, fc2: ``4 * sum K^2`` bytes, about 1.2 GB at H3's full width)
 plus the calls' hidden states (rows x hidden x 4 bytes each), never the whole model's.
@@ -54,14 +56,27 @@ class BlockWriter:
         self._fh.close()
 
 
-class Recording(nn.Module):
-    """A linear that accumulates its inputs' second moment and channel magnitudes, then runs."""
+SAMPLE_ROWS = 256  # whole input rows kept per linear (evenly spaced over every call's rows)
 
-    def __init__(self, inner: nn.Module, k: int, device):
+
+def sample_indices(total: int, count: int = SAMPLE_ROWS) -> list[int]:
+    """``min(count, total)`` row indices evenly spaced over ``total`` rows (first row 0)."""
+    n = min(count, total)
+    return [i * total // n for i in range(n)] if n else []
+
+
+class Recording(nn.Module):
+    """A linear that accumulates its inputs' second moment and channel magnitudes (mean and
+    max ``|x|``) and keeps the sampled rows ``keep`` (global row indices), then runs."""
+
+    def __init__(self, inner: nn.Module, k: int, device, keep: list[int] | None = None):
         super().__init__()
         self.inner = inner
         self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
         self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
+        self.abs_max = torch.zeros(k, dtype=torch.float32, device=device)
+        self.keep = torch.tensor(keep or [], dtype=torch.long)
+        self.sample = torch.zeros(len(self.keep), k, dtype=torch.float32)
         self.rows = 0
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
@@ -72,7 +87,13 @@ class Recording(nn.Module):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.h.addmm_(x2.t(), x2)
         self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
-        self.rows += int(x2.shape[0])
+        if x2.shape[0]:
+            torch.maximum(self.abs_max, x2.abs().amax(0), out=self.abs_max)
+        n = int(x2.shape[0])
+        mine = (self.keep >= self.rows) & (self.keep < self.rows + n)
+        if bool(mine.any()):
+            self.sample[mine] = x2[(self.keep[mine] - self.rows).to(x2.device)].cpu()
+        self.rows += n
         return self.inner(x)
 
 
@@ -92,12 +113,17 @@ def layer_widths(model) -> dict[str, int]:
     return out
 
 
-def stats_layout(widths: dict[str, int], metadata: dict[str, str]):
-    """The statistics file's header, known before any tensor is computed."""
+def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: int | None = None):
+    """The statistics file's header, known before any tensor is computed (``sample_rows``:
+    the rows sampled per layer; None writes the first version's layout, without the channel
+    maxima and the sample)."""
     entries = []
     for key, k in widths.items():
         entries.append(Entry(f"{key}.hessian", "F32", (k, k)))
         entries.append(Entry(f"{key}.absmean", "F32", (k,)))
+        if sample_rows is not None:
+            entries.append(Entry(f"{key}.absmax", "F32", (k,)))
+            entries.append(Entry(f"{key}.sample", "F32", (sample_rows, k)))
     return plan_layout(entries, metadata)
 
 
@@ -110,7 +136,7 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     linear sees each call's whole packed sequence). Returns the rows each layer saw."""
     import json
 
-    from h3quant.calibration.stats import META_KEY
+    from h3quant.calibration.stats import META_KEY, VERSION
 
     states = []
     with torch.no_grad():
@@ -118,13 +144,14 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
             states.append(model.start(video, audio, text, sigma))
     seq = sum(int(st.x.shape[0]) for st in states)
     planned = {key: seq for key in widths}
-    meta = {**meta, "rows": planned}
-    layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)})
+    keep = sample_indices(seq)
+    meta = {**meta, "version": VERSION, "rows": planned, "sample_rows": len(keep)}
+    layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep))
     rows: dict[str, int] = {}
     writer = BlockWriter(out_path, layout)
     ok = False
     try:
-        _run_blocks(model, states, writer, widths, rows, on_block, on_call)
+        _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep)
         ok = True
     finally:
         writer.close(ok)
@@ -133,7 +160,7 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     return rows
 
 
-def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
+def _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep) -> None:
     dev = model.tdev
     with torch.no_grad():
         for i in model.blocks:
@@ -143,7 +170,7 @@ def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
             rec = {}
             for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
                 key = f"blocks.{i}.{lin}"
-                rec[key] = Recording(getattr(block, attr), widths[key], dev)
+                rec[key] = Recording(getattr(block, attr), widths[key], dev, keep)
                 setattr(block, attr, rec[key])
             for st in states:
                 st.x = block(st.x, st.cond)
@@ -155,10 +182,12 @@ def _run_blocks(model, states, writer, widths, rows, on_block, on_call) -> None:
                 writer.write_tensor(f"{key}.hessian", r.h.cpu())
                 absmean = (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu()
                 writer.write_tensor(f"{key}.absmean", absmean)
+                writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
+                writer.write_tensor(f"{key}.sample", r.sample)
                 rows[key] = r.rows
             del rec
             if on_block is not None:
                 on_block(i)
 
 
-__all__ = ["Recording", "capture", "layer_widths", "stats_layout"]
+__all__ = ["SAMPLE_ROWS", "Recording", "capture", "layer_widths", "sample_indices", "stats_layout"]

@@ -9,7 +9,12 @@ mlp.fc1,mlp.fc2}`` (the name without the checkpoint's prefix):
   Hadamard of its group size), computed when the statistics are used, so one file serves every
   group size;
 * ``{layer}.absmean``: F32 ``[K]``, the mean ``|x|`` of each input channel (activation-aware
-  scaling).
+  scaling);
+* from version 2: ``{layer}.absmax``: F32 ``[K]``, the max ``|x|`` of each input channel, and
+  ``{layer}.sample``: F32 ``[S, K]``, ``S`` whole input rows evenly spaced over every row the
+  layer saw (the same ``S`` for every layer, metadata ``sample_rows``): smoothing
+  (``calibration.smooth``) models the target format's per-token activation rounding on them.
+  A version 1 file serves error feedback and AWQ as before; smoothing refuses it.
 
 The metadata key ``h3quant.calibration`` holds JSON: ``version``, ``checkpoint`` (the header
 checksum of the checkpoint measured, ``calibration.fingerprint``), ``blocks`` (its block
@@ -39,7 +44,8 @@ import torch
 from h3quant.errors import UsageError
 
 META_KEY = "h3quant.calibration"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1: no absmax / sample (smoothing refuses it)
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 MAX_K = 65536  # an input width beyond any H3 linear: refused from the header
 SYMMETRY_TOL = 1e-4  # |H - H^T| allowed, relative to H's largest diagonal entry
@@ -75,6 +81,8 @@ class LayerStats:
     absmean: torch.Tensor | None = None
     _h: torch.Tensor | None = None
     _load_absmean: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] mean |x|
+    _load_absmax: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] max |x| (v2)
+    _load_sample: Callable[[], torch.Tensor] | None = None  # () -> fp32 [S, K] rows (v2)
     _factors: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -132,6 +140,23 @@ class LayerStats:
             self.absmean = self._load_absmean()
         return self.absmean
 
+    @property
+    def has_rows(self) -> bool:
+        """Whether the file holds this layer's channel maxima and sampled rows (version 2)."""
+        return self._load_absmax is not None and self._load_sample is not None
+
+    def channel_absmax(self) -> torch.Tensor:
+        """The max ``|x|`` per input channel (version 2 files)."""
+        if self._load_absmax is None:
+            raise ValueError(f"{self.key}: statistics without channel maxima")
+        return self._load_absmax()
+
+    def sample(self) -> torch.Tensor:
+        """The sampled input rows ``[S, K]`` (version 2 files)."""
+        if self._load_sample is None:
+            raise ValueError(f"{self.key}: statistics without sampled rows")
+        return self._load_sample()
+
     def scaled(self, s: torch.Tensor) -> "LayerStats":
         """The statistics of the inputs divided by ``s`` per channel: ``diag(1/s) H diag(1/s)``
         (computed in fp64), ``absmean / s``; ``s`` all ones gives ``H`` exactly."""
@@ -140,6 +165,30 @@ class LayerStats:
         am = self.channel_absmean()
         am = None if am is None else (am.double() * inv).float()
         return LayerStats.from_hessian(self.key, h, self.rows, am)
+
+    def divided(self, s: torch.Tensor) -> "LayerStats":
+        """Like ``scaled``, but lazy and reloadable: the statistics of ``x / s`` computed from
+        this layer's on each load (``release`` drops them; a later use computes them again)."""
+        inv = 1.0 / s.to(torch.float64)
+
+        def load_h():
+            h = self.hessian().to(torch.float64)
+            self.release()
+            return (h * inv[:, None] * inv[None, :]).to(torch.float32)
+
+        def per_channel(load):
+            return None if load is None else (lambda: (load().double() * inv).float())
+
+        def absmean() -> torch.Tensor:
+            am = self.channel_absmean()
+            if am is None:
+                raise ValueError(f"{self.key}: statistics without channel magnitudes")
+            return am
+
+        return LayerStats(self.key, self.k, self.rows, load_h,
+                          _load_absmean=per_channel(absmean),
+                          _load_absmax=per_channel(self._load_absmax),
+                          _load_sample=per_channel(self._load_sample))
 
     def release(self) -> None:
         """Drop the Hessian and its factors (the layer is done)."""
@@ -178,9 +227,9 @@ class Statistics:
             meta = json.loads(raw)
         except ValueError:
             raise _fail(self.path, f"the {META_KEY!r} metadata is not JSON") from None
-        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+        if not isinstance(meta, dict) or meta.get("version") not in READABLE:
             raise _fail(self.path, f"statistics version {meta.get('version') if isinstance(meta, dict) else '?'}"
-                        f" is not {VERSION}")
+                        f" is not one of {', '.join(map(str, READABLE))}")
         for key, kind in (("checkpoint", str), ("blocks", int), ("rows", dict), ("inputs", list)):
             if not isinstance(meta.get(key), kind):
                 raise _fail(self.path, f"metadata field {key!r} is missing or not a {kind.__name__}")
@@ -209,15 +258,27 @@ class Statistics:
             if am is None or am.dtype != "F32" or tuple(am.shape) != (shape[0],):
                 raise _fail(self.path, f"{key}.absmean is missing or not F32 [{shape[0]}]",
                             key + ".absmean")
+            extra = {}
+            if self.meta["version"] >= 2:
+                srows = self.meta.get("sample_rows")
+                if not isinstance(srows, int) or isinstance(srows, bool) or not 0 <= srows <= MAX_K:
+                    raise _fail(self.path, f"metadata sample_rows is {srows!r}; a count is needed")
+                for part, want in (("absmax", (shape[0],)), ("sample", (srows, shape[0]))):
+                    t = tensors.get(f"{key}.{part}")
+                    if t is None or t.dtype != "F32" or tuple(t.shape) != want:
+                        raise _fail(self.path, f"{key}.{part} is missing or not F32 {list(want)}",
+                                    f"{key}.{part}")
+                    extra[f"_load_{part}"] = self._reader(f"{key}.{part}")
             n = rows.get(key)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise _fail(self.path, f"metadata rows of {key} is {n!r}; a count is needed", name)
             out[key] = LayerStats(key, shape[0], n, _load=self._reader(name),
-                                  _load_absmean=self._reader(key + ".absmean"))
-        extra = sorted(set(tensors) - {f"{k}.{s}" for k in out for s in ("hessian", "absmean")})
-        if extra:
+                                  _load_absmean=self._reader(key + ".absmean"), **extra)
+        parts = ("hessian", "absmean") + (("absmax", "sample") if self.meta["version"] >= 2 else ())
+        unexpected = sorted(set(tensors) - {f"{k}.{s}" for k in out for s in parts})
+        if unexpected:
             raise _fail(self.path, "unexpected tensor (a statistics file holds only "
-                        "{layer}.hessian and {layer}.absmean)", extra[0])
+                        + ", ".join(f"{{layer}}.{p}" for p in parts) + ")", unexpected[0])
         if not out:
             raise _fail(self.path, "the file holds no layer statistics")
         return out

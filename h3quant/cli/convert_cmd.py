@@ -130,6 +130,13 @@ def _group_size(ctx, param, value):
               help="With --calibration: write awq-w4a16 layers without AWQ's per-input-channel "
                    "scaling (by default out_proj and fc2 are searched for channel scales, "
                    "folded into the v rows of qkv_proj and the up rows of fc1).")
+@click.option("--smooth", type=click.Choice(["auto", "off"]), default="off", show_default=True,
+              help="With --calibration: search per layer for channel factors that move "
+                   "activation outliers into the weights (SmoothQuant class), modelled on the "
+                   "target format's activation rounding, and fold them exactly into the "
+                   "block's norm weights, adaLN shift rows and the v / up rows (tensors ComfyUI "
+                   "already loads); a layer is smoothed only where the model says it helps. "
+                   "Needs statistics from this version of 'h3quant capture'.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -144,7 +151,7 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibration_heldout, no_awq_scale, overwrite, dry_run, as_json,
+            calibration_heldout, no_awq_scale, smooth, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -233,7 +240,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              naming=naming, loras=tuple(loras),
                              lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
                              calibration=calibration, calibration_heldout=calibration_heldout,
-                             awq_scale=not no_awq_scale)
+                             awq_scale=not no_awq_scale, smooth=smooth)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

@@ -42,7 +42,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     register_files(None, src, dst, options.loras).check(overwrite=True)
     with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
-        if mapping.trivial and not options.loras:
+        if mapping.trivial and not options.loras and options.smooth == "off":
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
         source, loras = _view(ckpt, mapping, options)
         options = _promoted(options, loras)
@@ -81,9 +81,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt.adopt_mapping(ckpt, options.naming)
         source, loras = ckpt, None
-        if not mapping.trivial or options.loras:
+        smoothed, smooth_report = None, None
+        if not mapping.trivial or options.loras or options.smooth != "off":
             source, loras = _view(ckpt, mapping, options)
             options = _promoted(options, loras)
+        if options.smooth != "off":  # after any LoRA is baked: the factors fit the merged weights
+            from h3quant.pipelines.convert import smoothing
+
+            smoothed, smooth_report = smoothing.apply(source, options, src, log)
         if not mapping.trivial:
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:
@@ -114,7 +119,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
                 from h3quant.pipelines.convert.calibrated import Calibration
 
                 plan.calibration = Calibration(options.calibration, src, log,
-                                               heldout=options.calibration_heldout)
+                                               heldout=options.calibration_heldout,
+                                               smoothed=smoothed)
             try:
                 report = run_plan(plan, source, out, progress=progress)
             finally:
@@ -122,6 +128,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
                     plan.calibration.close()
             if not mapping.trivial:
                 report.extra["naming"] = _naming(det, mapping)
+            if smooth_report is not None:
+                report.extra["smoothing"] = smooth_report
             if loras is not None:
                 report.extra["lora"] = survival.measure(source, loras, plan, options, log,
                                                         progress=progress)

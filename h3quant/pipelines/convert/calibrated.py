@@ -19,12 +19,35 @@ from __future__ import annotations
 from h3quant.errors import FormatError
 
 
+class Divided:
+    """Statistics whose layers' inputs are divided by smoothing factors (``s`` by layer name):
+    ``layer`` gives ``LayerStats.divided``; everything else is the file's."""
+
+    def __init__(self, stats, factors: dict):
+        self._stats, self._factors = stats, factors
+        self._made: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self._stats, name)
+
+    def layer(self, name: str):
+        st = self._stats.layer(name)
+        s = self._factors.get(name)
+        if st is None or s is None or st.k != s.numel():
+            return st
+        if name not in self._made:
+            self._made[name] = st.divided(s)
+        return self._made[name]
+
+
 class Calibration:
     """The open statistics of one conversion (and the held-out ones, when given)."""
 
-    def __init__(self, stats, src, log=None, *, heldout=None):
+    def __init__(self, stats, src, log=None, *, heldout=None, smoothed=None):
         """``stats``: the statistics file of checkpoint ``src`` (``heldout``: those of other
-        inputs, reported only); both are refused for another checkpoint."""
+        inputs, reported only); both are refused for another checkpoint. ``smoothed``: layer
+        name -> smoothing factors folded into the input (``convert.smoothing``): both files'
+        statistics are seen divided by them."""
         from h3quant.calibration.fingerprint import checkpoint_fingerprint
         from h3quant.calibration.stats import Statistics
 
@@ -40,6 +63,10 @@ class Calibration:
         except BaseException:
             self.close()
             raise
+        if smoothed:
+            self.stats = Divided(self.stats, smoothed)
+            if self.heldout is not None:
+                self.heldout = Divided(self.heldout, smoothed)
         meta = self.stats.meta
         rows = sorted(set(meta["rows"].values()))
         self.log(f"calibration: {len(self.stats.layers)} layers' statistics from "
@@ -100,4 +127,4 @@ class Calibration:
                 s.close()
 
 
-__all__ = ["Calibration"]
+__all__ = ["Calibration", "Divided"]

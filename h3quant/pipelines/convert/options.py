@@ -66,6 +66,7 @@ class ConvertOptions:
     calibration: str | None = None  # statistics file ('h3quant capture'): calibrated rounding
     calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
     awq_scale: bool = True  # AWQ channel scaling folded into the layer before (convert.folds)
+    smooth: str = "off"  # "auto": smoothing searched per layer and folded (convert.smoothing)
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -98,6 +99,11 @@ class ConvertOptions:
         if not self.awq_scale and not self.calibration:
             raise ConvertError("--no-awq-scale needs --calibration (channel scaling is only "
                                "done from statistics)")
+        if self.smooth not in ("auto", "off"):
+            raise ConvertError(f"--smooth must be auto or off, got {self.smooth!r}")
+        if self.smooth == "auto" and not self.calibration:
+            raise ConvertError("--smooth auto needs --calibration (the factors are chosen from "
+                               "the statistics)")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")
@@ -187,6 +193,8 @@ class ConvertOptions:
             body["layers"] = [r.text for r in self.layers]
         if self.calibration:  # calibrated codes: the statistics file's name
             body["calibration"] = os.path.basename(self.calibration)
+        if self.smooth != "off":
+            body["smooth"] = self.smooth
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:
