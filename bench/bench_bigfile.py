@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another checkout: its convert on --big")
     ap.add_argument("--skip", nargs="*", default=[], choices=COMMANDS)
+    ap.add_argument("--also-no-mmap", action="store_true",
+                    help="also run convert with --no-mmap (buffered reads) right after it")
     ap.add_argument("--files", choices=("both", "small", "big"), default="both",
                     help="run the commands on these files only (a row needs the small file's "
                          "run for its RSS ratio)")
@@ -140,16 +142,20 @@ def main() -> None:
             rows.append(("convert (before)", label, child, True))
             print(f"  baseline convert exit {child.exit_code}: "
                   f"{child.stderr.strip().splitlines()[-1] if child.stderr.strip() else ''}")
-        for cmd in COMMANDS:
+        commands = [c for c in COMMANDS for c in ((c, c + " --no-mmap") if c == "convert"
+                                                  and a.also_no_mmap else (c,))]
+        for cmd in commands:
             if cmd == "capture":  # the converted file is no longer needed: its disk goes to
                 q.unlink(missing_ok=True)  # the statistics (~1.2 GB a block)
-            if cmd in a.skip:
+            if cmd.split()[0] in a.skip:
                 continue
             cold = drop_caches()
-            child = run_h3quant(HERE, args_for(cmd, src, q, work, inputs, depth), cwd=work,
+            extra = cmd.split()[1:]
+            child = run_h3quant(HERE, args_for(cmd.split()[0], src, q, work, inputs, depth)
+                                + extra, cwd=work,
                                 check=False, timeout=a.timeout if label == "big" else None)
             rows.append((cmd, label, child, cold))
-            print(f"  {cmd:<13} exit {child.exit_code}  {child.seconds:7.1f} s  "
+            print(f"  {cmd:<19} exit {child.exit_code}  {child.seconds:7.1f} s  "
                   f"{child.peak_rss_mib:7.0f} MiB peak RSS", flush=True)
             if child.exit_code == -9:
                 for stale in work.glob(".h3quant-staging-*"):  # a killed run's temporaries
@@ -163,7 +169,7 @@ def main() -> None:
         q.unlink(missing_ok=True)
     small = {cmd: c for cmd, lab, c, _ in rows if lab == "small" and c is not None}
     print()
-    print(f"{'command':<17} {'file':<6} {'exit':>4} {'s':>8} {'GB read':>8} {'MB/s':>7} "
+    print(f"{'command':<19} {'file':<6} {'exit':>4} {'s':>8} {'GB read':>8} {'MB/s':>7} "
           f"{'x floor':>7} {'peak MiB':>9} {'x small':>7} cache")
     for cmd, label, c, cold in rows:
         if c is None:
@@ -174,7 +180,7 @@ def main() -> None:
         base = small.get(cmd)
         ratio = (f"{c.peak_rss_mib / base.peak_rss_mib:.2f}" if base is not None
                  and label == "big" and not cmd.endswith("(before)") else "-")
-        print(f"{cmd:<17} {label:<6} {c.exit_code:>4} {c.seconds:>8.1f} {read / 1e9:>8.2f} "
+        print(f"{cmd:<19} {label:<6} {c.exit_code:>4} {c.seconds:>8.1f} {read / 1e9:>8.2f} "
               f"{rate:>7.0f} {floor:>7.2f} {c.peak_rss_mib:>9.0f} {ratio:>7} "
               f"{'cold' if cold else 'warm'}")
 
