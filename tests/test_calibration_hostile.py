@@ -157,3 +157,42 @@ def test_the_hessian_rule_accepts_every_gram_matrix_and_refuses_a_tilt(k):
         t = h.clone()
         t[0, k - 1] += 0.01 * float(h.diagonal().max())
         assert "not symmetric" in hessian_violation(t)
+
+
+def _write_v2(path, src, layers: dict, edit=None):
+    """A version 2 file (channel maxima and 4 sampled rows per layer); ``edit(tensors)`` first."""
+    from safetensors.torch import save_file
+
+    from h3quant.calibration.fingerprint import checkpoint_fingerprint
+
+    meta = {"version": 2, "checkpoint": checkpoint_fingerprint(src), "blocks": 1, "inputs": [],
+            "rows": {k: v[2] for k, v in layers.items()}, "forward": "float", "sample_rows": 4}
+    tensors = {}
+    for k, (h, am, _) in layers.items():
+        tensors[f"{k}.hessian"], tensors[f"{k}.absmean"] = h.contiguous(), am.contiguous()
+        tensors[f"{k}.absmax"] = (3 * am).contiguous()
+        tensors[f"{k}.sample"] = torch.ones(4, am.numel())
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(path), metadata={"h3quant.calibration": json.dumps(meta)})
+    return path
+
+
+@pytest.mark.parametrize("part, value, words", [("absmax", -1.0, "negative"),
+                                                ("absmax", float("nan"), "non-finite"),
+                                                ("sample", float("inf"), "non-finite")])
+def test_version_2_channel_maxima_and_sampled_rows_are_checked_too(world, part, value, words):
+    good = _write_v2(world["d"] / "v2.stats", world["src"], world["layers"])
+    with Statistics(good):
+        pass
+
+    def edit(tensors):
+        tensors[f"{L}.{part}"].view(-1)[3] = value
+
+    bad = _write_v2(world["d"] / f"v2-{part}.stats", world["src"], world["layers"], edit)
+    with pytest.raises(UsageError, match=words) as e:
+        Statistics(bad)
+    assert e.value.tensor == f"{L}.{part}"
+    v = run("validate", bad, "--json")
+    doc = json.loads(v.stdout)
+    assert v.exit_code == 1 and [f["code"] for f in doc["findings"]] == ["K101"], doc

@@ -285,16 +285,24 @@ class Statistics:
 
     def _check_values(self) -> None:
         """Every layer's values against the rules above, one layer in memory at a time."""
+        per_channel = (("absmean", "mean |x|"), ("absmax", "max |x|"))
         for key in sorted(self.layers):
-            am = self._fh.read(self._fh.tensors[key + ".absmean"]).float()
-            self._finite(am, key + ".absmean")
-            neg = am < 0
-            if bool(neg.any()):
-                i = int(neg.nonzero()[0, 0])
-                raise _fail(self.path, f"{int(neg.sum())} mean |x| value(s) are negative (first: "
-                            f"{am[i].item()!r} at channel {i}); a mean of |x| is >= 0",
-                            key + ".absmean")
-            del am
+            for part, what in per_channel:
+                info = self._fh.tensors.get(f"{key}.{part}")
+                if info is None:  # absmax: version 2 only (its presence is checked above)
+                    continue
+                am = self._fh.read(info).float()
+                self._finite(am, f"{key}.{part}")
+                neg = am < 0
+                if bool(neg.any()):
+                    i = int(neg.nonzero()[0, 0])
+                    raise _fail(self.path, f"{int(neg.sum())} {what} value(s) are negative "
+                                f"(first: {am[i].item()!r} at channel {i}); a {what} is >= 0",
+                                f"{key}.{part}")
+                del am
+            if f"{key}.sample" in self._fh.tensors:
+                self._finite(self._fh.read(self._fh.tensors[f"{key}.sample"]).float(),
+                             f"{key}.sample")
             h = self._fh.read(self._fh.tensors[key + ".hessian"]).float()
             self._finite(h, key + ".hessian")
             reason = hessian_violation(h)
