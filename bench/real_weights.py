@@ -28,8 +28,8 @@ The path each format ran on is printed.
   passage's 10 nearest neighbours (cosine, among the held-out passages).
 
 A third column, calibrated and smoothed (per-channel factors that move activation outliers into
-the weights), is measured when ``h3quant.calibration.smooth`` provides ``choose_factors``;
-otherwise it is reported as not available. Asserts nothing; prints markdown tables.
+the weights), is measured when ``h3quant.calibration.smooth`` provides ``choose`` (see
+``smoothing_hook``); otherwise it is reported as not available. Asserts nothing; prints markdown tables.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def batches(tok: WordPiece, texts: list[str], max_len: int, size: int = 32):
 
 
 def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
-    """Per linear: (H fp64, sum |x|, rows) over ``texts``; with ``keep_rows``, also up to that
-    many input rows (spread over all batches)."""
+    """Per linear: (H fp64, sum |x|, rows, max |x| per channel) over ``texts``; with
+    ``keep_rows``, also up to that many input rows (spread over all batches)."""
     acc: dict[str, list] = {}
     kept: dict[str, list[torch.Tensor]] = {}
     n_batches = max(1, -(-len(texts) // 32))
@@ -114,10 +114,11 @@ def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
 
     def hook(key, x):
         xd = x.double()
-        a = acc.setdefault(key, [0, 0, 0])
+        a = acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])])
         a[0] = a[0] + xd.t() @ xd
         a[1] = a[1] + xd.abs().sum(0)
         a[2] += int(x.shape[0])
+        a[3] = torch.maximum(a[3], x.abs().amax(0))
         if per_batch:
             kept.setdefault(key, []).append(x[:per_batch].clone())
 
@@ -129,7 +130,7 @@ def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
 
 def layer_stats(acc) -> dict[str, LayerStats]:
     return {k: LayerStats.from_hessian(k, h.float(), rows, (s / max(rows, 1)).float())
-            for k, (h, s, rows) in acc.items()}
+            for k, (h, s, rows, _) in acc.items()}
 
 
 def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -138,23 +139,35 @@ def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float("inf") if err == 0 else 10 * torch.log10(torch.tensor(sig / err)).item()
 
 
+# --- calibrated + smoothed: measured when h3quant.calibration.smooth is installed -------------
+
 def smoothing_hook():
-    """(``choose_factors`` or None, text for the tables). The hook's contract:
-    ``choose_factors(w, stats, codec, marker) -> s`` fp32 ``[K]`` or None (leave the layer
-    unsmoothed); the layer then stores ``W diag(s)`` encoded with ``stats.scaled(s)`` and its
-    input is divided by ``s``. In H3 the division folds exactly into the tensors before the
-    layer (RMSNorm / adaLN for qkv and fc1, the v rows for out_proj, the up rows for fc2);
-    BERT's post-LN residual and GELU give qkv, fc1 and fc2 no such place, so here the input is
-    divided explicitly (the same arithmetic, simulated), and only out_proj's fold (through the
-    v rows) exists in the model itself."""
+    """(``pick(w, stats, codec, marker, x_max, sample) -> s [K] or None``, text for the tables),
+    or (None, why not). ``pick`` asks ``h3quant.calibration.smooth.choose`` for the layer's
+    per-channel factors (searched on the calibration rows' channel maxima and a sample of them,
+    with the weight's error weighted by what error feedback leaves of it, as convert does); the
+    layer then stores ``W diag(s)`` encoded with ``stats.scaled(s)`` and its input is divided by
+    ``s``. In H3 the division folds exactly into the tensors before the layer (RMSNorm / adaLN
+    shift rows for qkv and fc1, the v rows for out_proj, the up rows for fc2); BERT's post-LN
+    residual and GELU give qkv, fc1 and fc2 no such place, so here the input is divided
+    explicitly (the same arithmetic), which only out_proj could also fold (v rows)."""
     try:
         smooth = importlib.import_module("h3quant.calibration.smooth")
     except ImportError:
         return None, "not available (no h3quant.calibration.smooth in this install)"
-    choose = getattr(smooth, "choose_factors", None)
+    choose = getattr(smooth, "choose", None)
     if not callable(choose):
-        return None, "not available (h3quant.calibration.smooth has no choose_factors)"
-    return choose, "h3quant.calibration.smooth.choose_factors"
+        return None, "not available (h3quant.calibration.smooth has no choose)"
+
+    def pick(w, stats, codec, marker, x_max, sample):
+        share = 1.0
+        if codec.calibrates and stats.rows >= stats.k:
+            g = int((marker or {}).get("convrot_groupsize", 256))
+            gain = stats.predicted_gain_db(codec.spec.uses_convrot(marker), g)
+            share = 10.0 ** (-max(0.0, gain) / 10.0)
+        return choose(w, x_max, sample, codec, marker, weight_share=share).s
+
+    return pick, "h3quant.calibration.smooth.choose"
 
 
 class Divided(torch.nn.Module):
@@ -169,9 +182,10 @@ class Divided(torch.nn.Module):
 
 
 def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, LayerStats],
-          choose=None):
+          choose=None, smooth_inputs=None):
     """(runtime module with bias, path text) of one layer in ``mode`` (plain, calibrated,
-    smoothed), or (None, reason)."""
+    smoothed), or (None, reason). ``smooth_inputs[key]``: (max |x| per channel, sampled
+    calibration rows) for ``choose``."""
     codec = registry.target_codec(fmt)
     lin = model.linear(key)
     w, b = lin.weight, lin.bias
@@ -190,7 +204,7 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
         return None, "no calibrated encoder"
     else:
         if mode == "smoothed":
-            s = choose(w, cal, codec, marker)
+            s = choose(w, cal, codec, marker, *smooth_inputs[key])
             if s is not None:
                 w = w * s.to(w.dtype)[None, :]
                 cal = cal.scaled(s)
@@ -256,8 +270,9 @@ def main(argv=None) -> int:
         print("real_weights: too little text found under /usr/share (need 16 passages a set)",
               file=sys.stderr)
         return 2
-    acc, _, _ = capture(model, tok, cal_texts, args.max_len)
+    acc, cal_sample, _ = capture(model, tok, cal_texts, args.max_len, keep_rows=1024)
     stats = layer_stats(acc)
+    smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
     _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
     cal_rows = next(iter(acc.values()))[2]
     print(f"model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
@@ -286,7 +301,7 @@ def main(argv=None) -> int:
         for mode in modes:
             reason = None
             for key in model.keys():
-                module, info = build(model, fmt, key, mode, stats, choose)
+                module, info = build(model, fmt, key, mode, stats, choose, smooth_inputs)
                 if module is None:
                     reason = info
                     break

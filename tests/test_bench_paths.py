@@ -199,6 +199,31 @@ def test_real_weights_layers_report_the_runtime_path():
     assert "torch-int8" in path and "int8 per token" in path
 
 
+def test_real_weights_smoothed_layer_divides_its_input():
+    """The smoothed column's layer stores W diag(s) and divides its input by s: with s = 2 on
+    every channel (exact in binary) it computes what the calibrated layer does."""
+    rw = _load_bench("real_weights")
+    bert = _load_bench("bert")
+    model = _tiny_bert(bert)
+    from h3quant.calibration.stats import LayerStats
+
+    key = "encoder.0.ffn.fc1"
+    k = model.linear(key).weight.shape[1]
+    stats = {key: LayerStats.from_hessian(key, torch.eye(k), 4096)}
+    seen = []
+
+    def choose(w, st, codec, marker, x_max, sample):
+        seen.append((tuple(x_max.shape), tuple(sample.shape)))
+        return torch.full((k,), 2.0)
+
+    inputs = {key: (torch.ones(k), torch.zeros(5, k))}
+    cal, _ = rw.build(model, "w4a8", key, "calibrated", stats)
+    smo, path = rw.build(model, "w4a8", key, "smoothed", stats, choose, inputs)
+    assert seen == [((k,), (5, k))] and isinstance(smo, rw.Divided)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(smo(x), cal(x), rtol=1e-5, atol=1e-5)
+
+
 # --- the BERT forward of bench/real_weights.py against torch's own encoder layer -------------
 
 def _tiny_tensors(layers=2, hidden=64, heads=4, inter=256, vocab=40, seed=0):
