@@ -65,8 +65,7 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
         fmt = module.codec.spec.name
         if module.emulated:
             return LayerPath(fmt, "emulated", module.codec.emulation[0])
-        return LayerPath(fmt, "dequant", f"float (weight decoded to the activation dtype, "
-                                         f"{dt} by default)")
+        return LayerPath(fmt, "dequant", f"float ({dt}, the weight decoded to it)")
     if isinstance(module, QuantizedLinear):
         fmt = format_name or ("int8 ConvRot grid" if module.convrot else "int8 grid")
         name = module.backend_name
