@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h3quant.runtime.backends import DEQUANTIZED
 from h3quant.runtime.devices import Device
-
-_INT8_KERNELS = ("torch-int8", "kitchen", "npu")
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
     if isinstance(module, QuantizedLinear):
         fmt = format_name or ("int8 ConvRot grid" if module.convrot else "int8 grid")
         name = module.backend_name
-        if name in _INT8_KERNELS:
+        if name not in DEQUANTIZED:  # an int8 kernel: the activations are quantized too
             rot = ", rotated" if module.convrot else ""
             return LayerPath(fmt, name, f"int8 per token{rot}")
         return LayerPath(fmt, name, f"float (weight dequantized to {dt})", module.fallback_reason)
