@@ -28,7 +28,7 @@ def render_blocks(res) -> str:
            f"seed {res.seed}", ""]
     rows = [[c.name + ("" if c.path == "plain" else " [swiglu]"), c.format, c.backend,
              _f(c.rel_err), f"{c.sqnr_db:.2f}", f"{c.cosine:.6f}", f"<= {c.limit:g}",
-             "ok" if c.passed else "FAIL"] for c in res.layers]
+             "smoothed" if c.smoothed else "ok" if c.passed else "FAIL"] for c in res.layers]
     out.append(format_table(["layer", "format", "backend", "rel err", "SQNR dB", "cosine",
                              "limit", ""], rows, {3, 4, 5}))
     out.append("")

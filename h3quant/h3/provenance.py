@@ -20,6 +20,9 @@ KEY = "h3quant.from_w4a8"
 # The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
 W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
 SCALING_KEY = "h3quant.awq_channel_scaling"
+# The layers ``convert --smooth auto`` stored as W diag(s), the division folded into the
+# tensors before them (a JSON list, sorted): alone, such a layer differs from its float original.
+SMOOTHING_KEY = "h3quant.smoothing"
 
 
 def read_scaling(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -40,10 +43,10 @@ def is_int8(fmt: str | None) -> bool:
     return spec is not None and spec.int8_codes
 
 
-def read(metadata: dict[str, str] | None) -> set[str]:
-    """The layer names the header records as converted from W4A8 (empty when absent or
-    malformed: a bad value never loosens a limit)."""
-    raw = (metadata or {}).get(KEY)
+def read(metadata: dict[str, str] | None, key: str = KEY) -> set[str]:
+    """The layer names the header records under ``key`` (converted from W4A8, by default;
+    ``SMOOTHING_KEY``: smoothed), empty when absent or malformed."""
+    raw = (metadata or {}).get(key)
     if not raw:
         return set()
     try:

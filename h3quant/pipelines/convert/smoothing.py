@@ -22,8 +22,9 @@ import json
 import math
 
 from h3quant.errors import UsageError
+from h3quant.h3.provenance import SMOOTHING_KEY
 
-HEADER_KEY = "h3quant.smoothing"  # JSON list of the smoothed layers
+HEADER_KEY = SMOOTHING_KEY  # JSON list of the smoothed layers
 FLOATS = ("F32", "BF16", "F16")
 
 

@@ -21,7 +21,7 @@ from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats import registry
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify import provenance
-from h3quant.h3.provenance import SCALING_KEY
+from h3quant.h3.provenance import SCALING_KEY, SMOOTHING_KEY
 from h3quant.pipelines.verify.result import SqnrLimits, Verdict
 from h3quant.runtime.model.block import (
     FloatLinear,
@@ -86,6 +86,7 @@ class LayerCheck:
     cosine: float
     limit: float
     passed: bool
+    smoothed: bool = False  # stored as W diag(s) (convert --smooth): judged by its block
 
 
 @dataclass
@@ -305,9 +306,12 @@ class _SharedReference(torch.nn.Module):
         return out[0]
 
 
-def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th, judged=None):
+def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th, judged=None,
+                 smoothed: bool = False):
     """Layer checks from the reference outputs ``ref_out`` of the ``inputs`` (path, x), held to
-    the limits of the format the layer is ``judged`` as (its own by default)."""
+    the limits of the format the layer is ``judged`` as (its own by default). A ``smoothed``
+    layer (W diag(s), the division folded into the tensors before it) computes its float
+    original only inside its block: its figures are shown, its block's check judges it."""
     limit = th.rel_err(judged or layer.format)
     checks = []
     for (path, x), ref in zip(inputs, ref_out):
@@ -318,7 +322,7 @@ def _check_layer(layer, run_mod, ref_out, inputs, tdev, dtype, th, judged=None):
         rel, sqnr, cos = error_metrics(y, ref)
         checks.append(LayerCheck(layer.name, layer.format.value, path,
                                  str(getattr(run_mod, "backend_name", "?")), rel, sqnr, cos, limit,
-                                 rel <= limit))
+                                 smoothed or rel <= limit, smoothed))
     return checks
 
 
@@ -376,6 +380,7 @@ def verify_checkpoint(
                               str(dev), idx, tokens, seed, th)
         siblings = float_siblings(ckpt, scan)
         marks = provenance.header_set(ckpt)
+        smoothed = provenance.header_set(ckpt, SMOOTHING_KEY)
         # the reference in any layout convert takes (official, diffusers, fp8), as ComfyUI's file
         rck = open_as_comfy(reference, mmap=mmap) if reference else None
         try:
@@ -384,7 +389,7 @@ def verify_checkpoint(
                 qb = load_blocks(ckpt, [i], scan=scan)[0]
                 rb = load_blocks(rck, [i], scan=rscan)[0] if rck is not None else None
                 _verify_block(qb, rb, result, (dev, tdev, dtype, backend, probe), siblings, ckpt,
-                              sigma, marks)
+                              sigma, marks, smoothed)
                 del qb, rb
                 if on_block is not None:  # progress: (blocks done, blocks in all)
                     on_block(idx.index(i) + 1, len(idx))
@@ -404,6 +409,14 @@ def verify_checkpoint(
                 "rows of fc1 hold the division, so each of them alone differs from its float "
                 "layer by that scale; the pair computes what the float pair does: judge them by "
                 "the block and whole-model (--model) figures")
+        if any(c.smoothed for c in result.layers):
+            n = len({c.name for c in result.layers if c.smoothed})
+            result.notes.append(
+                f"{n} layer(s) written with smoothing (header {SMOOTHING_KEY}): each stores "
+                "W diag(s), and the tensors before it (the norm weight and adaLN shift rows, or "
+                "the v / up rows) hold the division, so alone it differs from its float layer "
+                "by that factor (its figures are shown, marked 'smoothed'); its block computes "
+                "what the float block does, and the block check (and --model) judges it")
         if not siblings:
             result.notes.append("magnitude check skipped: the file has no float linear of a block "
                                 "linear's role to compare scales with")
@@ -430,7 +443,8 @@ def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: 
     return torch.randn(tokens, hidden, generator=g).to(dtype).float(), cond
 
 
-def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset()) -> None:
+def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset(),
+                  smoothed=frozenset()) -> None:
     dev, tdev, dtype, backend, probe = run
     th, seed, tokens = result.thresholds, result.seed, result.tokens
     refs, mods, inputs = {}, {}, {}
@@ -465,7 +479,8 @@ def _verify_block(qb, rb, result, run, siblings, ckpt, sigma, marks=frozenset())
             judged.append(j)
             result.data.extend(data_checks(layer, th, siblings))
             result.layers.extend(_check_layer(layer, mods[name], refs[name].results,
-                                              inputs[name], tdev, dtype, th, j.judged_as))
+                                              inputs[name], tdev, dtype, th, j.judged_as,
+                                              smoothed=rb is not None and layer.name in smoothed))
     result.provenance.update(provenance.to_json(judged))
     rel, sqnr, cos = error_metrics(y - x, y_ref - x)
     fmts = sorted({lay.format.value for lay in qb.layers.values() if lay.is_quantized})

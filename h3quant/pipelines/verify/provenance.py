@@ -66,9 +66,10 @@ def judge(layer, from_header: set[str]) -> Judgement:
     return Judgement(layer.name, stored, stored)
 
 
-def header_set(ckpt) -> set[str]:
-    """The layers a checkpoint's header records as converted from W4A8 (any shard)."""
-    return set().union(*(origin.read(sf.metadata) for sf in ckpt.files))
+def header_set(ckpt, key: str = origin.KEY) -> set[str]:
+    """The layers a checkpoint's header records under ``key`` (any shard): converted from
+    W4A8, by default."""
+    return set().union(*(origin.read(sf.metadata, key) for sf in ckpt.files))
 
 
 def scaled_layers(ckpt) -> dict[str, str]:
