@@ -2,19 +2,22 @@
 
     python bench/bench_bigfile.py --big /data/h3_32.safetensors --small /data/h3_1.safetensors
         [--work DIR] [--inputs 3] [--baseline /path/to/old/checkout] [--skip CMD ...]
+        [--files both|small|big] [--timeout S] [--also-no-mmap] [--compare-steps N]
 
 ``--big``: a full-width synthetic larger than this machine's memory (``h3quant synth BIG --preset
 full --blocks 32`` is 26.3 GB); ``--small``: the same with ``--blocks 1``. Both are made with
 those commands when missing. For each file, each command runs in a child process (this
 checkout's code), after the page cache was dropped where the machine allows it (root, Linux:
 ``/proc/sys/vm/drop_caches``; the table says whether it was): the I/O floor (one sequential read
-of the whole file in 64 MiB reads), ``convert --to int8-convrot``, ``verify --blocks 1``,
-``verify --model --depth 2`` (1 on the one-block file), ``plan --target-sqnr 20``, ``compare --no-frontier --steps 2``
-and ``capture`` over ``--inputs`` small seeded inputs files (its statistics, ~1.2 GB a block, are
-deleted at once). Printed per command and file: wall seconds, the bytes it read from the disk
-(``ru_inblock``) and their rate, the ratio of its time to the floor's time for those bytes,
-peak RSS, and the big file's peak RSS over the small file's. ``--baseline`` also runs the other
-checkout's convert on the big file (the code before windowed mappings fails there).
+of the whole file in 64 MiB reads), ``convert --to int8-convrot`` (``--also-no-mmap``: then with
+``--no-mmap`` too), ``verify --blocks 1``, ``verify --model --depth 2`` (1 on the one-block
+file), ``compare --no-frontier --steps 2`` (``--compare-steps``), ``capture`` over ``--inputs``
+small seeded inputs files (its statistics, ~1.2 GB a block, are deleted at once) and
+``plan --target-sqnr 20``. Printed per command and file: wall seconds, the bytes it read from
+the disk (``ru_inblock``) and their rate, the ratio of its time to the floor's time for those
+bytes, peak RSS, and the big file's peak RSS over the small file's. ``--baseline`` also runs the
+other checkout's convert on the big file (the code before windowed mappings fails there).
+``--timeout``: a command on the big file is stopped after that many seconds (its row says so).
 Asserts nothing; every figure is from this machine, and a busy machine slows the rates.
 """
 
@@ -84,7 +87,8 @@ def make_inputs(src: Path, work: Path, n: int) -> list[Path]:
     return paths
 
 
-def args_for(cmd: str, src: Path, q: Path, work: Path, inputs: list[Path], depth: int) -> list:
+def args_for(cmd: str, src: Path, q: Path, work: Path, inputs: list[Path], depth: int,
+             steps: int = 2) -> list:
     ins = [a for p in inputs for a in ("--inputs", p)]
     return {
         "convert": ["convert", src, q, "--to", "int8-convrot", "--overwrite"],
@@ -92,7 +96,7 @@ def args_for(cmd: str, src: Path, q: Path, work: Path, inputs: list[Path], depth
         "verify-model": ["verify", q, "--reference", src, "--model", "--depth", depth],
         "plan": ["plan", src, "--target-sqnr", "20", "--out", work / "recipe.json",
                  "--overwrite"],
-        "compare": ["compare", q, "--reference", src, "--no-frontier", "--steps", "2"],
+        "compare": ["compare", q, "--reference", src, "--no-frontier", "--steps", steps],
         "capture": ["capture", src, *ins, "--out", work / "h3.stats", "--overwrite",
                     "--no-predict"],
     }[cmd]
@@ -107,6 +111,8 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another checkout: its convert on --big")
     ap.add_argument("--skip", nargs="*", default=[], choices=COMMANDS)
+    ap.add_argument("--compare-steps", type=int, default=2,
+                    help="compare's sampling run (0: the one-forward comparison only)")
     ap.add_argument("--also-no-mmap", action="store_true",
                     help="also run convert with --no-mmap (buffered reads) right after it")
     ap.add_argument("--files", choices=("both", "small", "big"), default="both",
@@ -151,7 +157,8 @@ def main() -> None:
                 continue
             cold = drop_caches()
             extra = cmd.split()[1:]
-            child = run_h3quant(HERE, args_for(cmd.split()[0], src, q, work, inputs, depth)
+            child = run_h3quant(HERE, args_for(cmd.split()[0], src, q, work, inputs, depth,
+                                         a.compare_steps)
                                 + extra, cwd=work,
                                 check=False, timeout=a.timeout if label == "big" else None)
             rows.append((cmd, label, child, cold))
