@@ -85,8 +85,11 @@ def peak_rss_mb(res) -> float:
 
 
 def h3q_measured(*args, timeout: float = 120) -> tuple[int, str, float, float]:
-    """``python -m h3quant ARGS`` under ``memory_cap()``: (exit status, stdout + stderr, wall
-    seconds, the child's own peak RSS in MB from ``os.wait4``)."""
+    """``python -m h3quant ARGS`` under ``memory_cap()``: (exit status, stdout + stderr, the
+    child's CPU seconds (user + system) and its own peak RSS in MB, both from ``os.wait4``).
+    CPU time, not wall time: a loaded machine stretches the wall clock of any run, while work
+    done on a hostile header shows as CPU time; a child still running after ``timeout`` wall
+    seconds is killed (its exit status then says so)."""
     import tempfile
     import time
 
@@ -103,7 +106,7 @@ def h3q_measured(*args, timeout: float = 120) -> tuple[int, str, float, float]:
                 proc.kill()
             time.sleep(0.02)
         proc.returncode = os.waitstatus_to_exitcode(status)
-        secs = time.monotonic() - t0
+        secs = usage.ru_utime + usage.ru_stime
         log.seek(0)
         text = log.read().decode(errors="replace")
     return proc.returncode, text, secs, usage.ru_maxrss / 1024
