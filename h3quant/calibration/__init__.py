@@ -11,4 +11,4 @@ Layering: above the formats and the runtime (it runs the forward and hands stati
 codecs' ``encode(..., calibration=)``), below the pipelines and the CLI.
 """
 
-__all__ = ["capture", "fingerprint", "gptq", "recorder", "stats"]
+__all__ = ["capture", "fingerprint", "gptq", "meta", "recorder", "stats"]

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h3quant.calibration.meta import META_KEY
 from h3quant.errors import UsageError
 
-META_KEY = "h3quant.calibration"
 VERSION = 2
 READABLE = (1, 2)  # version 1: no absmax / sample (smoothing refuses it)
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")

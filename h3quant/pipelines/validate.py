@@ -107,10 +107,12 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
 def _statistics(ckpt: Checkpoint, p: Path, findings: list[Finding], checked: dict) -> bool:
     """A statistics file ('h3quant capture'): checked as convert and plan check it when they
     open it (K101), instead of as a checkpoint. True when ``ckpt`` is one."""
-    from h3quant.calibration.stats import META_KEY, Statistics
+    from h3quant.calibration.meta import META_KEY
 
     if META_KEY not in ckpt.metadata or ckpt.is_sharded:
         return False
+    from h3quant.calibration.stats import Statistics  # reads the values: torch
+
     checked["stages"].append("statistics")
     try:
         with Statistics(p):
