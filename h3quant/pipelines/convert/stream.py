@@ -43,12 +43,23 @@ def shard_of(plan: ConvertPlan) -> dict[str, str]:
     return {e.name: s for s, sp in plan.shards.items() for e in sp.entries}
 
 
-def copy_all(items, reader, sinks, progress, stop: threading.Event) -> None:
+def copy_all(items, reader, sinks, progress, stop: threading.Event,
+             checked: frozenset[str] = frozenset()) -> None:
     for item in items:
         if stop.is_set():
             return
-        check_finite(item.src, reader)  # validate --deep's rule on every float tensor
+        if item.src.name in checked:  # validate --deep's rule on a float tensor
+            check_finite(item.src, reader)
         copy_tensor(item, reader, sinks, progress)
+
+
+def finite_checked(plan: ConvertPlan) -> frozenset[str]:
+    """The copied tensors whose one rule is "finite" (D106): every copy but the tensors of a
+    quantized source layer, which its format's own rules judge (a W4A8 codebook is D104, as
+    ``validate --deep`` says) in the layer's pass."""
+    return frozenset([c.src.name for c in plan.copies]
+                     + [c.src.name for lay in plan.layers if lay.src_fields is None
+                        for c in lay.copies])
 
 
 class CopyStream:
@@ -79,7 +90,8 @@ class CopyStream:
             self._stack.callback(self._stop_copies)  # runs first on exit: before the writers
             copies = by_input_offset(self.plan.all_copies(), lambda c: c.src)
             self.copying = self._io.submit(copy_all, copies, self.reader, self.sinks,
-                                           self.progress, self._stop)
+                                           self.progress, self._stop,
+                                           finite_checked(self.plan))
         except BaseException:
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
