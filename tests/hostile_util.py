@@ -84,20 +84,41 @@ def peak_rss_mb(res) -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
+# The child reports its own peak RSS (VmHWM of its own address space) when it exits: ru_maxrss
+# from wait4 also counts the forked copy of this process from before exec, so in a large pytest
+# parent every child would look as large as the parent.
+_HWM_CHILD = """
+import atexit, os, runpy, sys
+def _hwm():
+    try:
+        with open('/proc/self/status') as fh:
+            kib = next(line.split()[1] for line in fh if line.startswith('VmHWM:'))
+        with open(os.environ['H3Q_HWM_FILE'], 'w') as out:
+            out.write(kib)
+    except (OSError, StopIteration):
+        pass
+atexit.register(_hwm)
+sys.argv = ['h3quant'] + sys.argv[1:]
+runpy.run_module('h3quant', run_name='__main__', alter_sys=True)
+"""
+
+
 def h3q_measured(*args, timeout: float = 120) -> tuple[int, str, float, float]:
     """``python -m h3quant ARGS`` under ``memory_cap()``: (exit status, stdout + stderr, the
-    child's CPU seconds (user + system) and its own peak RSS in MB, both from ``os.wait4``).
-    CPU time, not wall time: a loaded machine stretches the wall clock of any run, while work
-    done on a hostile header shows as CPU time; a child still running after ``timeout`` wall
-    seconds is killed (its exit status then says so)."""
+    child's CPU seconds (user + system, from ``os.wait4``) and its own peak RSS in MB). CPU
+    time, not wall time: a loaded machine stretches the wall clock of any run, while work done
+    on a hostile header shows as CPU time; a child still running after ``timeout`` wall seconds
+    is killed (its exit status then says so). The peak is the child's own address space's
+    (``VmHWM``, written by the child as it exits; ``ru_maxrss`` where that is unavailable)."""
     import tempfile
     import time
 
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as d:
+        hwm = Path(d) / "hwm"
         t0 = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "h3quant", *map(str, args)], env=ENV,
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_limit)
+        proc = subprocess.Popen([sys.executable, "-c", _HWM_CHILD, *map(str, args)],
+                                env={**ENV, "H3Q_HWM_FILE": str(hwm)}, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=_limit)
         while True:  # wait4 (not Popen.wait) reaps the child: its usage comes with it
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
@@ -109,4 +130,5 @@ def h3q_measured(*args, timeout: float = 120) -> tuple[int, str, float, float]:
         secs = usage.ru_utime + usage.ru_stime
         log.seek(0)
         text = log.read().decode(errors="replace")
-    return proc.returncode, text, secs, usage.ru_maxrss / 1024
+        peak = int(hwm.read_text()) / 1024 if hwm.exists() else usage.ru_maxrss / 1024
+    return proc.returncode, text, secs, peak
