@@ -215,6 +215,19 @@ TORCH_LOAD_CHILD = textwrap.dedent("""
                 os.kill(os.getpid(), int(os.environ["SIG"]))
             return None
     sys.meta_path.insert(0, Hook())
+    # convert's copy thread checks copied floats with numpy while torch loads in the main
+    # thread; it would import numpy first, and torch's initialisation would then find it
+    # loaded. The check waits for torch's own import of numpy here (20 s at most), so the
+    # signal lands inside torch's initialisation as on a machine where torch wins the race.
+    import time
+    import h3quant.pipelines.convert.io as cio
+    _check = cio.nonfinite
+    def _after_torch(*a, **k):
+        t0 = time.monotonic()
+        while "numpy" not in sys.modules and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        return _check(*a, **k)
+    cio.nonfinite = _after_torch
     from h3quant.cli import run
     run(sys.argv[1:])
 """)
