@@ -49,6 +49,8 @@ def _release(n: int) -> None:
 class ChargedMmap(mmap.mmap):
     """``mmap.mmap`` whose private writable mappings count against the simulated limit."""
 
+    _charge: weakref.finalize | None  # releases this mapping's charge (None: not charged)
+
     def __new__(cls, fileno, length, *args, **kw):
         if args:
             raise TypeError("the simulated mmap takes its options as keywords")
