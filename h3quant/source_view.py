@@ -408,9 +408,9 @@ class SourceView:
         real = self.forwarded(name)
         if real is not None:
             return real[0].read(real[1])
-        data = self.computed(name)
+        data = bytearray(self.computed(name))  # a copy the tensor owns (and may write)
         return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(info.dtype)) \
-            .reshape(info.shape).clone()
+            .reshape(info.shape)
 
     def read_bytes(self, name: str):
         return self._file.read_bytes(self.info(name))
