@@ -101,9 +101,6 @@ def handle_errors(func):
                        err=True)
             sys.exit(EXIT_USAGE)
         except InternalError as exc:
-            if is_out_of_memory(exc.original):
-                click.echo(memory_line(exc.original), err=True)
-                sys.exit(EXIT_USAGE)
             if is_torch_missing(exc.original):
                 ctx = click.get_current_context(silent=True)
                 click.echo(f"h3quant: error: "
@@ -194,6 +191,10 @@ def guard(what: str, fn, *args, **kwargs):
     except (H3QuantError, OSError, MemoryError, KeyboardInterrupt, RecursionError):
         raise
     except Exception as exc:
+        from h3quant.cli.os_errors import is_out_of_memory
+
+        if is_out_of_memory(exc):  # PyTorch's allocator refusing: memory, not a bug
+            raise MemoryError(str(exc)) from None
         if debug_enabled():
             raise
         raise InternalError(exc, what) from None
