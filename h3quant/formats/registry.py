@@ -131,6 +131,17 @@ def describe(fields: dict | None, dtype: str | None = None) -> str:
     return codec.spec.describe(fields) if codec is not None else str(fields.get("format"))
 
 
+def kept_marker(code_dtype: str) -> dict | None:
+    """The marker a source's fp8 codes of ``code_dtype`` (``F8_E4M3`` ...) are kept under, codes
+    and one scale unchanged (a legacy scaled-fp8 layer written as a per-layer one); None when
+    no format keeps such codes."""
+    for s in _SPECS.values():
+        marker = s.kept_marker(code_dtype)
+        if marker is not None:
+            return marker
+    return None
+
+
 def marker_defaults(name) -> dict:
     s = spec(name)
     return dict(s.marker_defaults) if s is not None and s.quantized else {}
@@ -211,7 +222,7 @@ def low_bit(names) -> bool:
 
 
 __all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",
-           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "known_names",
+           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "kept_marker", "known_names",
            "layouts_of", "logical_k",
            "logical_shape", "low_bit", "marker_defaults", "quantized_codecs", "register", "spec",
            "specs", "supported_names", "target", "target_codec", "targets", "verify_limits",

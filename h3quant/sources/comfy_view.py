@@ -34,7 +34,7 @@ from collections import OrderedDict
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import float_value
-from h3quant.formats.fp8.spec import per_tensor_marker
+from h3quant.formats import registry
 from h3quant.formats.markers import MARKER_SUFFIX, marker_bytes
 from h3quant.h3 import naming
 from h3quant.h3.naming import (
@@ -104,7 +104,6 @@ def decode_fp8(ckpt: Checkpoint, src):
 
     from h3quant.errors import FindingError
     from h3quant.formats.check import fp8_weight_violation
-    from h3quant.formats.fp8.tensors import decode_fp8 as decode
 
     codes = ckpt.read(src.name)
     s = None if src.scale is None else ckpt.read(src.scale).to(torch.float32)
@@ -118,7 +117,9 @@ def decode_fp8(ckpt: Checkpoint, src):
     if s is None:
         return codes.to(torch.float32)
     s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (codes.dim() - 1))
-    return decode(codes, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
+    # as ComfyUI's scaled-fp8 loader and kitchen's dequantize_per_tensor_fp8 decode it: codes
+    # to fp32, times the fp32 scale, in place (one fp32 copy)
+    return codes.to(torch.float32).mul_(s)
 
 
 def _read(ckpt: Checkpoint, src):
@@ -253,7 +254,7 @@ class SourceView:
         the reason it cannot be (None when it is kept)."""
         t = self._targets[name]
         src = t.sources[0]
-        marker = per_tensor_marker(src.dtype)
+        marker = registry.kept_marker(src.dtype)
         if marker is None:
             return f"fp8 codes of {src.dtype} have no per-layer float8 format"
         if t.op != COPY or len(t.sources) != 1 or len(src.shape) != 2:
@@ -518,7 +519,7 @@ def open_as_comfy(path, *, mmap: bool = True, naming: str = "auto",
     ComfyUI's single file: a plain ``Checkpoint`` when it is one (quantized or not), else a
     ``SourceView`` (official or diffusers shards, fp8 weights decoded: to F32 with
     ``quantized_target``, else rounded once to BF16). Closing it closes the files."""
-    from h3quant.formats.sources import open_source
+    from h3quant.sources.open import open_source
 
     ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place (ComfyUI's names)
     try:
