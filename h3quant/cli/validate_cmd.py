@@ -77,7 +77,7 @@ def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: b
         return
     if ckpt is None:
         raise click.UsageError("missing argument CKPT (or use --codes)")
-    from h3quant.pipelines.validate import validate_checkpoint
+    from h3quant.pipelines.headers.validate import validate_checkpoint
 
     bar = None
     if deep and progress_enabled(quiet):

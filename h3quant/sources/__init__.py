@@ -14,11 +14,10 @@ from h3quant.sources.comfy_view import (
     SourceView,
     adopt_mapping,
     build_target,
-    check_scale,
     decode_fp8,
-    has_config,
     open_as_comfy,
 )
+from h3quant.sources.header import check_scale, has_config
 from h3quant.sources.open import open_source
 from h3quant.sources.paths import input_paths
 

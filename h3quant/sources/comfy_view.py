@@ -36,7 +36,6 @@ from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import float_value
 from h3quant.formats import registry
 from h3quant.formats.markers import MARKER_SUFFIX, marker_bytes
-from h3quant.h3 import naming
 from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
@@ -53,36 +52,7 @@ from h3quant.h3.naming import (
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.virtual import VirtualFile
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
-
-
-
-def header_layers(ckpt: Checkpoint) -> set[str]:
-    """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
-    the marker rules report that)."""
-    try:
-        return set(parse_header_metadata(ckpt.metadata) or ())
-    except MarkerError:
-        return set()
-
-
-def headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor's (dtype, shape), the layers the header marks taken into account."""
-    return naming.header_tensors(ckpt.tensors, header_layers(ckpt))
-
-
-def has_config(ckpt: Checkpoint) -> bool:
-    """A ``config.json`` beside the shards (the official release ships one)."""
-    return bool(ckpt.files) and (ckpt.files[0].path.parent / "config.json").is_file()
-
-
-def check_scale(scale, name: str, note: str = "") -> None:
-    """N305 unless every value of the fp8 scale tensor ``scale`` is finite and positive."""
-    import torch
-
-    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-    if bad:
-        raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
-                          f"value(s){note}", tensor=name, code="N305")
+from h3quant.sources.header import check_scale, has_config, headers
 
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:

@@ -15,8 +15,8 @@ from h3quant.h3 import naming
 from h3quant.findings import Finding
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.markers import HEADER_KEY
-from h3quant.sources.comfy_view import check_scale, has_config
-from h3quant.sources.comfy_view import headers as _headers
+from h3quant.sources.header import check_scale, has_config
+from h3quant.sources.header import headers as _headers
 
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:
