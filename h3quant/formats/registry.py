@@ -68,6 +68,11 @@ def _name(name) -> str:
     return str(getattr(name, "value", name))
 
 
+def packages() -> tuple[str, ...]:
+    """The format packages, in registration order (the import contracts name the same set)."""
+    return _PACKAGES
+
+
 # ---------------------------------------------------------------------------- specs
 def specs() -> tuple[FormatSpec, ...]:
     """Every known format (the plain one included), in registration order."""
@@ -222,8 +227,7 @@ def low_bit(names) -> bool:
 
 
 __all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",
-           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "kept_marker", "known_names",
-           "layouts_of", "logical_k",
-           "logical_shape", "low_bit", "marker_defaults", "quantized_codecs", "register", "spec",
-           "specs", "supported_names", "target", "target_codec", "targets", "verify_limits",
-           "with_layout"]
+           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "kept_marker",
+           "known_names", "layouts_of", "logical_k", "logical_shape", "low_bit", "marker_defaults",
+           "packages", "quantized_codecs", "register", "spec", "specs", "supported_names", "target",
+           "target_codec", "targets", "verify_limits", "with_layout"]
