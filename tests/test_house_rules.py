@@ -59,7 +59,7 @@ def test_wire_names_live_in_their_own_package():
 
 # "diffusers" is also a LoRA key style: the style registry and the LoRA writer own that word;
 # the demo types user commands (``--naming official``) as a user would.
-_LAYOUT_WORD_OWNERS = ("h3/layouts.py", "h3/lora.py", "synth_lora.py", "cli/demo_cmd.py")
+_LAYOUT_WORD_OWNERS = ("h3/layouts.py", "h3/lora.py", "synth/lora.py", "cli/demo_cmd.py")
 
 
 def test_layout_names_live_in_the_layouts_registry():
