@@ -274,3 +274,55 @@ def test_the_contract_check_finds_a_missing_and_a_stale_package():
     every["forbidden_modules"].append("h3quant.formats.w4a8")
     assert _contract_mismatches(contracts, packages | {"h3quant.formats.gone"}) != []
     assert _contract_mismatches(contracts, packages - {"h3quant.formats.plain"}) != []
+
+
+def _format_package_codes() -> dict[str, set[str]]:
+    """Finding codes (``"Q130"``) each format package's modules name as string literals."""
+    import re
+
+    out: dict[str, set[str]] = {}
+    for pkg in sorted(p for p in (PKG / "formats").iterdir() if (p / "spec.py").is_file()):
+        for path in pkg.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"[A-Z]\d{3}", node.value):
+                    out.setdefault(node.value, set()).add(pkg.name)
+    return out
+
+
+def test_format_finding_codes_are_registered_by_their_package():
+    """A code that only one format package reports is registered by that package, not in the
+    central list of ``h3quant.findings``; ``validate --codes`` (a fresh process) lists them all."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, h3quant.findings as f; central = [r.code for r in f.all_rules()]; "
+            "import h3quant.formats.registry; print(json.dumps([central, "
+            "[r.code for r in f.all_rules()]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    central, everything = (set(x) for x in json.loads(out.stdout))
+    used_elsewhere = set()
+    for path in PKG.rglob("*.py"):
+        if (PKG / "formats") in path.parents and path.parent != PKG / "formats":
+            continue
+        used_elsewhere |= {n.value for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                           if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    own = {c for c, pkgs in _format_package_codes().items()
+           if len(pkgs) == 1 and c not in used_elsewhere}
+    assert own, "no format-owned code found: the detector is broken"
+    assert not own & central, f"format codes in the central list: {sorted(own & central)}"
+    assert own <= everything - central, sorted(own - everything)
+    listed = subprocess.run([sys.executable, "-m", "h3quant", "validate", "--codes", "--json"],
+                            capture_output=True, text=True, check=True, cwd=ROOT)
+    assert {d["code"] for d in json.loads(listed.stdout)} == everything
+
+
+def test_a_finding_code_cannot_be_registered_twice_with_another_rule():
+    from h3quant import findings
+
+    r = findings.rule("Q130")
+    findings.register(r.code, r.name, r.severity, r.rule)  # the same rule again: allowed
+    with pytest.raises(ValueError, match="already registered"):
+        findings.register("Q130", "another", r.severity, r.rule)

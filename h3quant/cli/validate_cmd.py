@@ -21,6 +21,7 @@ from h3quant.cli.common import (
 
 def _codes(as_json: bool) -> None:
     from h3quant.findings import all_rules
+    from h3quant.formats import registry  # noqa: F401 (the format packages register their codes)
 
     rules = all_rules()
     if as_json:

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("D130", "fp8-code-nonfinite", Severity.ERROR,
+         "fp8 codes decode to finite values (no NaN / inf codes)")
 
 # ComfyUI's legacy scaled-fp8 checkpoints (comfy/utils.py ``convert_old_quants``): a tensor
 # named ``scaled_fp8`` (under the model prefix) marks the file; each fp8 layer then carries
