@@ -96,8 +96,8 @@ def build(d: Path) -> dict:
 
     from h3quant.h3.topology import config_for
     from h3quant.synth import synth_checkpoint
-    from h3quant.synth_layouts import write_layout
-    from h3quant.synth_lora import write_lora
+    from h3quant.synth.layouts import write_layout
+    from h3quant.synth.lora import write_lora
 
     f = {}
     f["base"] = d / "base.safetensors"

@@ -1,8 +1,10 @@
 """Findings: one named, coded rule violation (or note) about a checkpoint.
 
-Codes are stable: tools and tests match on them. The registry below is the single list of every
-code h3quant emits, with its default severity and a one-line rule; `h3quant validate --codes`
-prints it.
+Codes are stable: tools and tests match on them. The registry holds every code h3quant emits,
+with its default severity and a one-line rule; `h3quant validate --codes` prints it. The codes
+of the container, marker, naming, topology and general rules are listed below; a format package
+registers the codes its own rules report (``register`` in its ``spec.py``), so they are known
+once the format registry (``h3quant.formats.registry``) is imported.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ class Rule:
 _RULES: dict[str, Rule] = {}
 
 
-def _r(code: str, name: str, severity: Severity, rule: str) -> None:
-    _RULES[code] = Rule(code, name, severity, rule)
+def register(code: str, name: str, severity: Severity, rule: str) -> None:
+    """Add finding code ``code``; registering it again is allowed only with the same rule."""
+    new = Rule(code, name, severity, rule)
+    old = _RULES.get(code)
+    if old is not None and old != new:
+        raise ValueError(f"finding code {code} is already registered as {old.name!r}")
+    _RULES[code] = new
+
+
+_r = register
 
 
 E, W, I = Severity.ERROR, Severity.WARNING, Severity.INFO  # noqa: E741 (I = info, as E and W)
@@ -91,42 +101,16 @@ _r("Q104", "group-size", E, "ConvRot group sizes are powers of 4 that divide K")
 _r("Q105", "unsupported-format", W, "the format is known but h3quant cannot convert or run it")
 _r("Q106", "tensor-unexpected", W, "a quantized layer holds no tensors its format does not define")
 _r("Q107", "correction-tensor", W, "weight_correction is not loaded by ComfyUI")
-_r("Q108", "k-divisibility", E, "W4A8: group_size is >= 4 and divides 16 or is a multiple of 16; "
-   "K is divisible by 16 and by group_size")
-_r("Q109", "kn-scale-shape", E, "int8_tensorwise_kn: weight I8 [K, N] and weight_scale F32 [N] "
-   "agree on N")
-_r("Q110", "kn-nz-ineligible", I, "int8_tensorwise_kn: K % 16 == 0 and N % 32 == 0, else the NPU "
-   "keeps the weight ND (no FRACTAL_NZ cast)")
-_r("Q111", "kn-npu-n-limit", W, "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
-   "limit), else the layer needs tensor parallelism")
+# The codes of one format's own rules (Q108-Q111, Q120-Q123, Q130, D104, D107, D120-D122, D130,
+# D131) are registered by its package (``register`` in ``formats/<format>/spec.py``).
 # Data rules (--deep).
-_r("Q130", "mxfp8-shape", E, "mxfp8: weight dims are multiples of 32 and weight_scale is the "
-   "blocked [roundup(N, 128), roundup(K/32, 4)] of that weight")
 _r("Q131", "scaled-fp8-marker", W, "ComfyUI's legacy scaled_fp8 marker is present exactly when the "
    "file holds scale_weight fp8 layers (without it ComfyUI loads the codes unscaled)")
-_r("Q120", "fp4-padded-shape", E, "nvfp4: the stored weight [Np, Kp/2] has Np and Kp multiples "
-   "of 16 (the padded logical shape)")
-_r("Q121", "int4-quant-group", E, "convrot_w4a4: K is a multiple of the int4 kernel's group size "
-   "64, and quant_group_size (when present) is 64")
-_r("Q122", "linear-dtype", E, "convrot_w4a4: linear_dtype is 'int4' or 'int8'")
-_r("Q123", "awq-group", E, "awq_w4a16: group_size divides K; weight_scale and weight_zeros share "
-   "one dtype")
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")
 _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but never produced)")
-_r("D104", "codebook", E, "a codebook has 16 sorted finite levels in [-1, 1]")
 _r("D105", "marker-bytes", E, "marker bytes decode (deep re-read)")
 _r("D106", "weight-nonfinite", E, "float weights are finite")
-_r("D130", "fp8-code-nonfinite", E, "fp8 codes decode to finite values (no NaN / inf codes)")
-_r("D131", "e8m0-scale-nan", E, "mxfp8 e8m0 block scales are not 0xFF (NaN)")
-_r("D120", "block-scale-value", E, "nvfp4: e4m3 block scales are finite and >= 0, and a zero "
-   "block scale covers only zero codes")
-_r("D121", "block-scale-layout", E, "nvfp4: block scales are stored in cuBLAS's blocked 128 x 4 "
-   "layout (zeros in its padding); a row-major grid decodes blocks with other blocks' scales")
-_r("D122", "int4-range", W, "signed int4 codes stay in [-7, 7] (-8 is legal but never produced)")
-_r("D107", "kn-orientation", E, "int8_tensorwise_kn: the [K, N] weight is not canonical [N, K] "
-   "codes under the kn name (every row peaking at |q| = 127 while output channels do not; a "
-   "square layer's shape cannot tell)")
 # Topology rules: FORMATS.md 5.
 _r("T101", "h3-tensor-missing", E, "every tensor of the detected H3 configuration is present")
 _r("T102", "h3-tensor-shape", E, "H3 tensors have the shapes of the detected configuration")

@@ -47,7 +47,7 @@ def tiny_base(path: Path, blocks: int = 2, seed: int = 11) -> Path:
 
 def tiny_lora(path: Path, style: str = "comfyui", blocks: int = 1, rank: int = 2) -> Path:
     from h3quant.h3.topology import config_for
-    from h3quant.synth_lora import write_lora
+    from h3quant.synth.lora import write_lora
 
     write_lora(path, config_for("tiny", blocks=blocks), style, rank=rank, scale=0.01, seed=1,
                overwrite=True)

@@ -241,7 +241,7 @@ def test_kitchen_reads_the_scaled_layers(world):
 # -------------------------------------------------- (5) the whole model against the float file
 
 def test_verify_model_of_the_scaled_file(world):
-    from h3quant.pipelines.validate import validate_checkpoint
+    from h3quant.pipelines.headers.validate import validate_checkpoint
     from h3quant.pipelines.verify.model import verify_model
 
     got = {}

@@ -455,7 +455,7 @@ def test_awq_w4a16_is_written_from_statistics_and_read_back(world):
     from h3quant.errors import ConvertError
     from h3quant.formats.awq_w4a16.encoder import decode_awq_w4a16
     from h3quant.pipelines.convert import ConvertOptions, convert
-    from h3quant.pipelines.validate import validate_checkpoint
+    from h3quant.pipelines.headers.validate import validate_checkpoint
 
     eager = pytest.importorskip("comfy_kitchen.backends.eager.awq")
     with pytest.raises(ConvertError):

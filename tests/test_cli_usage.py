@@ -73,7 +73,7 @@ def test_every_help_states_the_exit_codes():
 
 
 def test_internal_error_exits_3_and_asks_for_a_bug_report(src, monkeypatch):
-    import h3quant.pipelines.inspect as insp
+    import h3quant.pipelines.headers.inspect as insp
 
     def bug(*a, **k):
         raise ZeroDivisionError("boom")

@@ -9,7 +9,7 @@ from helpers.forge import cli
 from helpers.hf_cache import hf_cache_snapshot
 
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
+from h3quant.synth.layouts import write_layout
 
 
 def test_default_output_beside_the_input(tmp_path):

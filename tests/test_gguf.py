@@ -271,7 +271,7 @@ def test_a_gguf_changed_while_read_is_refused_as_a_safetensors_input_is(h3, tmp_
     import os
     import shutil
 
-    from h3quant.formats.gguf.view import GgufView
+    from h3quant.sources.gguf_view import GgufView
 
     f = tmp_path / "h3.gguf"
     write_gguf(h3["tensors"], f, "Q8_0")

@@ -13,7 +13,7 @@ from helpers.forge import cli
 
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
+from h3quant.synth.layouts import write_layout
 from helpers.hf_cache import hf_cache_snapshot
 
 

@@ -59,7 +59,7 @@ def test_wire_names_live_in_their_own_package():
 
 # "diffusers" is also a LoRA key style: the style registry and the LoRA writer own that word;
 # the demo types user commands (``--naming official``) as a user would.
-_LAYOUT_WORD_OWNERS = ("h3/layouts.py", "h3/lora.py", "synth_lora.py", "cli/demo_cmd.py")
+_LAYOUT_WORD_OWNERS = ("h3/layouts.py", "h3/lora.py", "synth/lora.py", "cli/demo_cmd.py")
 
 
 def test_layout_names_live_in_the_layouts_registry():
@@ -211,3 +211,118 @@ def test_tp_int32_matmul_on_npu_is_the_npu_backends():
 
     with pytest.raises(TpError, match="torch_npu is not importable"):
         NpuBackend().int32_matmul(Device("npu"), StaticProbe())
+
+
+# The import contracts that name every format package, less the packages each leaves out on
+# purpose (with the contract that covers them instead).
+_CONTRACT_LEFT_OUT = {
+    # int8_kn builds on int8 ("The NPU layout builds on int8 only"); mxfp8 on fp8's rules
+    # ("mxfp8 builds on fp8's rules only")
+    "Format packages stand alone: none imports another": {"h3quant.formats.int8_kn",
+                                                          "h3quant.formats.mxfp8"},
+    # a contract about one package leaves out that package and the one it builds on
+    "mxfp8 builds on fp8's rules only": {"h3quant.formats.fp8", "h3quant.formats.mxfp8"},
+    "The NPU layout builds on int8 only": {"h3quant.formats.int8", "h3quant.formats.int8_kn"},
+}
+
+
+def _contract_mismatches(contracts: list[dict], packages: set[str]) -> list[str]:
+    """Contracts whose lists of format packages disagree with the registry's ``packages``: a
+    list naming most of them (an "every format" list) must name all of them, less its reviewed
+    exceptions, and no contract may name a format package the registry lacks."""
+    out = []
+    for c in contracts:
+        for key in ("modules", "source_modules", "forbidden_modules"):
+            named = {m for m in c.get(key, ()) if m.startswith("h3quant.formats.")
+                     and (PKG / "formats" / m.split(".")[2] / "spec.py").is_file()
+                     or m in packages}
+            stale = named - packages
+            if stale:
+                out.append(f"{c['name']!r} {key} names unregistered {sorted(stale)}")
+            if 2 * len(named & packages) > len(packages):  # an "every format" list
+                missing = packages - named - _CONTRACT_LEFT_OUT.get(c["name"], set())
+                if missing:
+                    out.append(f"{c['name']!r} {key} lacks {sorted(missing)}")
+    return out
+
+
+def _contracts() -> list[dict]:
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["importlinter"]["contracts"]
+
+
+def test_import_contracts_name_the_registered_format_packages():
+    """A new format package is one line in the registry; the contracts that list every format
+    package must then list it too (this test says which), and none names a removed one."""
+    problems = _contract_mismatches(_contracts(), set(registry.packages()))
+    assert not problems, "\n".join(problems)
+    assert set(_CONTRACT_LEFT_OUT) <= {c["name"] for c in _contracts()}, "stale exception"
+
+
+def test_the_contract_check_finds_a_missing_and_a_stale_package():
+    import copy
+
+    contracts = copy.deepcopy(_contracts())
+    packages = set(registry.packages())
+    every = next(c for c in contracts if c.get("forbidden_modules")
+                 and set(packages) <= set(c["forbidden_modules"]))
+    every["forbidden_modules"].remove("h3quant.formats.w4a8")
+    assert _contract_mismatches(contracts, packages) == [
+        f"{every['name']!r} forbidden_modules lacks ['h3quant.formats.w4a8']"]
+    every["forbidden_modules"].append("h3quant.formats.w4a8")
+    assert _contract_mismatches(contracts, packages | {"h3quant.formats.gone"}) != []
+    assert _contract_mismatches(contracts, packages - {"h3quant.formats.plain"}) != []
+
+
+def _format_package_codes() -> dict[str, set[str]]:
+    """Finding codes (``"Q130"``) each format package's modules name as string literals."""
+    import re
+
+    out: dict[str, set[str]] = {}
+    for pkg in sorted(p for p in (PKG / "formats").iterdir() if (p / "spec.py").is_file()):
+        for path in pkg.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"[A-Z]\d{3}", node.value):
+                    out.setdefault(node.value, set()).add(pkg.name)
+    return out
+
+
+def test_format_finding_codes_are_registered_by_their_package():
+    """A code that only one format package reports is registered by that package, not in the
+    central list of ``h3quant.findings``; ``validate --codes`` (a fresh process) lists them all."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, h3quant.findings as f; central = [r.code for r in f.all_rules()]; "
+            "import h3quant.formats.registry; print(json.dumps([central, "
+            "[r.code for r in f.all_rules()]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    central, everything = (set(x) for x in json.loads(out.stdout))
+    used_elsewhere = set()
+    for path in PKG.rglob("*.py"):
+        if (PKG / "formats") in path.parents and path.parent != PKG / "formats":
+            continue
+        used_elsewhere |= {n.value for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                           if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    own = {c for c, pkgs in _format_package_codes().items()
+           if len(pkgs) == 1 and c not in used_elsewhere}
+    assert own, "no format-owned code found: the detector is broken"
+    assert not own & central, f"format codes in the central list: {sorted(own & central)}"
+    assert own <= everything - central, sorted(own - everything)
+    listed = subprocess.run([sys.executable, "-m", "h3quant", "validate", "--codes", "--json"],
+                            capture_output=True, text=True, check=True, cwd=ROOT)
+    assert {d["code"] for d in json.loads(listed.stdout)} == everything
+
+
+def test_a_finding_code_cannot_be_registered_twice_with_another_rule():
+    from h3quant import findings
+
+    r = findings.rule("Q130")
+    findings.register(r.code, r.name, r.severity, r.rule)  # the same rule again: allowed
+    with pytest.raises(ValueError, match="already registered"):
+        findings.register("Q130", "another", r.severity, r.rule)

@@ -10,7 +10,7 @@ from helpers.forge import cli, float_layer, int8_layer, quantized_synth, save, s
 from h3quant.sizes import mb_number, size_text
 from h3quant.formats.container import reader as container
 from h3quant.h3.topology import is_h3_block_linear
-from h3quant.pipelines.inspect import inspect_checkpoint
+from h3quant.pipelines.headers.inspect import inspect_checkpoint
 
 TOP_KEYS = ["path", "index", "sharded", "files", "total_bytes", "tensor_count", "parameters",
             "dtypes", "formats", "layer_counts", "bits_per_weight", "topology", "naming",

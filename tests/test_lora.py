@@ -178,7 +178,7 @@ def test_synth_lora_styles_resolve_and_inspect(tmp_path, style):
     from click.testing import CliRunner
 
     from h3quant.cli import main
-    from h3quant.synth_lora import write_lora
+    from h3quant.synth.lora import write_lora
 
     path = write_lora(str(tmp_path / f"{style}.safetensors"), CFG, style, rank=4)
     ls = lm.load([path], BASE)

@@ -20,7 +20,7 @@ from h3quant.errors import LoraError
 from h3quant.h3.topology import config_for
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_lora import write_lora
+from h3quant.synth.lora import write_lora
 
 CFG = config_for("tiny", blocks=2)
 QKV_THIRD = CFG.qkv_out // 3

@@ -344,7 +344,7 @@ def test_each_computed_tensor_is_built_once(comfy, tmp_path, monkeypatch):
     not evict each other, so every tensor is computed once, not once per chunk."""
     from collections import Counter
 
-    from h3quant import source_view as adopt
+    from h3quant.sources import comfy_view as adopt
 
     src = tmp_path / "f8.safetensors"
     assert _cli("synth", src, "--dtype", "fp8", "--seed", "3").exit_code == 0

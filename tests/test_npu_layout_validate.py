@@ -149,8 +149,8 @@ def test_header_only_commands_on_a_kn_file_do_not_import_torch(tmp_path):
 
     p = save(tmp_path / "kn.safetensors", {**kn_layer("a", n=64, k=256),
                                           **kn_layer("b", n=48, k=256, seed=1)})
-    code = ("import sys; from h3quant.pipelines.inspect import inspect_checkpoint; "
-            "from h3quant.pipelines.validate import validate_checkpoint; "
+    code = ("import sys; from h3quant.pipelines.headers.inspect import inspect_checkpoint; "
+            "from h3quant.pipelines.headers.validate import validate_checkpoint; "
             f"r = inspect_checkpoint({str(p)!r}, layers=True); "
             f"v = validate_checkpoint({str(p)!r}); "
             "assert [x['nz'] for x in r.layers] == [True, False], r.layers; "

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from h3quant.cli import main
 from h3quant.formats import registry
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
+from h3quant.synth.layouts import write_layout
 
 W = "blocks.0.attn.qkv_proj.weight"
 S = "blocks.0.attn.qkv_proj.scale_weight"

@@ -14,7 +14,7 @@ from h3quant.formats.layers import scan_checkpoint
 from h3quant.formats.markers import parse_header_metadata, parse_marker_bytes
 from h3quant.pipelines.convert import ConvertOptions, convert, plan_convert
 from h3quant.pipelines.convert.recipe import load_recipe, parse_rule, rules_from_data
-from h3quant.pipelines.inspect import inspect_checkpoint
+from h3quant.pipelines.headers.inspect import inspect_checkpoint
 from h3quant.synth import synth_checkpoint
 
 BLOCKS = 6

@@ -13,9 +13,9 @@ from helpers.forge import cli
 from helpers.hf_cache import hf_cache_snapshot
 
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.source_view import open_as_comfy
+from h3quant.sources import open_as_comfy
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
+from h3quant.synth.layouts import write_layout
 
 
 @pytest.fixture(scope="module")

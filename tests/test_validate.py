@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import h3quant.formats.deep as deep
-import h3quant.pipelines.validate as vmod
+import h3quant.pipelines.headers.validate as vmod
 from helpers.forge import (
     cli,
     codes,
@@ -20,7 +20,7 @@ from helpers.forge import (
 )
 from h3quant.findings import all_rules
 from h3quant.formats.container import reader as container
-from h3quant.pipelines.validate import validate_checkpoint
+from h3quant.pipelines.headers.validate import validate_checkpoint
 from h3quant.synth import synth_checkpoint
 
 KEYS = ["path", "ok", "deep", "counts", "checked", "findings"]

@@ -73,7 +73,7 @@ def _broken_codebook(files, tmp_path, how: str) -> tuple[Path, str]:
 
 def _assert_refused_everywhere(bad: Path, code: str, tensor: str, tmp_path: Path, targets):
     from h3quant.pipelines.convert import ConvertOptions, LayerFailures, convert
-    from h3quant.pipelines.validate import validate_checkpoint as validate
+    from h3quant.pipelines.headers.validate import validate_checkpoint as validate
 
     before = sha(bad)
     # validate (header-only or deep) reports it as an error finding: exit 1

@@ -227,13 +227,13 @@ def finite_float(lo: float | None = None, hi: float | None = None) -> click.Para
 
 class _Checkpoint(click.Path):
     """A checkpoint argument: a path, or ``ORG/NAME[@REV][:SUBFOLDER]`` read from the local
-    Hugging Face cache (``formats.container.hf_cache``; never downloaded)."""
+    Hugging Face cache (``sources.hf``; never downloaded)."""
 
     def __init__(self, path_type: type = str):
         super().__init__(dir_okay=True, path_type=path_type)
 
     def convert(self, value, param, ctx):
-        from h3quant.formats.container.hf_cache import resolve
+        from h3quant.sources.hf import resolve
 
         try:
             value = resolve(os.fspath(value))

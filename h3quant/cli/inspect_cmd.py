@@ -116,8 +116,8 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
     header's _quantization_metadata does not describe. Use `h3quant validate` to check rules.
     Exit status: 0 summarised, 2 unreadable input or usage error.
     """
-    from h3quant.pipelines.inspect import inspect_checkpoint
-    from h3quant.pipelines.lora_inspect import inspect_lora, looks_like_lora, render_lora
+    from h3quant.pipelines.headers.inspect import inspect_checkpoint
+    from h3quant.pipelines.headers.lora_inspect import inspect_lora, looks_like_lora, render_lora
 
     if looks_like_lora(ckpt):  # a LoRA file: its style, ranks and the H3 layers it touches
         info = guard("inspecting", inspect_lora, ckpt)
@@ -127,7 +127,7 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
     from h3quant.formats.gguf.reader import is_gguf
 
     if is_gguf(ckpt):  # a GGUF file: header, tensor types, bits per weight, H3 topology
-        from h3quant.pipelines.gguf_view import inspect_gguf, render_inspect
+        from h3quant.pipelines.headers.gguf import inspect_gguf
 
         info = guard("inspecting", inspect_gguf, ckpt)
         emit_json(info) if as_json else click.echo(render_inspect(info))
@@ -137,3 +137,23 @@ def command(ckpt: str, layers: bool, as_json: bool, no_mmap: bool) -> None:
         emit_json(res.to_dict())
     else:
         click.echo(render(res))
+
+
+def render_inspect(info: dict) -> str:
+    lines = [f"{info['path']}: GGUF v{info['gguf_version']}, architecture "
+             f"{info['architecture'] or '-'}, {size_text(info['total_bytes'])}, "
+             f"{info['tensor_count']} tensors ({info['naming']})"]
+    bpw = info["bits_per_weight"]
+    lines.append(f"bits per weight: all {bpw['all']}, DiT block linears {bpw['block_linears']}")
+    lines.append("types: " + ", ".join(f"{k} {v['tensors']} ({size_text(v['bytes'])})"
+                                       for k, v in sorted(info["types"].items())))
+    topo = info["topology"]
+    if topo:
+        parts = [f"{k}={topo[k]}" for k in ("preset", "form", "blocks", "hidden")
+                 if topo.get(k) is not None]
+        if topo.get("head_bank", 1) > 1:
+            parts.append(f"head_bank={topo['head_bank']}")
+        lines.append("MiniMax H3 DiT (" + ", ".join(parts) + ")")
+    else:
+        lines.append("not a MiniMax H3 DiT (no H3 topology under ComfyUI's names)")
+    return "\n".join(lines)

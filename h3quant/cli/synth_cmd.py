@@ -75,7 +75,7 @@ def command(out: Path, preset: str, blocks: int | None, form: str, seed: int, na
                                   progress=not quiet and approx >= PROGRESS_MIN_BYTES
                                   and sys.stderr.isatty())
         if relayout:
-            from h3quant.synth_layouts import write_layout
+            from h3quant.synth.layouts import write_layout
 
             nbytes = write_layout(plain, staged, naming, fp8=wdtype == "fp8")
             plain.unlink()

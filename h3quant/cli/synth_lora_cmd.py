@@ -34,7 +34,7 @@ def command(out, style, preset, blocks, rank, scale, seed, overwrite) -> None:
     status: 0 written, 2 usage or I/O error.
     """
     from h3quant.h3.topology import config_for
-    from h3quant.synth_lora import write_lora
+    from h3quant.synth.lora import write_lora
 
     cfg = config_for(preset, blocks=blocks)
     guard("writing a LoRA", write_lora, out, cfg, style, rank=rank, scale=scale, seed=seed,

@@ -21,6 +21,7 @@ from h3quant.cli.common import (
 
 def _codes(as_json: bool) -> None:
     from h3quant.findings import all_rules
+    from h3quant.formats import registry  # noqa: F401 (the format packages register their codes)
 
     rules = all_rules()
     if as_json:
@@ -77,7 +78,7 @@ def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: b
         return
     if ckpt is None:
         raise click.UsageError("missing argument CKPT (or use --codes)")
-    from h3quant.pipelines.validate import validate_checkpoint
+    from h3quant.pipelines.headers.validate import validate_checkpoint
 
     bar = None
     if deep and progress_enabled(quiet):

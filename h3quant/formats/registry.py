@@ -68,6 +68,11 @@ def _name(name) -> str:
     return str(getattr(name, "value", name))
 
 
+def packages() -> tuple[str, ...]:
+    """The format packages, in registration order (the import contracts name the same set)."""
+    return _PACKAGES
+
+
 # ---------------------------------------------------------------------------- specs
 def specs() -> tuple[FormatSpec, ...]:
     """Every known format (the plain one included), in registration order."""
@@ -129,6 +134,17 @@ def describe(fields: dict | None, dtype: str | None = None) -> str:
         return dtype or "float"
     codec = get(fields.get("format"))
     return codec.spec.describe(fields) if codec is not None else str(fields.get("format"))
+
+
+def kept_marker(code_dtype: str) -> dict | None:
+    """The marker a source's fp8 codes of ``code_dtype`` (``F8_E4M3`` ...) are kept under, codes
+    and one scale unchanged (a legacy scaled-fp8 layer written as a per-layer one); None when
+    no format keeps such codes."""
+    for s in _SPECS.values():
+        marker = s.kept_marker(code_dtype)
+        if marker is not None:
+            return marker
+    return None
 
 
 def marker_defaults(name) -> dict:
@@ -211,8 +227,7 @@ def low_bit(names) -> bool:
 
 
 __all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",
-           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "known_names",
-           "layouts_of", "logical_k",
-           "logical_shape", "low_bit", "marker_defaults", "quantized_codecs", "register", "spec",
-           "specs", "supported_names", "target", "target_codec", "targets", "verify_limits",
-           "with_layout"]
+           "codec_for", "codecs", "comfy_names", "decoded_limits", "describe", "get", "kept_marker",
+           "known_names", "layouts_of", "logical_k", "logical_shape", "low_bit", "marker_defaults",
+           "packages", "quantized_codecs", "register", "spec", "specs", "supported_names", "target",
+           "target_codec", "targets", "verify_limits", "with_layout"]

@@ -226,6 +226,12 @@ class FormatSpec:
         """How a kept (re-emitted) tensor is declared: same bytes, canonical dtype and shape."""
         return dtype, shape
 
+    def kept_marker(self, code_dtype: str) -> dict | None:
+        """The marker of a per-layer layer of this format holding a source's codes of
+        ``code_dtype`` unchanged, with their one scale as ``weight_scale`` (None: this format
+        keeps no such codes)."""
+        return None
+
     # ------------------------------------------------------------------ tensor rules
     def tensor_violations(self, n: int, cols: int, fields: dict,
                           tensors: dict) -> tuple[int, int, list[Violation]]:

@@ -88,9 +88,8 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     from h3quant.calibration.fingerprint import checkpoint_fingerprint
     from h3quant.calibration.stats import VERSION
     from h3quant.formats.container.atomic import Outputs
-    from h3quant.formats.sources import open_source
     from h3quant.pipelines.inputs_file import load_tensors
-    from h3quant.pipelines.convert.plan import input_paths
+    from h3quant.sources import input_paths, open_source
     from h3quant.runtime.model.model import H3Model
 
     log = log or (lambda msg: None)

@@ -12,7 +12,7 @@ from helpers.forge import cli, save
 from h3quant.formats.markers import marker_tensor
 from h3quant.h3.topology import is_h3_block_linear
 from h3quant.synth import synth_checkpoint
-from h3quant.synth_layouts import write_layout
+from h3quant.synth.layouts import write_layout
 
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
@@ -24,7 +24,7 @@ def tiny(path: Path, seed: int = 0) -> Path:
 
 def fp8_release(root: Path, seed: int) -> dict[str, Path]:
     """A tiny synthetic H3 (``bf16``, every block) and the same weights in ComfyUI's fp8_scaled
-    form (``fp8``: ``synth_layouts.write_layout``), both in ``root``."""
+    form (``fp8``: ``synth.layouts.write_layout``), both in ``root``."""
     bf16, fp8 = root / "h3.safetensors", root / "fp8.safetensors"
     synth_checkpoint(bf16, preset="tiny", seed=seed)
     write_layout(bf16, fp8, "comfy", fp8=True)

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q123", "awq-group", Severity.ERROR,
+         "awq_w4a16: group_size divides K; weight_scale and weight_zeros share "
+         "one dtype")
 
 NAME = "awq_w4a16"
 SCALE_DTYPES = ("F16", "BF16", "F32")

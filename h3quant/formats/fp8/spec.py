@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("D130", "fp8-code-nonfinite", Severity.ERROR,
+         "fp8 codes decode to finite values (no NaN / inf codes)")
 
 # ComfyUI's legacy scaled-fp8 checkpoints (comfy/utils.py ``convert_old_quants``): a tensor
 # named ``scaled_fp8`` (under the model prefix) marks the file; each fp8 layer then carries
@@ -49,6 +54,9 @@ class Fp8Spec(FormatSpec):
 
     def planned(self, n, k, marker):
         return {"weight": (self.code_dtype, (n, k)), "weight_scale": ("F32", ())}
+
+    def kept_marker(self, code_dtype):
+        return self.marker(None, 0) if code_dtype == self.code_dtype else None
 
     def tensor_violations(self, n, cols, fields, tensors):
         return n, cols, rules.fp8_violations(self.name, tensors)
@@ -89,12 +97,3 @@ E5M2 = _spec("float8_e5m2", "fp8-e5m2", "F8_E5M2", 57344.0, VerifyLimits(0.12, 1
 SPECS = (E4M3, E5M2)
 SPEC = E4M3
 
-
-def per_tensor_marker(code_dtype: str) -> dict | None:
-    """The marker of the per-layer fp8 format whose codes are ``code_dtype`` (``F8_E4M3`` ...):
-    what a legacy scaled-fp8 layer (codes + one ``scale_weight``) is written as, codes and
-    scale unchanged, with its scale as ``weight_scale``. None for another dtype."""
-    for s in SPECS:
-        if s.code_dtype == code_dtype:
-            return s.marker(None, 0)
-    return None

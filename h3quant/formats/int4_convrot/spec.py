@@ -13,6 +13,16 @@ from __future__ import annotations
 from h3quant.convrot.groups import is_valid_group_size
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q121", "int4-quant-group", Severity.ERROR,
+         "convrot_w4a4: K is a multiple of the int4 kernel's group size "
+         "64, and quant_group_size (when present) is 64")
+register("Q122", "linear-dtype", Severity.ERROR,
+         "convrot_w4a4: linear_dtype is 'int4' or 'int8'")
+register("D122", "int4-range", Severity.WARNING,
+         "signed int4 codes stay in [-7, 7] (-8 is legal but never produced)")
 
 NAME = "convrot_w4a4"
 QUANT_GROUP = 64

@@ -14,6 +14,22 @@ from h3quant.formats.int8.spec import SPEC as INT8_SPEC
 from h3quant.formats.int8.spec import Int8Spec
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q109", "kn-scale-shape", Severity.ERROR,
+         "int8_tensorwise_kn: weight I8 [K, N] and weight_scale F32 [N] "
+         "agree on N")
+register("Q110", "kn-nz-ineligible", Severity.INFO,
+         "int8_tensorwise_kn: K % 16 == 0 and N % 32 == 0, else the NPU "
+         "keeps the weight ND (no FRACTAL_NZ cast)")
+register("Q111", "kn-npu-n-limit", Severity.WARNING,
+         "int8_tensorwise_kn: N <= 65535 per rank (npu_quant_matmul's "
+         "limit), else the layer needs tensor parallelism")
+register("D107", "kn-orientation", Severity.ERROR,
+         "int8_tensorwise_kn: the [K, N] weight is not canonical [N, K] "
+         "codes under the kn name (every row peaking at |q| = 127 while output channels do not; a "
+         "square layer's shape cannot tell)")
 
 NAME = "int8_tensorwise_kn"
 

@@ -23,6 +23,14 @@ from h3quant.formats.spec import (
     scalar,
     shape_of,
 )
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q130", "mxfp8-shape", Severity.ERROR,
+         "mxfp8: weight dims are multiples of 32 and weight_scale is the "
+         "blocked [roundup(N, 128), roundup(K/32, 4)] of that weight")
+register("D131", "e8m0-scale-nan", Severity.ERROR,
+         "mxfp8 e8m0 block scales are not 0xFF (NaN)")
 
 NAME = "mxfp8"
 BLOCK = 32

@@ -10,6 +10,18 @@ from __future__ import annotations
 
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q120", "fp4-padded-shape", Severity.ERROR,
+         "nvfp4: the stored weight [Np, Kp/2] has Np and Kp multiples "
+         "of 16 (the padded logical shape)")
+register("D120", "block-scale-value", Severity.ERROR,
+         "nvfp4: e4m3 block scales are finite and >= 0, and a zero "
+         "block scale covers only zero codes")
+register("D121", "block-scale-layout", Severity.ERROR,
+         "nvfp4: block scales are stored in cuBLAS's blocked 128 x 4 "
+         "layout (zeros in its padding); a row-major grid decodes blocks with other blocks' scales")
 
 NAME = "nvfp4"
 BLOCK = 16

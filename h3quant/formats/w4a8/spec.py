@@ -13,6 +13,14 @@ from h3quant.formats.spec import (
     Violation,
     shape_of,
 )
+from h3quant.findings import Severity, register
+
+# The finding codes this format's rules report (``validate --codes`` lists them).
+register("Q108", "k-divisibility", Severity.ERROR,
+         "W4A8: group_size is >= 4 and divides 16 or is a multiple of 16; "
+         "K is divisible by 16 and by group_size")
+register("D104", "codebook", Severity.ERROR,
+         "a codebook has 16 sorted finite levels in [-1, 1]")
 
 NAME = "asym_w4a8_int8"
 GROUP = 16  # the group size h3quant writes (ComfyUI's default)

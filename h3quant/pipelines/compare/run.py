@@ -150,8 +150,8 @@ def data_findings(path: str) -> list[str]:
     a file compare would otherwise run through NaN scales gets the verdict validate gives."""
     from h3quant.findings import Severity
     from h3quant.formats.gguf.reader import is_gguf
-    from h3quant.pipelines.gguf_view import validate_gguf
-    from h3quant.pipelines.validate import validate_checkpoint
+    from h3quant.pipelines.headers.gguf import validate_gguf
+    from h3quant.pipelines.headers.validate import validate_checkpoint
 
     if is_gguf(path):
         findings = validate_gguf(path, deep=True)[1]

@@ -22,10 +22,10 @@ from typing import cast
 
 from h3quant.formats.container.atomic import Outputs, resolve_stale, write_bytes, write_file
 from h3quant.formats.container.checkpoint import Checkpoint
-from h3quant.formats.sources import open_source
+from h3quant.sources import SourceView, adopt_mapping, input_paths, open_source
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
-from h3quant.pipelines.convert import adopt, survival
-from h3quant.pipelines.convert.plan import ConvertPlan, build_plan, input_paths
+from h3quant.pipelines.convert import survival
+from h3quant.pipelines.convert.plan import ConvertPlan, build_plan
 from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
 
@@ -41,7 +41,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
     src, dst = Path(src), Path(dst)
     register_files(None, src, dst, options.loras).check(overwrite=True)
     with open_source(src, mmap=options.mmap) as ckpt:
-        det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        det, mapping = adopt_mapping(ckpt, options.naming)
         if mapping.trivial and not options.loras and options.smooth == "off":
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
         source, loras = _view(ckpt, mapping, options)
@@ -63,7 +63,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     (``formats.container.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
     (refused), ``LayerFailures`` (exit 1, nothing written) or a reader error for a broken input.
 
-    An official, diffusers or fp8 input is converted through ``adopt.SourceView``: the output is
+    An official, diffusers or fp8 input is converted through ``sources.SourceView``: the output is
     ComfyUI's single file, byte for byte what converting the equivalent ComfyUI file gives.
 
     ``files``: the command's ``CommandFiles`` (a recipe it read, ...); IN, its shards, every
@@ -79,7 +79,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     files.check(overwrite=options.overwrite)
     resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
     with open_source(src, mmap=options.mmap) as ckpt:
-        det, mapping = adopt.adopt_mapping(ckpt, options.naming)
+        det, mapping = adopt_mapping(ckpt, options.naming)
         source, loras = ckpt, None
         smoothed, smooth_report = None, None
         if not mapping.trivial or options.loras or options.smooth != "off":
@@ -167,13 +167,13 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
     from h3quant.pipelines.convert import bake
 
     with open_source(Path(src), mmap=mmap) as ckpt:
-        _, mapping = adopt.adopt_mapping(ckpt, naming)
-        return bake.native_target(adopt.SourceView(ckpt, mapping, True))
+        _, mapping = adopt_mapping(ckpt, naming)
+        return bake.native_target(SourceView(ckpt, mapping, True))
 
 
 def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
     """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
-    view = adopt.SourceView(ckpt, mapping, options.codec.spec.quantized,
+    view = SourceView(ckpt, mapping, options.codec.spec.quantized,
                             _untouched_fp8(mapping, options) if options.codec.spec.quantized
                             else frozenset())
     loras = None

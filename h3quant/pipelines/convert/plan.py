@@ -19,6 +19,7 @@ from h3quant.formats.container.checkpoint import INDEX_SUFFIX, Checkpoint
 from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.h3 import provenance as origin
 from h3quant.h3.topology import refuse_beyond_limit
+from h3quant.sources.paths import input_paths
 from h3quant.formats.layers import Layer, group_tensors
 from h3quant.formats.markers import (
     HEADER_KEY,
@@ -120,14 +121,6 @@ class ConvertPlan:
             **({"awq_channel_scaling": {f.consumer: f.predecessor for f in self.folds.values()}}
                if self.folds else {}),
         }
-
-
-def input_paths(ckpt: Checkpoint, src: Path) -> list[Path]:
-    """Every path the conversion reads: the named input, its shards and its index."""
-    files = getattr(ckpt, "input_files", None)  # a SourceView: the real files behind it
-    if files is None:
-        files = [sf.path for sf in ckpt.files] + ([ckpt.index_path] if ckpt.index_path else [])
-    return [src] + list(files)
 
 
 def check_paths(ckpt: Checkpoint, src: Path, dst: Path, directory: bool, overwrite: bool,

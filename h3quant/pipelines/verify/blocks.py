@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from h3quant.source_view import open_as_comfy
+from h3quant.sources import open_as_comfy
 from h3quant.errors import VerifyError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.layers import scan_checkpoint

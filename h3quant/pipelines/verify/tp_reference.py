@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from h3quant.source_view import open_as_comfy
+from h3quant.sources import open_as_comfy
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -185,13 +185,13 @@ class H3Model:
              any_layout: bool = False) -> "H3Model":
         """Open a checkpoint (file, shard index or directory) for the forward on ``device``.
         ``any_layout``: a float source or reference in any layout ``convert`` takes (official,
-        diffusers, fp8), read as ComfyUI's single file (``h3quant.source_view``)."""
+        diffusers, fp8), read as ComfyUI's single file (``h3quant.sources``)."""
         if any_layout:
-            from h3quant.source_view import open_as_comfy
+            from h3quant.sources import open_as_comfy
 
             ckpt = open_as_comfy(path, mmap=mmap)
         else:
-            from h3quant.formats.sources import open_source
+            from h3quant.sources import open_source
 
             ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place
         try:

@@ -17,8 +17,8 @@ from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.check import check_layer
 from h3quant.formats.markers import unread_metadata
-from h3quant.pipelines import naming_view
-from h3quant.pipelines.layer_scan import scan
+from h3quant.pipelines.headers import naming as naming_view
+from h3quant.pipelines.headers.layer_scan import scan
 
 # Container codes after which nothing in that file can be read.
 FATAL_CODES = frozenset({"C101", "C102", "C103", "C112", "S101"})
@@ -83,7 +83,7 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
     from h3quant.formats.gguf.reader import is_gguf
 
     if is_gguf(p):  # a GGUF file: its own header and type rules, then the H3 topology
-        from h3quant.pipelines.gguf_view import validate_gguf
+        from h3quant.pipelines.headers.gguf import validate_gguf
 
         n, gfindings = validate_gguf(p, deep=deep)
         return _result(p, deep, gfindings, {"files": 1, "container": "gguf", "tensors": n,

@@ -13,7 +13,7 @@ from h3quant.formats.gguf.reader import is_gguf
 def open_source(path: str | os.PathLike, *, mmap: bool = True):
     """A ``Checkpoint`` of ``path``, or a ``GgufView`` when it is a GGUF file."""
     if is_gguf(path):
-        from h3quant.formats.gguf.view import GgufView
+        from h3quant.sources.gguf_view import GgufView
 
         return GgufView(path)
     return Checkpoint(path, mmap=mmap)

@@ -34,9 +34,8 @@ from collections import OrderedDict
 from h3quant.errors import FormatError, MarkerError
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.container.dtypes import float_value
-from h3quant.formats.fp8.spec import per_tensor_marker
+from h3quant.formats import registry
 from h3quant.formats.markers import MARKER_SUFFIX, marker_bytes
-from h3quant.h3 import naming
 from h3quant.h3.naming import (
     COPY,
     DEINTERLEAVE_QKV,
@@ -53,36 +52,7 @@ from h3quant.h3.naming import (
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.virtual import VirtualFile
 from h3quant.formats.markers import HEADER_KEY, header_metadata_value, parse_header_metadata
-
-
-
-def header_layers(ckpt: Checkpoint) -> set[str]:
-    """Layers the header ``_quantization_metadata`` names (empty when absent or unreadable:
-    the marker rules report that)."""
-    try:
-        return set(parse_header_metadata(ckpt.metadata) or ())
-    except MarkerError:
-        return set()
-
-
-def headers(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor's (dtype, shape), the layers the header marks taken into account."""
-    return naming.header_tensors(ckpt.tensors, header_layers(ckpt))
-
-
-def has_config(ckpt: Checkpoint) -> bool:
-    """A ``config.json`` beside the shards (the official release ships one)."""
-    return bool(ckpt.files) and (ckpt.files[0].path.parent / "config.json").is_file()
-
-
-def check_scale(scale, name: str, note: str = "") -> None:
-    """N305 unless every value of the fp8 scale tensor ``scale`` is finite and positive."""
-    import torch
-
-    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-    if bad:
-        raise FormatError(f"[N305] fp8 scale holds {bad} non-finite, zero or negative "
-                          f"value(s){note}", tensor=name, code="N305")
+from h3quant.sources.header import check_scale, has_config, headers
 
 
 def adopt_mapping(ckpt: Checkpoint, naming: str = "auto") -> tuple[Detection, Mapping]:
@@ -104,7 +74,6 @@ def decode_fp8(ckpt: Checkpoint, src):
 
     from h3quant.errors import FindingError
     from h3quant.formats.check import fp8_weight_violation
-    from h3quant.formats.fp8.tensors import decode_fp8 as decode
 
     codes = ckpt.read(src.name)
     s = None if src.scale is None else ckpt.read(src.scale).to(torch.float32)
@@ -118,7 +87,9 @@ def decode_fp8(ckpt: Checkpoint, src):
     if s is None:
         return codes.to(torch.float32)
     s = s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (codes.dim() - 1))
-    return decode(codes, s, torch.float32)  # the fp8 codec's decode (one fp32 copy)
+    # as ComfyUI's scaled-fp8 loader and kitchen's dequantize_per_tensor_fp8 decode it: codes
+    # to fp32, times the fp32 scale, in place (one fp32 copy)
+    return codes.to(torch.float32).mul_(s)
 
 
 def _read(ckpt: Checkpoint, src):
@@ -253,7 +224,7 @@ class SourceView:
         the reason it cannot be (None when it is kept)."""
         t = self._targets[name]
         src = t.sources[0]
-        marker = per_tensor_marker(src.dtype)
+        marker = registry.kept_marker(src.dtype)
         if marker is None:
             return f"fp8 codes of {src.dtype} have no per-layer float8 format"
         if t.op != COPY or len(t.sources) != 1 or len(src.shape) != 2:
@@ -518,7 +489,7 @@ def open_as_comfy(path, *, mmap: bool = True, naming: str = "auto",
     ComfyUI's single file: a plain ``Checkpoint`` when it is one (quantized or not), else a
     ``SourceView`` (official or diffusers shards, fp8 weights decoded: to F32 with
     ``quantized_target``, else rounded once to BF16). Closing it closes the files."""
-    from h3quant.formats.sources import open_source
+    from h3quant.sources.open import open_source
 
     ckpt = open_source(path, mmap=mmap)  # a GGUF file: read in place (ComfyUI's names)
     try:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 from h3quant.findings import Finding
 from h3quant.formats.gguf.reader import GgufFile
-from h3quant.sizes import size_text
 
 
 def _views(g: GgufFile) -> dict:
@@ -63,26 +62,6 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
                 " behind model.diffusion_model." if any(t.gguf_name != t.name
                                                         for t in g.tensors.values()) else ""),
         }
-
-
-def render_inspect(info: dict) -> str:
-    lines = [f"{info['path']}: GGUF v{info['gguf_version']}, architecture "
-             f"{info['architecture'] or '-'}, {size_text(info['total_bytes'])}, "
-             f"{info['tensor_count']} tensors ({info['naming']})"]
-    bpw = info["bits_per_weight"]
-    lines.append(f"bits per weight: all {bpw['all']}, DiT block linears {bpw['block_linears']}")
-    lines.append("types: " + ", ".join(f"{k} {v['tensors']} ({size_text(v['bytes'])})"
-                                       for k, v in sorted(info["types"].items())))
-    topo = info["topology"]
-    if topo:
-        parts = [f"{k}={topo[k]}" for k in ("preset", "form", "blocks", "hidden")
-                 if topo.get(k) is not None]
-        if topo.get("head_bank", 1) > 1:
-            parts.append(f"head_bank={topo['head_bank']}")
-        lines.append("MiniMax H3 DiT (" + ", ".join(parts) + ")")
-    else:
-        lines.append("not a MiniMax H3 DiT (no H3 topology under ComfyUI's names)")
-    return "\n".join(lines)
 
 
 def validate_gguf(path: str | os.PathLike, *, deep: bool = False) -> tuple[int, list[Finding]]:

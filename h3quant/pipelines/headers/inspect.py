@@ -17,8 +17,8 @@ from h3quant.formats.markers import (
     MARKER_SUFFIX,
 )
 from h3quant.formats.report import layer_report
-from h3quant.pipelines import naming_view
-from h3quant.pipelines.layer_scan import MAX_MARKER_BYTES, MarkerReader, scan  # noqa: F401
+from h3quant.pipelines.headers import naming as naming_view
+from h3quant.pipelines.headers.layer_scan import MAX_MARKER_BYTES, MarkerReader, scan  # noqa: F401
 
 
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
@@ -47,7 +47,7 @@ class InspectResult:
     layer_counts: dict[str, int]  # {layers, quantized, other_tensors}
     bits_per_weight: dict[str, float | None]  # {all, quantized}
     topology: dict | None
-    naming: dict  # {naming, evidence, fp8_scaled, error} (pipelines.naming_view)
+    naming: dict  # {naming, evidence, fp8_scaled, error} (pipelines.headers.naming)
     metadata_keys: list[str]
     findings: dict[str, int]  # container + marker findings by severity (validate details them)
     notes: list[dict]  # the notes among them (info findings: what ComfyUI loads, H3 differs)
@@ -159,7 +159,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
         quantized = {r.name: r.format for r in quant}
         # the findings validate reports without --deep (one verdict: the same rules, the same
         # count), so "N errors, run validate" always means validate's N
-        from h3quant.pipelines.validate import header_findings
+        from h3quant.pipelines.headers.validate import header_findings
 
         counts = {s.value: 0 for s in Severity}
         notes = []

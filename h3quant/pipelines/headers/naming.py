@@ -15,15 +15,8 @@ from h3quant.h3 import naming
 from h3quant.findings import Finding
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.markers import HEADER_KEY
-from h3quant.source_view import (  # noqa: F401 (re-exported)
-    check_scale,
-    has_config,
-    header_layers,
-    headers,
-)
-
-
-_headers = headers
+from h3quant.sources.header import check_scale, has_config
+from h3quant.sources.header import headers as _headers
 
 
 def _shards(ckpt: Checkpoint) -> list[str] | None:
