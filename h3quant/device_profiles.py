@@ -79,6 +79,14 @@ def for_kind(kind: str, sm: tuple[int, int] | None = None) -> DeviceClass | None
     return next((c for c in CLASSES if c.kind == kind and c.sm is None), None)
 
 
+def for_device(kind: str, capability) -> DeviceClass | None:
+    """The class of a device of ``kind``; ``capability()`` (called only for a kind whose classes
+    go by compute capability) gives its capability or None (then the class is unknown)."""
+    if any(c.kind == kind and c.sm is not None for c in CLASSES):
+        return for_capability(capability())
+    return for_kind(kind)
+
+
 def native(spec, cls: DeviceClass) -> bool:
     """Whether ComfyUI runs layers of ``spec`` on a kernel on ``cls`` (the layout's rule)."""
     kit = getattr(spec, "kitchen", None)
