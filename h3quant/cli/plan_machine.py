@@ -8,6 +8,7 @@ import textwrap
 import click
 
 from h3quant.cli.common import emit_json, format_table, guard
+from h3quant.sizes import size_text
 
 _RES = re.compile(r"^\s*(\d{2,5})\s*[xX]\s*(\d{2,5})\s*$")
 
@@ -22,22 +23,18 @@ def parse_resolution(text: str | None) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def render(plan) -> str:
     w, h = plan.resolution
     cur = plan.current
-    out = [f"device     {plan.device_class}: {plan.label}, {_gib(plan.vram)} of memory",
+    out = [f"device     {plan.device_class}: {plan.label}, {size_text(plan.vram)} of memory",
            f"video      {w}x{h}, {plan.frames} frames: {plan.tokens:,} video tokens, "
-           f"activations {_gib(plan.activations)}"]
+           f"activations {size_text(plan.activations)}"]
     for what, n in plan.extra.items():
-        out.append(f"{what.replace('_', ' '):<10} {_gib(n)} of weights")
-    out.append(f"this file  {', '.join(cur['formats'])}: weights {_gib(cur['weights'])}, "
-               f"estimate {_gib(cur['total'])} ({'fits' if cur['fits'] else 'does not fit'})")
+        out.append(f"{what.replace('_', ' '):<10} {size_text(n)} of weights")
+    out.append(f"this file  {', '.join(cur['formats'])}: weights {size_text(cur['weights'])}, "
+               f"estimate {size_text(cur['total'])} ({'fits' if cur['fits'] else 'does not fit'})")
     out.append("")
-    rows = [[c.target, _gib(c.weights), _gib(c.total), c.cell, "yes" if c.fits else "no"]
+    rows = [[c.target, size_text(c.weights), size_text(c.total), c.cell, "yes" if c.fits else "no"]
             for c in plan.candidates]
     out.append(format_table(["--to", "weights", "estimate", f"on {plan.device_class}", "fits"],
                             rows, {1, 2}))

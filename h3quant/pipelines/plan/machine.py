@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from h3quant import device_profiles
 from h3quant.errors import UsageError
+from h3quant.sizes import size_text
 
 # Assumptions, stated in every plan (not read from any file):
 VAE_SPATIAL = 16  # pixels per latent pixel along each side
@@ -194,7 +195,7 @@ def plan_for_machine(src: str | os.PathLike, device: str, vram: int, *,
             if smallest is not None:
                 over = smallest.total - vram
                 suggestions.append(f"the smallest {'native ' if usable else ''}format, "
-                                   f"{smallest.target}, needs about {over / 2**30:.1f} GiB more: "
+                                   f"{smallest.target}, needs about {size_text(over)} more: "
                                    "ComfyUI would offload that much of the weights to system RAM "
                                    "(it streams them per layer: slower)")
             smaller = [c for c in cands if c not in usable and c.total < vram]
@@ -203,6 +204,6 @@ def plan_for_machine(src: str | os.PathLike, device: str, vram: int, *,
                                    "and the plan counts a decoded layer): "
                                    + ", ".join(c.target for c in smaller) + " (--any-format)")
             suggestions.append("or a lower --resolution / fewer --frames: activations are "
-                               f"{acts / 2**30:.1f} GiB at {width}x{height}, {frames} frames")
+                               f"{size_text(acts)} at {width}x{height}, {frames} frames")
     return MachinePlan(str(src), cls.name, cls.label, vram, (width, height), frames, tokens,
                        acts, extra, current, cands, choice, verdict, suggestions)
