@@ -159,8 +159,9 @@ def plan_for_machine(src: str | os.PathLike, device: str, vram: int, *,
         return weights + fixed + (biggest if dequant else 0)
 
     cur_formats = sorted({r["format"] for r in block})
-    cur_cells = [device_profiles.cell(registry.spec(f), cls) if registry.spec(f) and
-                 registry.spec(f).quantized else "native" for f in cur_formats]
+    cur_specs = [registry.spec(f) for f in cur_formats]
+    cur_cells = [device_profiles.cell(sp, cls) if sp is not None and sp.quantized else "native"
+                 for sp in cur_specs]
     cur_total = total(info.total_bytes, cur_cells)
     current = {"formats": cur_formats, "weights": info.total_bytes, "total": cur_total,
                "fits": cur_total <= vram, "cells": cur_cells}
