@@ -34,6 +34,11 @@ def _codes(as_json: bool) -> None:
 def render(res) -> str:
     lines = [str(f) + (f"  [{f.file}]" if f.file and f.file != res.path else "")
              for f in res.findings]
+    # will it load, and where: before the verdict, which stays the last line
+    lines += [wrapped(f"{fmt}: {text}", "loads  ") for fmt, text in res.loads.items()]
+    if res.loader is not None:
+        lines.append(f"loader {res.loader}: " + ("takes this file" if res.ok else
+                                                 "refuses this file (errors above)"))
     c = res.counts
     verdict = "OK" if res.ok else "FAILED"
     chk = res.checked
@@ -41,11 +46,6 @@ def render(res) -> str:
                  f"({chk.get('tensors', 0)} tensors, {chk.get('layers', 0)} layers, "
                  f"{chk.get('quantized_layers', 0)} quantized; checks: "
                  f"{', '.join(chk.get('stages', []))}) in {res.path}")
-    if res.loader is not None:
-        lines.append(f"loader {res.loader}: " + ("takes this file" if res.ok else
-                                                 "refuses this file (errors above)"))
-    for fmt, text in res.loads.items():
-        lines.append(wrapped(f"{fmt}: {text}", "loads  "))
     return "\n".join(lines)
 
 
