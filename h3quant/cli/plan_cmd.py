@@ -154,7 +154,8 @@ Examples:
               help="--target-sqnr (and --frontier's targets): plan for DB more than the "
                    "target, for the additive model's error (docs/plan.md).")
 @click.option("--max-size", default=None, callback=_size, metavar="SIZE",
-              help="Plan the best predicted quality within SIZE (e.g. 800MB, 1.5GB, 2GiB).")
+              help="Plan the best predicted quality within a file size of SIZE (e.g. 800MB, "
+                   "1.5GB, 2GiB); for a card's memory use --device with --vram.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=str),
               help="Write the planned recipe (JSON, for convert --recipe) to this file.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
