@@ -113,8 +113,17 @@ def wrapped(text: str, indent: str = "  ") -> str:
     return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
-def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3].rstrip() + "..."
+def _wrapped_table(head: list[str], rows: list[list]) -> str:
+    """A table whose last column wraps onto continuation lines within WIDTH columns."""
+    lines = format_table(head[:-1] + [""], [r[:-1] + [""] for r in rows]).splitlines()
+    at = len(format_table(head[:-1], [r[:-1] for r in rows]).splitlines()[0]) + 2
+    room = max(30, WIDTH - at)
+    out = [lines[0].rstrip().ljust(at) + head[-1], lines[1].rstrip() + "  " + "-" * room]
+    for line, r in zip(lines[2:], rows):
+        parts = textwrap.wrap(str(r[-1]), room) or [""]
+        out.append(line.rstrip().ljust(at) + parts[0])
+        out += [" " * at + p for p in parts[1:]]
+    return "\n".join(out)
 
 
 def _profile(name: str, as_json: bool) -> None:
@@ -176,9 +185,8 @@ def command(device, profile, as_json):
     head = ["backend", "available", "order"]
     table = [[r["name"], "yes" if r["available"] else "no",
               "-" if r["preference"] is None else r["preference"]] for r in rows]
-    used = len(format_table(head, table).splitlines()[0]) + 2
-    table = [t + [_fit(r["reason"], max(20, WIDTH - used - 1))] for t, r in zip(table, rows)]
-    click.echo(format_table(head + ["reason"], table))
+    click.echo(_wrapped_table(head + ["reason"],
+                              [t + [r["reason"]] for t, r in zip(table, rows)]))
     click.echo("\nlayers run on: " + (f"{ranked[0]['name']} (first available in order; a layer "
                                         "its kernel refuses runs dequant)" if ranked
                                         else "nothing: no backend is available on this device, "
