@@ -139,6 +139,16 @@ _r("G104", "gguf-non-finite", E, "every tensor is finite once dequantized (valid
 _r("K101", "statistics-values", E, "a statistics file's names, shapes and values pass the rules "
    "convert --calibration and plan --calibration apply (finite values, mean |x| >= 0, each "
    "Hessian symmetric and a sum X^T X)")
+# Other loaders' published acceptance rules (validate --loader): FORMATS.md 27.
+_r("L101", "comfyui-refuses", E, "every quantized layer is in a format ComfyUI registers, in a "
+   "safetensors file (a GGUF needs ComfyUI-GGUF)")
+_r("L111", "vllm-omni-refuses", E, "vllm-omni's H3 quantized loader takes a safetensors file whose "
+   "quantized layers are all int8 ConvRot (W8A8), fail-closed on anything else")
+_r("L112", "vllm-omni-form", W, "vllm-omni's H3 quantized loader was published for the pruned form")
+_r("L121", "comfyui-gguf-refuses", E, "ComfyUI-GGUF takes a GGUF file whose architecture is H3's "
+   "or, without metadata (kv_count 0), whose tensor names match its H3 detection keys")
+_r("L122", "comfyui-gguf-version", I, "a GGUF that declares the minimax_h3 architecture needs a "
+   "ComfyUI-GGUF that lists it")
 # A check that could not run.
 _r("X101", "check-failed", E, "every check ran to completion (an unexpected error stopped one; "
    "the input is malformed in a way h3quant does not anticipate)")

@@ -73,7 +73,7 @@ def test_layout_names_live_in_the_layouts_registry():
 
 # The device modules: the records, the parser, the probes of what a machine has, the backends
 # (one per device's int8 op) and the simulations of devices we lack.
-_DEVICE_MODULES = ("device_kinds.py", "runtime/devices.py", "runtime/probe.py",
+_DEVICE_MODULES = ("device_kinds.py", "device_profiles.py", "runtime/devices.py", "runtime/probe.py",
                    "runtime/capabilities.py", "runtime/availability.py", "runtime/backends",
                    "testing")
 # Reviewed exceptions, each a fact that is not a decision by device kind:

@@ -14,7 +14,7 @@ from h3quant.pipelines.headers.inspect import inspect_checkpoint
 
 TOP_KEYS = ["path", "index", "sharded", "files", "total_bytes", "tensor_count", "parameters",
             "dtypes", "formats", "layer_counts", "bits_per_weight", "topology", "naming",
-            "metadata_keys", "findings", "notes", "bytes_read", "layers", "mix"]
+            "metadata_keys", "findings", "notes", "bytes_read", "layers", "mix", "loads"]
 LAYER_KEYS = ["name", "format", "N", "K", "dtypes", "bits_per_weight", "source", "bytes",
               "layout", "nz"]
 

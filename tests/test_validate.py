@@ -23,7 +23,7 @@ from h3quant.formats.container import reader as container
 from h3quant.pipelines.headers.validate import validate_checkpoint
 from h3quant.synth import synth_checkpoint
 
-KEYS = ["path", "ok", "deep", "counts", "checked", "findings"]
+KEYS = ["path", "ok", "deep", "counts", "checked", "findings", "loads", "loader"]
 
 
 @pytest.fixture(scope="module")

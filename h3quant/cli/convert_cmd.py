@@ -282,3 +282,16 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                 log(f"skipped {lay['name']}: {lay['reason']}")
         if options.report and converted:
             log(summary_line(report.summary, converted))
+        _load_lines(report.layers, log)
+
+
+def _load_lines(layers, log) -> None:
+    """Will the output load, and where does it run fast: one line per written format."""
+    import textwrap
+
+    from h3quant.pipelines.loaders import load_lines
+
+    made = {str(lay["to"]).split()[0] for lay in layers if lay["action"] != "skip" and lay["to"]}
+    for fmt, text in load_lines(made).items():
+        log(textwrap.fill(f"{fmt}: {text}", 100, initial_indent="loads: ",
+                          subsequent_indent="  "))

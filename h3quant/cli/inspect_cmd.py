@@ -56,6 +56,12 @@ def render(res) -> str:
         out += ["", format_table(["format", "layers", "size"],
                                  [[k, v["layers"], size_text(v["bytes"])]
                                   for k, v in res.formats.items()], {1, 2})]
+    if res.loads:
+        import textwrap
+
+        out += ["", "will it load, and where does it run fast (h3quant backends --profile all)"]
+        out += [textwrap.fill(f"{fmt}: {text}", 100, initial_indent="  ",
+                              subsequent_indent="    ") for fmt, text in res.loads.items()]
     if res.mix:
         from h3quant.cli.render import render_mix
 

@@ -124,7 +124,9 @@ Examples:
   h3quant plan h3_bf16.safetensors --from sens.json --frontier --plot frontier.png
   h3quant plan h3_bf16.safetensors --calibration h3.stats --target-sqnr 30 --out recipe.json
   h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json \\
-      --calibration h3.stats""")
+      --calibration h3.stats
+  h3quant plan h3_bf16.safetensors --device ampere --vram 8GB         # an RTX 3070
+  h3quant plan h3_bf16.safetensors --device ada --vram 16GB --resolution 1280x720 --frames 121""")
 @click.argument("src", metavar="IN", type=CHECKPOINT)
 @click.option("--formats", "cands", default="int8-convrot,w4a8", show_default=True,
               callback=_formats,
@@ -152,7 +154,8 @@ Examples:
               help="--target-sqnr (and --frontier's targets): plan for DB more than the "
                    "target, for the additive model's error (docs/plan.md).")
 @click.option("--max-size", default=None, callback=_size, metavar="SIZE",
-              help="Plan the best predicted quality within SIZE (e.g. 800MB, 1.5GB, 2GiB).")
+              help="Plan the best predicted quality within a file size of SIZE (e.g. 800MB, "
+                   "1.5GB, 2GiB); for a card's memory use --device with --vram.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=str),
               help="Write the planned recipe (JSON, for convert --recipe) to this file.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
@@ -167,20 +170,33 @@ Examples:
               help="--frontier: draw it to this PNG (needs matplotlib: pip install "
                    "'h3quant[plot]').")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the inputs.")
-@click.option("--frames", type=click.IntRange(1, 64), default=2, show_default=True,
+@click.option("--frames", type=click.IntRange(1, 1024), default=2, show_default=True,
               help="Video latent frames of the seeded input.")
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
               default=None, metavar="FILE",
               help="Measure on the latents in this safetensors file (video, audio, text, "
                    "optional sigma: the file verify --model --inputs takes) instead of seeded "
                    "ones.")
+@click.option("--device", "device_class", default=None, metavar="CLASS",
+              help="Plan for a machine instead: a device class (turing, ampere, ada, hopper, "
+                   "blackwell-dc, blackwell, apple, ascend, cpu) with --vram; prints the VRAM "
+                   "estimate and the format to make (headers only, nothing measured or written).")
+@click.option("--vram", default=None, callback=_size, metavar="SIZE",
+              help="With --device: the card's memory, e.g. 8GB, 16GiB.")
+@click.option("--resolution", default=None, metavar="WxH",
+              help="With --device: the video size (default 1344x768).")
+@click.option("--text-encoder", "text_encoder", default=None, metavar="FILE",
+              help="With --device: count this text encoder's weights too.")
+@click.option("--vae", default=None, metavar="FILE", help="With --device: count this VAE too.")
+@click.option("--any-format", is_flag=True,
+              help="With --device: also offer formats the device only dequantizes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
 @mmap_option
 @handle_errors
 def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
-            frontier, targets, no_measure, plot, seed, frames, inputs_file, as_json, quiet,
-            no_mmap):
+            frontier, targets, no_measure, plot, seed, frames, inputs_file, device_class, vram,
+            resolution, text_encoder, vae, any_format, as_json, quiet, no_mmap):
     """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
 
     The sensitivity pass runs the whole model streamed (fp32, CPU) on seeded inputs and, for
@@ -191,6 +207,15 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
     """
     import os
 
+    if device_class is not None or vram is not None:
+        from h3quant.cli.plan_machine import run_machine_plan
+
+        return run_machine_plan(click.get_current_context(), src, device_class, vram,
+                                resolution, frames, text_encoder, vae, any_format, as_json,
+                                not no_mmap)
+    if frames > 64:
+        raise click.BadParameter("at most 64 latent frames for the measurement (more with "
+                                 "--device: the video's frames)", param_hint="--frames")
     from h3quant.errors import H3QuantError
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
     from h3quant.pipelines.plan.planner import Model, calibrated_formats, choose, recipe_rules

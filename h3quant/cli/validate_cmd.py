@@ -35,6 +35,11 @@ def _codes(as_json: bool) -> None:
 def render(res) -> str:
     lines = [str(f) + (f"  [{f.file}]" if f.file and f.file != res.path else "")
              for f in res.findings]
+    # will it load, and where: before the verdict, which stays the last line
+    lines += [wrapped(f"{fmt}: {text}", "loads  ") for fmt, text in res.loads.items()]
+    if res.loader is not None:
+        lines.append(f"loader {res.loader}: " + ("takes this file" if res.ok else
+                                                 "refuses this file (errors above)"))
     c = res.counts
     verdict = "OK" if res.ok else "FAILED"
     chk = res.checked
@@ -45,6 +50,12 @@ def render(res) -> str:
     return "\n".join(lines)
 
 
+def wrapped(text: str, first: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, 100, initial_indent=first, subsequent_indent=" " * 9)
+
+
 @click.command("validate", epilog="""\b
 Exit status: 0 no errors (warnings allowed), 1 errors found, 2 usage or I/O problem.
 \b
@@ -52,6 +63,8 @@ Examples:
   h3quant validate model.safetensors
   h3quant validate model.safetensors --deep          # also read and check every value
   h3quant validate model.safetensors.index.json --json
+  h3quant validate model.safetensors --loader vllm-omni   # would vllm-omni take it?
+  h3quant validate model.gguf --loader comfyui-gguf
   h3quant validate --codes                           # list every rule""")
 @click.argument("ckpt", type=CHECKPOINT, required=False)
 @click.option("--deep", is_flag=True,
@@ -62,11 +75,16 @@ Examples:
                    "(code, name, severity, tensor, file, message).")
 @click.option("--codes", is_flag=True,
               help="Print the rule registry (every finding code) and exit.")
+@click.option("--loader", type=click.Choice(["comfyui", "vllm-omni", "comfyui-gguf"]),
+              default=None,
+              help="Also apply this loader's published acceptance rules (findings L1xx): "
+                   "ComfyUI's own, vllm-omni's H3 INT8 ConvRot loader, or ComfyUI-GGUF's. "
+                   "Exit 1 when that loader would refuse the file.")
 @mmap_option
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar on stderr (--deep).")
 @handle_errors
-def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: bool,
-            quiet: bool = False) -> None:
+def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, loader: str | None,
+            no_mmap: bool, quiet: bool = False) -> None:
     """Check a checkpoint against the container, marker, scheme and H3 topology rules.
 
     CKPT is a .safetensors file, a *.safetensors.index.json shard index, or a directory.
@@ -88,7 +106,7 @@ def command(ckpt: str | None, deep: bool, as_json: bool, codes: bool, no_mmap: b
                    leave=False)
     try:
         res = guard("validating", validate_checkpoint, ckpt, deep=deep, mmap=not no_mmap,
-                    on_bytes=bar.update if bar is not None else None)
+                    on_bytes=bar.update if bar is not None else None, loader=loader)
     finally:
         if bar is not None:
             bar.close()

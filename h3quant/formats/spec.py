@@ -114,6 +114,24 @@ def shape_of(t) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class KitchenFacts:
+    """How ComfyUI reads a format through comfy-kitchen (FORMATS.md 26), as data.
+
+    ComfyUI's ``comfy/ops.py`` runs a layer on the layout's kernel when the layout's
+    ``supports_fast_matmul()`` is true; comfy-kitchen's rule is a CUDA capability of at least the
+    layout's ``MIN_SM_VERSION`` (no CUDA device: false; no minimum: true everywhere). Otherwise
+    ComfyUI dequantizes the weight to the compute dtype and runs a float matmul."""
+
+    layout: str  # comfy-kitchen's layout class
+    min_sm: tuple[int, int] | None  # the layout's MIN_SM_VERSION (None: no architecture floor)
+    since: str  # the first comfy-kitchen release that registers the layout
+    comfyui: str = ""  # the ComfyUI release, where known ("": not checked)
+    # (device class, cell, note): a class where the rule above is not the whole answer; cell
+    # "unverified" or "emulated" replaces "dequant" there ("": the note only)
+    notes: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class FormatSpec:
     """One on-disk layer format, as data (plus the header rules a subclass may override)."""
 
@@ -123,6 +141,8 @@ class FormatSpec:
     closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
     quantized: bool = True
     comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
+    kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
+    load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
     targets: tuple[Target, ...] = ()
     verify: VerifyLimits | None = None
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes

@@ -9,6 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 from h3quant.findings import Severity, register
@@ -111,6 +112,10 @@ class AWQW4A16Spec(FormatSpec):
 SPEC = AWQW4A16Spec(
     name=NAME,
     description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
+    kitchen=KitchenFacts(
+        "TensorCoreAWQW4A16Layout", None, "0.2.9",
+        notes=(("ampere", "", "sm_80+ runs comfy-kitchen's CUDA gemv_awq_w4a16; other devices its "
+                              "pure-PyTorch path"),)),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
                    "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
 
@@ -66,6 +67,7 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
           text: str) -> Fp8Spec:
     return Fp8Spec(
         name=name, description=text,
+        kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
         tensors=(
             TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
             TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),

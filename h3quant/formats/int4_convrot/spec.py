@@ -11,6 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 from h3quant.findings import Severity, register
@@ -122,9 +123,18 @@ class ConvRotW4A4Spec(FormatSpec):
             add(v.code, v.message, v.suffix)
 
 
+_EAGER = "ComfyUI runs comfy-kitchen's eager W4A4 (activations quantized to int4 too)"
+
 SPEC = ConvRotW4A4Spec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
+    kitchen=KitchenFacts(
+        "TensorCoreConvRotW4A4Layout", (7, 5), "0.2.17",
+        notes=(("hopper", "", "native int4 MMA on sm_8x only; Hopper and newer run comfy-kitchen's "
+                              "int8 fallback kernel"),
+               ("ascend", "unverified", "comfy-kitchen has an Ascend convrot_w4a4_linear; whether "
+                                        "ComfyUI reaches it is unverified"),
+               ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
                    "[N, K/2] (two signed 4-bit codes per byte, even column low)"),

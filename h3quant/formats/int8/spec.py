@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from h3quant.convrot import check_group_size
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     SCALE_DTYPES,
@@ -91,6 +92,11 @@ RELAYOUT_NOTE = "pure relayout: same int8 codes and scales, transposed (no requa
 SPEC = Int8Spec(
     name=NAME,
     description="int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
+    kitchen=KitchenFacts(
+        "TensorWiseINT8Layout", (7, 5), "0.2.11",
+        notes=(("ascend", "unverified", "comfy-kitchen has an Ascend int8_linear (npu_quant_matmul "
+                                        "on the [N, K] weight); whether ComfyUI reaches it is "
+                                        "unverified"),)),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k)], "[N, K]"),
         TensorSpec("weight_scale", SCALE_DTYPES, lambda n, k, f: int8_scale_shapes(n),

@@ -86,6 +86,9 @@ SPEC = Int8KnSpec(
         BIAS,
     ),
     comfy=False,
+    load_note=("ComfyUI refuses it (a format name it does not register); only h3quant's own "
+               "runtime runs it (verify, compare). For ComfyUI on Ascend make the canonical int8 "
+               "layout (convert --to int8-convrot, without --layout npu)"),
     verify=INT8_SPEC.verify,
     marker_defaults=dict(INT8_SPEC.marker_defaults),
     runtime_tensors=("weight", "weight_scale"),

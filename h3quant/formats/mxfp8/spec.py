@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     FormatSpec,
@@ -106,6 +107,7 @@ class MxSpec(FormatSpec):
 
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
 SPEC = MxSpec(
+    kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
     name=NAME, description=TEXT,
     tensors=(
         TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],

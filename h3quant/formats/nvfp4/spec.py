@@ -8,6 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
 from h3quant.findings import Severity, register
@@ -103,6 +104,7 @@ class NVFP4Spec(FormatSpec):
 
 
 SPEC = NVFP4Spec(
+    kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
     name=NAME,
     description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
                 "tensor scale",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     FLOATS,
@@ -167,6 +168,8 @@ class W4A8Spec(FormatSpec):
 SPEC = W4A8Spec(
     name=NAME,
     description="4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on",
+    kitchen=KitchenFacts("AsymW4A8Int8Layout", (8, 0), "0.2.27",
+                         "ComfyUI v0.31.0, reported"),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
         TensorSpec("weight_s_rel", S_REL_DTYPES,

@@ -19,6 +19,7 @@ from h3quant.formats.markers import (
 from h3quant.formats.report import layer_report
 from h3quant.pipelines.headers import naming as naming_view
 from h3quant.pipelines.headers.layer_scan import MAX_MARKER_BYTES, MarkerReader, scan  # noqa: F401
+from h3quant.pipelines.loaders import load_lines
 
 
 def topology_summary(tensors, quantized: dict[str, str]) -> dict | None:
@@ -54,6 +55,8 @@ class InspectResult:
     bytes_read: int  # tensor-data bytes read (marker tensors only)
     layers: list[dict] | None  # one row per layer with layers=True
     mix: list[dict] | None = field(default=None)  # per-layer formats of a mixed file (see layer_mix)
+    # will it load, and where does it run fast: one line per quantized format (device profiles)
+    loads: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -193,4 +196,5 @@ def inspect_checkpoint(path: str | os.PathLike, *, mmap: bool = True, layers: bo
             bytes_read=reader.bytes_read,
             layers=[r.to_dict() for r in reports] if layers else None,
             mix=layer_mix(layer_scan),
+            loads=load_lines(quantized.values()),
         )

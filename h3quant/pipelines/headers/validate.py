@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from h3quant.errors import ContainerError, H3QuantError
+from h3quant.errors import ContainerError, H3QuantError, UsageError
 from h3quant.findings import Finding, Severity, all_rules
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.formats.check import check_layer
@@ -33,6 +33,9 @@ class ValidateResult:
     counts: dict[str, int]
     ok: bool
     checked: dict = field(default_factory=dict)  # what was looked at: tensors, layers, stages
+    # will it load, and where does it run fast: one line per quantized format in the file
+    loads: dict[str, str] = field(default_factory=dict)
+    loader: str | None = None  # the other loader whose rules were applied (validate --loader)
 
     def to_dict(self) -> dict:
         return {
@@ -42,10 +45,12 @@ class ValidateResult:
             "counts": self.counts,
             "checked": self.checked,
             "findings": [f.to_dict() for f in self.findings],
+            "loads": self.loads,
+            "loader": self.loader,
         }
 
 
-VALIDATE_KEYS = ("path", "ok", "deep", "counts", "checked", "findings")
+VALIDATE_KEYS = ("path", "ok", "deep", "counts", "checked", "findings", "loads", "loader")
 
 
 def _guard(stage: str, where: str, out: list[Finding], fn, *args, tensor: str | None = None):
@@ -75,8 +80,28 @@ def _counts(findings: list[Finding]) -> dict[str, int]:
 
 
 def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
-                        mmap: bool = True, on_bytes=None) -> ValidateResult:
-    """Check a checkpoint; ``ok`` is True when no ERROR finding was produced."""
+                        mmap: bool = True, on_bytes=None,
+                        loader: str | None = None) -> ValidateResult:
+    """Check a checkpoint; ``ok`` is True when no ERROR finding was produced. ``loader``
+    (``comfyui``, ``vllm-omni``, ``comfyui-gguf``) adds that loader's acceptance rules."""
+    from h3quant.pipelines.loaders import LOADERS, loader_findings
+
+    if loader is not None and loader not in LOADERS:
+        raise UsageError(f"--loader {loader!r}: expected one of {', '.join(LOADERS)}")
+    res = _validate(path, deep, mmap, on_bytes, loader)
+    if loader is not None:
+        q = res.checked.pop("_quantized", None) or {}
+        topo = res.checked.get("topology") or {}
+        extra = loader_findings(res.path, loader, formats={n: f["format"] for n, f in q.items()},
+                                fields=q, form=topo.get("form"),
+                                gguf=res.checked.get("container") == "gguf")
+        res = _result(Path(res.path), deep, res.findings + extra, res.checked, res.loads)
+        res.loader = loader
+    res.checked.pop("_quantized", None)
+    return res
+
+
+def _validate(path, deep: bool, mmap: bool, on_bytes, loader) -> ValidateResult:
     p = Path(path)
     if not p.exists():
         raise ContainerError("no such file or directory", path=p, code="C112")
@@ -100,8 +125,14 @@ def validate_checkpoint(path: str | os.PathLike, *, deep: bool = False,
             return _result(p, deep, findings, checked)
         if _statistics(ckpt, p, findings, checked):
             return _result(p, deep, findings, checked)
-        _checks(ckpt, deep, findings, checked, on_bytes=on_bytes)
-        return _result(p, deep, findings, checked)
+        layer_scan = _checks(ckpt, deep, findings, checked, on_bytes=on_bytes)
+        quantized = {} if layer_scan is None else {n: dict(lay.fields)
+                                                   for n, lay in layer_scan.quantized.items()}
+        checked["_quantized"] = quantized
+        from h3quant.pipelines.loaders import load_lines
+
+        return _result(p, deep, findings, checked,
+                       load_lines(f["format"] for f in quantized.values()))
 
 
 def _statistics(ckpt: Checkpoint, p: Path, findings: list[Finding], checked: dict) -> bool:
@@ -137,12 +168,13 @@ def header_findings(ckpt: Checkpoint, got=None) -> list[Finding]:
 
 
 def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict,
-            got=None, on_bytes=None) -> None:
+            got=None, on_bytes=None):
+    """Run the header (and with ``deep``, data) checks; the layer scan, or None."""
     where = str(ckpt.path)
     if got is None:
         got = _guard("marker scan", where, findings, lambda: scan(ckpt, prefer_header=False))
     if got is None:
-        return
+        return None
     layer_scan = got[0]
     scaled = fp8_scaled(ckpt)  # ComfyUI's scaled fp8: a scale companion, no marker
     findings.extend(f for f in layer_scan.findings
@@ -178,6 +210,7 @@ def _checks(ckpt: Checkpoint, deep: bool, findings: list[Finding], checked: dict
         if scaled:
             _guard("fp8 scales", where, findings, naming_view.check_scale_values, ckpt)
         checked["stages"].append("deep")
+    return layer_scan
 
 
 def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
@@ -205,6 +238,8 @@ def _topology(ckpt: Checkpoint, layer_scan, checked: dict) -> list[Finding]:
 fp8_scaled = naming_view.fp8_scaled
 
 
-def _result(p: Path, deep: bool, findings: list[Finding], checked: dict) -> ValidateResult:
+def _result(p: Path, deep: bool, findings: list[Finding], checked: dict,
+            loads: dict[str, str] | None = None) -> ValidateResult:
     counts = _counts(findings)
-    return ValidateResult(str(p), deep, findings, counts, counts["error"] == 0, checked)
+    return ValidateResult(str(p), deep, findings, counts, counts["error"] == 0, checked,
+                          loads or {})
