@@ -111,6 +111,15 @@ _r("Q121", "int4-quant-group", E, "convrot_w4a4: K is a multiple of the int4 ker
 _r("Q122", "linear-dtype", E, "convrot_w4a4: linear_dtype is 'int4' or 'int8'")
 _r("Q123", "awq-group", E, "awq_w4a16: group_size divides K; weight_scale and weight_zeros share "
    "one dtype")
+_r("Q124", "svdquant-tensors", E, "svdquant_w4a4: the low-rank and smoothing tensors come in one "
+   "spelling (weight_proj_down, weight_proj_up, weight_smooth_factor or proj_down, proj_up, "
+   "smooth_factor), float, proj_down [K, R], proj_up [N, R], smooth_factor [K]")
+_r("Q125", "svdquant-layout", E, "svdquant_w4a4: natural row-major storage, group size 64, K a "
+   "multiple of 64 (a tile-packed file is not read)")
+_r("Q126", "format-alias", I, "int4_tensorwise is another name for convrot_w4a4 (a ComfyUI fork's): "
+   "read as convrot_w4a4, written under that name")
+_r("Q127", "alias-unrotated", E, "int4_tensorwise is read as convrot_w4a4 only when its marker "
+   "says convrot: true (convrot_w4a4 always rotates)")
 _r("D101", "scale-nonfinite", E, "scales are finite")
 _r("D102", "scale-nonpositive", E, "scales are positive")
 _r("D103", "int8-range", W, "int8 codes stay in [-127, 127] (-128 is legal but never produced)")

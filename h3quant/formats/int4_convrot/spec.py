@@ -15,6 +15,9 @@ from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, Tenso
                                   shape_of)
 
 NAME = "convrot_w4a4"
+# Another name for this layout: a ComfyUI fork maps ``int4_tensorwise`` to the convrot_w4a4
+# layout (docs/FORMATS.md, int4_tensorwise). Read as convrot_w4a4, never written under it.
+ALIAS = "int4_tensorwise"
 QUANT_GROUP = 64
 LINEAR_DTYPES = ("int4", "int8")
 BITS_PER_WEIGHT = 4.0  # plus one fp32 scale per row
@@ -85,7 +88,7 @@ class ConvRotW4A4Spec(FormatSpec):
         return marker(group_size)
 
     def same_target(self, layer, fields, marker):
-        return (fields["format"] == NAME
+        return (fields["format"] in (NAME, ALIAS)
                 and fields.get("convrot_groupsize") == marker["convrot_groupsize"]
                 and fields.get("linear_dtype", "int4") == marker.get("linear_dtype", "int4"))
 
@@ -136,4 +139,51 @@ SPEC = ConvRotW4A4Spec(
     convrot_rules=True,
     packed=True,
     weight_bits=4,
+)
+
+
+def alias_violations(fields: dict) -> list[Violation]:
+    """An ``int4_tensorwise`` layer is read as convrot_w4a4 only when it is rotated."""
+    if fields.get("convrot") is True:
+        return []
+    return [Violation("Q127", f"{ALIAS} layer without convrot: true; {NAME}, which this name is "
+                      "read as, always rotates, so an unrotated layer would decode wrong")]
+
+
+class AliasSpec(ConvRotW4A4Spec):
+    """``int4_tensorwise``: convrot_w4a4's rules and tensors under another name."""
+
+    def describe(self, fields):
+        return f"{ALIAS} (read as {super().describe(fields)})"
+
+    def marker(self, target, group_size):
+        return None  # never written under this name: no convert target names it
+
+    def layer_violations(self, fields, tensors):
+        return rules(fields, tensors) + alias_violations(fields)
+
+    def extra_findings(self, layer, add):
+        super().extra_findings(layer, add)
+        f = layer.fields or {}
+        add("Q126", f"{ALIAS} is read as {NAME} g={f.get('convrot_groupsize', 256)}; stock "
+            f"ComfyUI does not know the name {ALIAS}, and convert writes such a layer as {NAME}")
+        for v in alias_violations(f):
+            add(v.code, v.message, v.suffix)
+
+
+ALIAS_SPEC = AliasSpec(
+    name=ALIAS,
+    description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
+    tensors=SPEC.tensors,
+    comfy=False,
+    verify=SPEC.verify,
+    marker_defaults=SPEC.marker_defaults,
+    runtime_tensors=SPEC.runtime_tensors,
+    runtime_required=SPEC.runtime_required,
+    deep_scales=SPEC.deep_scales,
+    always_convrot=True,
+    convrot_rules=True,
+    packed=True,
+    weight_bits=4,
+    alias_of=NAME,
 )
