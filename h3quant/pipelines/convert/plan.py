@@ -168,7 +168,8 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
     wide = wide_rules(options, preset, {n: tuple(lay.weight.shape) for n, lay in layers.items()
                                         if lay.weight is not None}) if options.layers else ()
     for layer in layers.values():
-        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates, wide)
+        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates, wide,
+                         getattr(ckpt, "dequantized", frozenset()))
         if lp is None:  # plain layer, not converted: copied as is
             copies += [CopyItem(t.name, t, Entry(t.name, t.dtype, t.shape))
                        for t in layer.tensors.values()]
@@ -204,7 +205,9 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
 
 
 def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str,
-                candidates: list[str] | None = None, wide=()):
+                candidates: list[str] | None = None, wide=(), dequantized=frozenset()):
+    """``dequantized``: weights a source reads as floats by dequantizing them (a GGUF file's
+    quantized tensors): a dequantizing target (bf16) writes them in its own dtype."""
     res = resolve_marker(layer, header, read_bytes)
     w = layer.weight
     if w is None:
@@ -220,7 +223,8 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
         lopts = opts
     elif not lopts.codec.spec.quantized:  # dequantizing: quantized layers, and named wider floats
         by_rule = not quantized and rule in wide and linear and w.dtype != "BF16"
-        selected = opts.filtered(layer.name) and (quantized or by_rule)
+        decoded = w.name in dequantized and len(w.shape) == 2 and w.dtype != "BF16"
+        selected = opts.filtered(layer.name) and (quantized or by_rule or decoded)
     else:
         preset_pick = preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
         by_rule = not preset_pick and rule in wide and linear
