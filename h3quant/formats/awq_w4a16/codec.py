@@ -14,7 +14,7 @@ def _g(fields) -> int:
 class AWQW4A16Codec(Codec):
     decodes = True  # the runtime runs it through decode_weight (kitchen's W4A16 math)
     # ComfyUI's linear on an awq_w4a16 weight calls comfy-kitchen's gemv_awq_w4a16, whose
-    # eager path (every device but CUDA: kitchen has an AWQ kernel for CUDA only) computes in
+    # eager path (every device but CUDA / ROCm, where kitchen has AWQ kernels) computes in
     # the scales' dtype whatever the activations' dtype: the runtime runs the same computation
     # there (in bf16 activations it equals the dequantized matmul bit for bit).
     emulation = ("comfy-kitchen gemv_awq_w4a16 (eager, in the scales' dtype)",
