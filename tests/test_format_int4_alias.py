@@ -109,3 +109,11 @@ def test_an_unrotated_layer_is_refused(files, tmp_path):
 def test_no_convert_target_writes_the_alias():
     res = cli("convert", "--help")
     assert res.exit_code == 0 and "int4_tensorwise" not in res.output
+
+
+def test_backends_list_the_format_once_under_its_own_name():
+    from h3quant.runtime.decoded import format_routes
+    from h3quant.runtime.probe import StaticProbe
+
+    names = [r.format for r in format_routes("cpu", StaticProbe())]
+    assert "convrot_w4a4" in names and "int4_tensorwise" not in names
