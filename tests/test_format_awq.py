@@ -134,3 +134,37 @@ def test_bad_files_get_findings(tmp_path, mutate, marker, code, deep):
     p = _one_layer(tmp_path, mutate, marker)
     res, doc = validate(p, *(["--deep"] if deep else []))
     assert res.exit_code == 1 and code in codes(doc), doc["findings"]
+
+
+# ----------------------------------------------------------------------------- the forward
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runtime_linear_is_comfyuis_awq_arithmetic_per_layer(awq, dtype):
+    """Every layer of an AWQ file, run by the runtime on the CPU, gives the values of
+    comfy-kitchen's ``gemv_awq_w4a16`` (what ComfyUI's linear calls there): computed in the
+    scales' dtype (bf16) even for fp32 activations, not in fp32."""
+    import comfy_kitchen as ck
+
+    from h3quant.runtime.loader import load_blocks
+    from h3quant.runtime.model.block import quantized_linear
+
+    blocks = load_blocks(awq, [0, 1])
+    checked = 0
+    for block in blocks:
+        for local in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            layer = block.linear(local)
+            mod = quantized_linear(layer, device="cpu", compute_dtype=dtype)
+            assert mod.backend_name == "emulated" and "gemv_awq_w4a16" in mod.fallback_reason
+            t = layer.tensors
+            x = torch.randn(5, layer.in_features,
+                            generator=torch.Generator().manual_seed(checked)).to(dtype)
+            bias = None if layer.bias is None else layer.bias.to(dtype)
+            want = ck.gemv_awq_w4a16(x, t["weight"], t["weight_scale"], t["weight_zeros"],
+                                     bias, group_size=64)
+            got = mod(x)
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype)), layer.name
+            fp32 = torch.nn.functional.linear(x.float(), layer.dequantize(torch.float32),
+                                              None if bias is None else bias.float())
+            if dtype == torch.float32:  # the fp32 product is another computation
+                assert not torch.equal(got, fp32), layer.name
+            checked += 1
+    assert checked == 8

@@ -166,6 +166,29 @@ def _package_values(path):
     return out
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_convert_to_bf16_writes_the_dequantized_layers_as_bf16(h3, tmp_path, qtype):
+    """The GGUF's quantized weights come out BF16 (the gguf package's dequantize, rounded once
+    to bf16); its F32 tensors stay F32, value for value."""
+    f = tmp_path / f"h3-{qtype}.gguf"
+    write_gguf(h3["tensors"], f, qtype)
+    out = tmp_path / "h3.safetensors"
+    r = CliRunner().invoke(main, ["convert", str(f), str(out), "--to", "bf16", "-q",
+                                  "--no-report"])
+    assert r.exit_code == 0, r.output
+    got, _ = read_all(out)
+    want = _package_values(f)
+    quantized = {t.name.removeprefix("model.diffusion_model.") for t in gguf.GGUFReader(str(f)).tensors
+                 if t.tensor_type.name == qtype}
+    assert len(quantized) == 4 and quantized < set(got)
+    for name, w in want.items():
+        if name in quantized:
+            assert got[name].dtype == torch.bfloat16, name
+            assert torch.equal(got[name], w.to(torch.bfloat16)), name
+        else:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], w), name
+
+
 @pytest.mark.parametrize("qtype,prefix", [("Q4_0", "model.diffusion_model."), ("Q4_K", "")])
 def test_convert_reads_the_gguf_in_place_no_float_copy(h3, tmp_path, monkeypatch, qtype,
                                                        prefix):

@@ -16,6 +16,7 @@ from h3quant.errors import MarkerError
 from h3quant.findings import Finding
 from h3quant.formats.container.reader import TensorInfo
 from h3quant.formats.container.dtypes import QUANTIZED_WEIGHT_DTYPES
+from h3quant.formats import registry
 from h3quant.formats.markers import (
     MARKER_SUFFIX,
     QuantFormat,
@@ -29,7 +30,7 @@ LAYER_SUFFIXES = frozenset({
     "weight", "bias", "comfy_quant", "weight_scale", "weight_scale_2", "input_scale",
     "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction",
     "weight_zero", "weight_zeros", "qweight", "qzeros", "scales",
-})
+}) | frozenset().union(*(s.suffixes for s in registry.specs()))  # every format's tensor set
 
 
 @dataclass

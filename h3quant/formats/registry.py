@@ -28,6 +28,7 @@ _PACKAGES = (
     "h3quant.formats.nvfp4",
     "h3quant.formats.int4_convrot",
     "h3quant.formats.awq_w4a16",
+    "h3quant.formats.svdquant_w4a4",
     "h3quant.formats.plain",
 )
 

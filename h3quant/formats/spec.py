@@ -174,6 +174,12 @@ class FormatSpec:
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
     write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # why convert cannot copy a layer of this format into its output either (a read-only
+    # format: every such layer must be converted to another format); None: it can
+    kept_refusal: str | None = None
+    # another name for the format ``alias_of``: read as that format, and a layer kept by
+    # convert is written under that format's name (never under this one)
+    alias_of: str | None = None
     # Moving stored codes instead of quantizing (convert's relayout and grid conversions): the
     # tensor of per-row scales copied beside the codes (a layout variant and its canonical
     # format both name it), and the plan's note for each way (a relayout: the canonical

@@ -162,6 +162,8 @@ def format_routes(device: str | Device = "auto", probe: Probe | None = None) -> 
     first = next((n for n in PREFERENCE.get(dev.kind, ()) if n in ok), "dequant")
     out = []
     for codec in registry.quantized_codecs():
+        if codec.spec.alias_of:  # another name for a format listed under its own name
+            continue
         if decodes(codec):
             out.append(route(codec, dev, probe))
         else:

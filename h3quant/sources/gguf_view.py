@@ -125,6 +125,8 @@ class GgufView:
             self._file = _GgufViewFile(self, self.path)
             self.files = [self._file]
             self.tensors = self._layout(self.gguf.tensors)
+            # the tensors read by dequantizing GGUF blocks (convert --to bf16 writes them BF16)
+            self.dequantized = frozenset(n for n, t in self.gguf.tensors.items() if t.quantized)
             types: dict[str, int] = {}
             for t in self.gguf.tensors.values():
                 types[t.qtype] = types.get(t.qtype, 0) + 1

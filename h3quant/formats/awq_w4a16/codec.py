@@ -13,6 +13,12 @@ def _g(fields) -> int:
 
 class AWQW4A16Codec(Codec):
     decodes = True  # the runtime runs it through decode_weight (kitchen's W4A16 math)
+    # ComfyUI's linear on an awq_w4a16 weight calls comfy-kitchen's gemv_awq_w4a16, whose
+    # eager path (every device but CUDA / ROCm, where kitchen has AWQ kernels) computes in
+    # the scales' dtype whatever the activations' dtype: the runtime runs the same computation
+    # there (in bf16 activations it equals the dequantized matmul bit for bit).
+    emulation = ("comfy-kitchen gemv_awq_w4a16 (eager, in the scales' dtype)",
+                 ("cpu", "mps", "xpu", "npu"))
 
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale", "weight_zeros"]
@@ -41,6 +47,16 @@ class AWQW4A16Codec(Codec):
 
         return decode_awq(tensors["weight"].view(torch.int8), tensors["weight_scale"].t(),
                           tensors["weight_zeros"].t(), _g(fields), dtype=dtype)
+
+    def emulated_linear(self, x, tensors, fields, bias=None):
+        """``x W^T + b`` as comfy-kitchen's eager ``gemv_awq_w4a16`` computes it (in the
+        scales' dtype), returned in ``x.dtype``."""
+        import torch
+
+        from h3quant.formats.awq_w4a16.tensors import awq_linear
+
+        return awq_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
+                          tensors["weight_zeros"], _g(fields), bias)
 
     def int8_grid(self, tensors, fields):
         """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""

@@ -37,3 +37,19 @@ def decode_awq(q: torch.Tensor, scale_rows: torch.Tensor, zero_rows: torch.Tenso
     s = scale_rows.to(dtype).reshape(r, k // group, 1)
     z = zero_rows.to(dtype).reshape(r, k // group, 1)
     return ((codes - float(OFFSET)) * s + z).reshape(r, k)
+
+
+def awq_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor,
+               group: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` as comfy-kitchen's ``gemv_awq_w4a16`` computes it (its eager path, the one
+    ComfyUI's linear reaches on these devices): the weight decoded in the scales' dtype, ``x``
+    cast to that dtype, the product in it, then the bias added (torch's promotion, as kitchen).
+    The result is returned in ``x.dtype``: for an fp32 model with bf16 scales, the values of
+    kitchen's bf16 product exactly, not an fp32 product."""
+    compute = scale.dtype
+    w = decode_awq(q, scale.t(), zeros.t(), group, dtype=compute)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = x2.to(compute) @ w.t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)

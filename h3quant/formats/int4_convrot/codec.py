@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h3quant.formats.codec import Codec
-from h3quant.formats.int4_convrot.spec import SPEC
+from h3quant.formats.int4_convrot.spec import ALIAS_SPEC, SPEC
 from h3quant.formats.spec import Violation
 
 
@@ -91,3 +91,4 @@ class ConvRotW4A4Codec(Codec):
 
 
 CODEC = ConvRotW4A4Codec(SPEC)
+ALIAS_CODEC = ConvRotW4A4Codec(ALIAS_SPEC)  # int4_tensorwise: the same tensor work

@@ -22,10 +22,19 @@ register("Q121", "int4-quant-group", Severity.ERROR,
          "64, and quant_group_size (when present) is 64")
 register("Q122", "linear-dtype", Severity.ERROR,
          "convrot_w4a4: linear_dtype is 'int4' or 'int8'")
+register("Q126", "format-alias", Severity.INFO,
+         "int4_tensorwise is another name for convrot_w4a4 (a ComfyUI fork's): "
+         "read as convrot_w4a4, written under that name")
+register("Q127", "alias-unrotated", Severity.ERROR,
+         "int4_tensorwise is read as convrot_w4a4 only when its marker "
+         "says convrot: true (convrot_w4a4 always rotates)")
 register("D122", "int4-range", Severity.WARNING,
          "signed int4 codes stay in [-7, 7] (-8 is legal but never produced)")
 
 NAME = "convrot_w4a4"
+# Another name for this layout: a ComfyUI fork maps ``int4_tensorwise`` to the convrot_w4a4
+# layout (docs/FORMATS.md, int4_tensorwise). Read as convrot_w4a4, never written under it.
+ALIAS = "int4_tensorwise"
 QUANT_GROUP = 64
 LINEAR_DTYPES = ("int4", "int8")
 BITS_PER_WEIGHT = 4.0  # plus one fp32 scale per row
@@ -96,7 +105,7 @@ class ConvRotW4A4Spec(FormatSpec):
         return marker(group_size)
 
     def same_target(self, layer, fields, marker):
-        return (fields["format"] == NAME
+        return (fields["format"] in (NAME, ALIAS)
                 and fields.get("convrot_groupsize") == marker["convrot_groupsize"]
                 and fields.get("linear_dtype", "int4") == marker.get("linear_dtype", "int4"))
 
@@ -156,4 +165,51 @@ SPEC = ConvRotW4A4Spec(
     convrot_rules=True,
     packed=True,
     weight_bits=4,
+)
+
+
+def alias_violations(fields: dict) -> list[Violation]:
+    """An ``int4_tensorwise`` layer is read as convrot_w4a4 only when it is rotated."""
+    if fields.get("convrot") is True:
+        return []
+    return [Violation("Q127", f"{ALIAS} layer without convrot: true; {NAME}, which this name is "
+                      "read as, always rotates, so an unrotated layer would decode wrong")]
+
+
+class AliasSpec(ConvRotW4A4Spec):
+    """``int4_tensorwise``: convrot_w4a4's rules and tensors under another name."""
+
+    def describe(self, fields):
+        return f"{ALIAS} (read as {super().describe(fields)})"
+
+    def marker(self, target, group_size):
+        return None  # never written under this name: no convert target names it
+
+    def layer_violations(self, fields, tensors):
+        return rules(fields, tensors) + alias_violations(fields)
+
+    def extra_findings(self, layer, add):
+        super().extra_findings(layer, add)
+        f = layer.fields or {}
+        add("Q126", f"{ALIAS} is read as {NAME} g={f.get('convrot_groupsize', 256)}; stock "
+            f"ComfyUI does not know the name {ALIAS}, and convert writes such a layer as {NAME}")
+        for v in alias_violations(f):
+            add(v.code, v.message, v.suffix)
+
+
+ALIAS_SPEC = AliasSpec(
+    name=ALIAS,
+    description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
+    tensors=SPEC.tensors,
+    comfy=False,
+    verify=SPEC.verify,
+    marker_defaults=SPEC.marker_defaults,
+    runtime_tensors=SPEC.runtime_tensors,
+    runtime_required=SPEC.runtime_required,
+    deep_scales=SPEC.deep_scales,
+    always_convrot=True,
+    convrot_rules=True,
+    packed=True,
+    weight_bits=4,
+    alias_of=NAME,
 )

@@ -161,7 +161,8 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
     wide = wide_rules(options, preset, {n: tuple(lay.weight.shape) for n, lay in layers.items()
                                         if lay.weight is not None}) if options.layers else ()
     for layer in layers.values():
-        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates, wide)
+        lp = _plan_layer(layer, header, ckpt.read_bytes, options, preset, candidates, wide,
+                         getattr(ckpt, "dequantized", frozenset()))
         if lp is None:  # plain layer, not converted: copied as is
             copies += [CopyItem(t.name, t, Entry(t.name, t.dtype, t.shape))
                        for t in layer.tensors.values()]
@@ -197,7 +198,9 @@ def build_plan(ckpt: Checkpoint, src: Path, dst: Path, options: ConvertOptions,
 
 
 def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: str,
-                candidates: list[str] | None = None, wide=()):
+                candidates: list[str] | None = None, wide=(), dequantized=frozenset()):
+    """``dequantized``: weights a source reads as floats by dequantizing them (a GGUF file's
+    quantized tensors): a dequantizing target (bf16) writes them in its own dtype."""
     res = resolve_marker(layer, header, read_bytes)
     w = layer.weight
     if w is None:
@@ -213,7 +216,8 @@ def _plan_layer(layer: Layer, header, read_bytes, opts: ConvertOptions, preset: 
         lopts = opts
     elif not lopts.codec.spec.quantized:  # dequantizing: quantized layers, and named wider floats
         by_rule = not quantized and rule in wide and linear and w.dtype != "BF16"
-        selected = opts.filtered(layer.name) and (quantized or by_rule)
+        decoded = w.name in dequantized and len(w.shape) == 2 and w.dtype != "BF16"
+        selected = opts.filtered(layer.name) and (quantized or by_rule or decoded)
     else:
         preset_pick = preset_selects(preset, layer.name, w.dtype, len(w.shape), quantized)
         by_rule = not preset_pick and rule in wide and linear
@@ -293,6 +297,15 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
     elif lp.src_fields is not None:
         lp.out_fields = res.raw
         lp.target = lp.source
+        src = registry.spec(lp.src_fields["format"])
+        if src is not None and src.kept_refusal:  # a read-only format is never copied out
+            w = lp.inputs.get("weight")
+            raise ConvertError(f"layer {name} would be copied as it is: {src.kept_refusal}",
+                               path=getattr(w, "file", None), tensor=name, code="Q105")
+        if src is not None and src.alias_of:  # written under the name it is read as
+            lp.out_fields = dict(res.raw, format=src.alias_of)
+            lp.target = registry.describe(dict(lp.src_fields, format=src.alias_of))
+            lp.notes.append(f"marker renamed {src.name} -> {src.alias_of} (same tensors)")
     for suffix, info in lp.inputs.items():
         if suffix == "comfy_quant":
             continue
