@@ -96,7 +96,7 @@ def _documented_lines() -> list[tuple[str, str]]:
         text = re.sub(r"\\\s*\n\s*", " ", text)
         for m in re.finditer(r"(?<![\w/-])h3quant (capture|convert|plan|verify|compare)\b[^\n`|]*",
                              text):
-            line = m.group(0).split("#")[0].strip()
+            line = m.group(0).split("#")[0].split(" > ")[0].strip()  # no comment, no redirect
             if "--inputs" in line or "--calibrate-on" in line:
                 out.append((where, line))
     return out
@@ -111,7 +111,8 @@ def test_the_documented_lines_are_found():
 
 _CONSUMING = {"--out", "--to", "--through", "--device", "--calibration", "--reference", "--steps",
               "--sigma", "--group-size", "--json-out", "--report", "--recipe", "--preset",
-              "--blocks", "--smooth", "--target-sqnr", "--max-size", "--seed", "--frames"}
+              "--blocks", "--smooth", "--target-sqnr", "--max-size", "--seed", "--frames",
+              "--feedback"}
 
 
 def _files_of(args: list[str]) -> tuple[list[str], list[str]]:
