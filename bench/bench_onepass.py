@@ -16,7 +16,8 @@ the two feedbacks compare on a random network, not what they give on real weight
    path ``verify --model`` runs (int8 and W4A8 with int8 activations), mean over B;
 3. the float-feedback file against ``capture A`` + ``convert --calibration``: the tensors whose
    bytes differ and the header keys that differ;
-4. per block and phase, the one-pass times (seconds, this machine).
+4. per block and phase, the one-pass times (seconds, this machine), the work folder's peak
+   size and the process's peak RSS so far (the whole bench's, Linux).
 """
 
 from __future__ import annotations
@@ -114,12 +115,14 @@ def main() -> None:
                                  d / f"{fmt}_one_float.safetensors")
         print(f"|  | float one pass vs two-step: {len(differ)} tensor(s) differ; header keys "
               f"differ: {', '.join(keys) or 'none'} | | | |")
-    print("\n| format | feedback | block | capture s | factorisation s | feedback s | write s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n| format | feedback | block | capture s | factorisation s | feedback s | write s "
+          "| work folder peak MB | peak RSS MB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for (fmt, fb), blocks in times.items():
         for t in blocks:
             print(f"| {fmt} | {fb} | {t['block']} | {t['capture']:.2f} | {t['factorisation']:.2f} "
-                  f"| {t['feedback']:.2f} | {t['write']:.2f} |")
+                  f"| {t['feedback']:.2f} | {t['write']:.2f} "
+                  f"| {t.get('work_bytes', 0) / 1e6:.1f} | {t.get('peak_rss_bytes', 0) / 1e6:.0f} |")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ No statistics file: for each DiT block ``b`` in order,
    block as just quantized (its linears on the runtime path, as the device runs the file), so
    block ``b+1`` is measured on what it will really see; ``feedback="float"`` keeps the float
    block's outputs (the statistics are then those of ``h3quant capture``);
-4. **write**: the hidden states and the state file are saved (atomically) to the work folder.
+4. **write**: the hidden states (a new file per block, the previous one removed after) and the
+   state file are saved, each atomically, to the work folder.
 
 The work folder is ``OUT.h3q-onepass``. Its ``state.json`` holds the checksums of the
 checkpoint (header), of every input file and of the options, and the checksum of each finished
@@ -25,7 +26,8 @@ block linears' tensors copied from the block files, and the work folder is remov
 bytes equal those of an uninterrupted run.
 
 Progress goes to ``log`` per block and per phase with an ETA from the blocks measured; the
-report's ``onepass`` entry has the per-block times.
+report's ``onepass`` entry has the per-block times, the work folder's size at its peak (while
+the block's statistics are there) and the process's peak resident set so far.
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ def _check_resume(work: Path, key: dict) -> dict | None:
             raise UsageError(f"--calibrate-on: the saved block file {item['file']} is missing or "
                              "damaged" + hint, path=work)
     if state.get("blocks"):
-        f = work / "hidden.safetensors"
-        if not f.exists() or _sha256(f) != state.get("hidden_sha256"):
+        f = work / str(state.get("hidden"))
+        if not f.is_file() or _sha256(f) != state.get("hidden_sha256"):
             raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
                              + hint, path=work)
     return state
@@ -131,7 +133,7 @@ class BlockFiles:
         from h3quant.formats.container.reader import SafetensorsFile
 
         self._files = []
-        self._where: dict[str, object] = {}
+        self._where: dict[str, SafetensorsFile] = {}
         self.entries: dict[str, dict] = {}
         for item in blocks:
             fh = SafetensorsFile(work / item["file"], mmap=False)
@@ -208,7 +210,7 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
     if options.loras or options.naming not in ("auto", "comfy"):
         raise UsageError("--calibrate-on takes a ComfyUI single-file float checkpoint without "
                          "--lora; run 'h3quant capture', then convert --calibration")
-    described = describe_inputs([str(p) for p in inputs], 0.6)
+    described = describe_inputs([str(p) for p in inputs], 0.6)  # capture's default sigma
     fp = checkpoint_fingerprint(src)
     key = {"version": STATE_VERSION, "checkpoint": fp,
            "inputs": [[d["file"], d["sha256"]] for d in described],
@@ -247,7 +249,7 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
         with torch.no_grad():
             states = list(calls())
         if done:
-            _load_hidden(work / "hidden.safetensors", states)
+            _load_hidden(work / state["hidden"], states)
         seq = sum(int(st.x.shape[0]) for st in states)
         keep = sample_indices(seq)
         times: list[dict] = list(state.get("times", []))
@@ -255,7 +257,7 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
         for b in blocks:
             if b in done:
                 continue
-            t = {"block": b}
+            t: dict[str, float] = {"block": b}
             t0 = time.perf_counter()
             # 1. capture: the float block on every call, its linears recording
             with torch.no_grad():
@@ -265,9 +267,11 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
                     k = f"blocks.{b}.{lin}"
                     rec[k] = Recording(getattr(block, attr), widths[k], model.tdev, keep)
                     setattr(block, attr, rec[k])
-                outs = [block(st.x, st.cond) for st in states]
-                if options.feedback != "float":
-                    outs = []  # the quantized block gives the next states
+                for st in states:
+                    out = block(st.x, st.cond)
+                    if options.feedback == "float":  # the float outputs are the next states
+                        st.x = out
+                    del out  # else the quantized block gives them (feedback, below)
                 del block
                 model.release_block(b)
             mine = {k: widths[k] for k in rec}
@@ -292,31 +296,33 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
             t1 = time.perf_counter()
             part = work / f"block_{b:03d}.safetensors"
             _encode_block(plan, ckpt, b, stats_path, src, part, options.workers)
+            t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
             stats_path.unlink()
             t["factorisation"] = time.perf_counter() - t1
             # 3. feedback: the states move on through the quantized (or the float) block
             t2 = time.perf_counter()
             with torch.no_grad():
-                if options.feedback == "float":
-                    for st, out in zip(states, outs):
-                        st.x = out
-                else:
+                if options.feedback != "float":
                     qblock = _quantized_block(model, b, part, states[0].x.dtype)
                     for st in states:
                         st.x = qblock(st.x, st.cond)
                     del qblock
-            del outs
             t["feedback"] = time.perf_counter() - t2
             # 4. write: the states and the state file, atomically
             t3 = time.perf_counter()
-            _save_hidden(work / "hidden.safetensors", states)
+            before = state.get("hidden")
+            hidden = work / f"hidden_{b:03d}.safetensors"  # a kill at any point leaves the
+            _save_hidden(hidden, states)  # state file naming a complete, checked set
             state["blocks"].append({"block": b, "file": part.name, "sha256": _sha256(part)})
-            state["hidden_sha256"] = _sha256(work / "hidden.safetensors")
+            state["hidden"], state["hidden_sha256"] = hidden.name, _sha256(hidden)
             t["write"] = time.perf_counter() - t3
             t["total"] = time.perf_counter() - t0
+            t["peak_rss_bytes"] = _peak_rss()
             times.append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()})
             state["times"] = times
             _write_json(work / "state.json", state)
+            if before and before != hidden.name:
+                (work / before).unlink(missing_ok=True)
             finished_now += 1
             left = len(blocks) - len(state["blocks"])
             mean = sum(x["total"] for x in times) / len(times)
@@ -449,6 +455,19 @@ def _quantized_block(model, b: int, part, dtype):
         return reference_linear(lay, device=model.tdev)
 
     return build_block(loaded, make, device=model.tdev)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def _peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
 def _save_hidden(path: Path, states) -> None:
