@@ -244,6 +244,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
+    if feedback != "quantized" and not calibrate_on:
+        raise click.UsageError("--feedback applies to --calibrate-on")
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
