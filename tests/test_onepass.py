@@ -55,8 +55,8 @@ def test_float_feedback_equals_capture_then_convert(world):
     convert(src, two, ConvertOptions(target=TARGET, calibration=str(d / "a.stats")))
     one = d / "one_float.safetensors"
     logs = []
-    rep = convert(src, one, ConvertOptions(target=TARGET, calibrate_on=(str(d / "calib"),),
-                                           feedback="float"), log=logs.append)
+    rep = convert(src, one, ConvertOptions(target=TARGET, calibrate_on=(str(d / "calib"),)),
+                  log=logs.append)  # float feedback: the default
     assert _tensors(one) == _tensors(two)
     m1, m2 = _metadata(one), _metadata(two)
     assert {k for k in set(m1) | set(m2) if m1.get(k) != m2.get(k)} == {"h3quant.options"}
@@ -79,8 +79,8 @@ def log(msg):
     if msg.startswith("block 1/"):
         os.kill(os.getpid(), signal.SIGKILL)  # after block 1 is saved, before block 2 starts
 
-convert(sys.argv[1], sys.argv[2], ConvertOptions(target=sys.argv[3], calibrate_on=(sys.argv[4],)),
-        log=log)
+convert(sys.argv[1], sys.argv[2], ConvertOptions(target=sys.argv[3], calibrate_on=(sys.argv[4],),
+                                                  feedback="quantized"), log=log)
 """
 
 
@@ -109,7 +109,8 @@ def test_changed_inputs_or_options_are_refused(world, killed, tmp_path):
     with pytest.raises(UsageError, match="options changed since the interrupted run: feedback"):
         convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(calib,), feedback="float"))
     with pytest.raises(UsageError, match="options changed since the interrupted run: group_size"):
-        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(calib,), group_size=64))
+        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(calib,), group_size=64,
+                                         feedback="quantized"))
     copy = tmp_path / "calib"
     copy.mkdir()
     for p in world["inputs"]:
@@ -121,10 +122,12 @@ def test_changed_inputs_or_options_are_refused(world, killed, tmp_path):
     write_inputs(first, torch.zeros(1, dims["vc"], 2, 16, 16), torch.zeros(1, dims["ac"], 2, 32),
                  torch.zeros(1, 64, dims["td"]), 0.5)
     with pytest.raises(UsageError, match=f"input {first.name} changed"):
-        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(copy),)))
+        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(copy),),
+                                         feedback="quantized"))
     first.unlink()
     with pytest.raises(UsageError, match=f"input\\(s\\) gone \\({first.name}\\)"):
-        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(copy),)))
+        convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(copy),),
+                                         feedback="quantized"))
     assert not out.exists() and (work_dir(out) / "state.json").exists()  # kept to resume
 
 
@@ -132,15 +135,16 @@ def test_killed_after_block_1_resumes_to_the_same_bytes(world, killed):
     d, src, out = world["d"], world["src"], killed
     whole = d / "whole.safetensors"
     r = CliRunner().invoke(main, ["convert", str(src), str(whole), "--to", TARGET,
-                                  "--calibrate-on", str(d / "calib" / "*.safetensors"), "--json"])
+                                  "--calibrate-on", str(d / "calib" / "*.safetensors"), "--json",
+                                  "--feedback", "quantized"])
     assert r.exit_code == 0, r.output
     times = json.loads(r.stdout)["onepass"]
     assert times["feedback"] == "quantized" and len(times["blocks"]) == 2
     assert all(t[p] >= 0 for t in times["blocks"]
                for p in ("capture", "factorisation", "feedback", "write"))
     logs = []
-    convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(d / "calib"),)),
-            log=logs.append)
+    convert(src, out, ConvertOptions(target=TARGET, calibrate_on=(str(d / "calib"),),
+                                     feedback="quantized"), log=logs.append)
     assert any(m.startswith("resuming") for m in logs)
     assert not any(m.startswith("block 1/") for m in logs)  # block 1 was not done again
     assert _tensors(out) == _tensors(whole)

@@ -129,11 +129,12 @@ def _group_size(ctx, param, value):
     "statistics are collected, its layers encoded with them and the statistics dropped. "
     "Progress per block and phase with an ETA on stderr; an interrupted run resumes from "
     "its last finished block (work folder OUT.h3q-onepass)."))
-@click.option("--feedback", type=click.Choice(["quantized", "float"]), default="quantized",
+@click.option("--feedback", type=click.Choice(["float", "quantized"]), default="float",
               show_default=True,
               help="With --calibrate-on: the next block is measured on the outputs of the "
-                   "block as quantized (what the file will run) or of the float block "
-                   "(the statistics 'capture' gives).")
+                   "float block (the statistics 'capture' gives: the same bytes as capture + "
+                   "--calibration) or of the block as quantized (what the file will run; "
+                   "slower, and no better in docs/calibration.md's measurement).")
 @click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
               default=None,
               help="Statistics of other inputs (captured on IN too): the report also gives "
@@ -244,7 +245,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
-    if feedback != "quantized" and not calibrate_on:
+    if feedback != "float" and not calibrate_on:
         raise click.UsageError("--feedback applies to --calibrate-on")
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:

@@ -10,10 +10,11 @@ No statistics file: for each DiT block ``b`` in order,
 2. **factorisation**: block ``b``'s layers are encoded with them, through convert's own layer
    pass (error feedback, AWQ folds; the report's entries), into ``block_{b}.safetensors`` in
    the work folder; then the statistics are deleted: there is never more than one block's;
-3. **feedback**: the calls' hidden states move on through block ``b``: by default through the
-   block as just quantized (its linears on the runtime path, as the device runs the file), so
-   block ``b+1`` is measured on what it will really see; ``feedback="float"`` keeps the float
-   block's outputs (the statistics are then those of ``h3quant capture``);
+3. **feedback**: the calls' hidden states move on through block ``b``: by default the float
+   block's outputs (the statistics are then those of ``h3quant capture``, and so are the
+   bytes); ``feedback="quantized"`` runs them through the block as just quantized (its linears
+   on the runtime path, as the device runs the file), so block ``b+1`` is measured on what it
+   will really see (slower; no better on the synthetic measurement, docs/calibration.md);
 4. **write**: the hidden states (a new file per block, the previous one removed after) and the
    state file are saved, each atomically, to the work folder.
 

@@ -68,7 +68,7 @@ class ConvertOptions:
     awq_scale: bool = True  # AWQ channel scaling folded into the layer before (convert.folds)
     smooth: str = "off"  # "auto": smoothing searched per layer and folded (convert.smoothing)
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
-    feedback: str = "quantized"  # one pass: block b+1 sees quantized or float block b outputs
+    feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
