@@ -144,7 +144,7 @@ def test_bad_inputs_files_name_the_file_and_tensor(files):
     (["verify", "Q", "--model", "--inputs", "L", "--frames", "3"], "cannot be used with --inputs"),
     (["verify", "Q", "--model", "--inputs", "S", "--sigma", "0.3"], "conflicts with the sigma"),
     (["plan", "F", "--inputs", "L", "--seed", "3"], "cannot be used with --inputs"),
-    (["plan", "F", "--inputs", "NOPE"], "No such file"),
+    (["plan", "F", "--inputs", "NOPE"], "no such file or folder"),
 ])
 def test_cli_usage_errors(files, cmd, why):
     names = {"Q": files["q"], "L": files["good"], "S": files["same"], "F": files["src"],

@@ -17,17 +17,18 @@ from h3quant.cli.common import (
     log,
     progress_enabled,
 )
+from h3quant.cli.inputs_option import inputs_option
 from h3quant.device_kinds import device_help
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("ckpt", type=CHECKPOINT_PATH)
-@click.option("--inputs", "inputs", multiple=True, required=True,
-              type=click.Path(path_type=Path),
-              help="An inputs file (video, audio and text latents, optional sigma: the file "
-                   "'verify --model --inputs' reads, as the recorder writes one per sampler "
-                   "step). Repeat for every call to measure; each holds its hidden state "
-                   "during the run.")
+@inputs_option(required=True,
+               help="Inputs files (video, audio and text latents, optional sigma: the file "
+                    "'verify --model --inputs' reads, as the recorder writes one per sampler "
+                    "step): files, folders (their *.safetensors) or globs, quoted or not, "
+                    "several after one --inputs or --inputs repeated. Each holds its hidden "
+                    "state during the run.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path),
               help="The statistics file to write (safetensors; about 4 x K^2 bytes per "
                    "linear: ~1.2 GB per block at H3's full width).")
@@ -70,8 +71,10 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, o
     \b
     Examples:
       h3quant capture h3.safetensors --inputs steps/*.safetensors --out h3.stats
-      h3quant capture h3.safetensors --inputs a.safetensors --inputs b.safetensors \\
+      h3quant capture h3.safetensors --inputs a.safetensors b.safetensors \\
           --out h3.stats --device cuda
+      h3quant capture h3.safetensors --inputs "steps/*.safetensors" --out h3.stats
+      h3quant capture h3.safetensors --inputs steps --out h3.stats   # a folder
       h3quant capture h3.safetensors --through h3_w4a8.safetensors \\
           --inputs steps/*.safetensors --out h3_seq.stats     # quantized-block inputs
       h3quant convert h3.safetensors h3_w4a8.safetensors --to w4a8 --calibration h3.stats

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from h3quant.cli.inputs_option import inputs_option, one_input
 from h3quant.cli.common import (
     CHECKPOINT,
     given_options,
@@ -78,10 +79,10 @@ Examples:
               show_default=True, help="The sigma of the one-forward comparison (drift, outputs).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the inputs and of the sampling run's noise.")
-@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
-              default=None, metavar="FILE",
-              help="Read the latents (and the noise of the sampling run) from this safetensors "
-                   "file, the one verify --model and plan --inputs take.")
+@inputs_option(dest="inputs_file",
+               help="Read the latents (and the noise of the sampling run) from this "
+                    "safetensors file, the one verify --model and plan --inputs take (a folder "
+                    "or glob, quoted or not, must name exactly one file).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the card as JSON (one record per file, with the run's settings).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=str),
@@ -107,6 +108,7 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
     from h3quant.pipelines.verify.model import ModelInputs
 
     ctx = click.get_current_context()
+    inputs_file = one_input(inputs_file)
     if sigmas is not None and given_options(ctx, ("steps",)):
         raise click.UsageError("--steps and --sigmas cannot be used together")
     schedule = _schedule(steps, sigmas)

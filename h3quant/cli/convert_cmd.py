@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from h3quant.cli.inputs_option import inputs_option
 from h3quant.cli.common import (
     CHECKPOINT,
     WORKERS,
@@ -122,6 +123,18 @@ def _group_size(ctx, param, value):
                    "file format is unchanged; awq-w4a16 is written only this way. Layers "
                    "with fewer recorded rows than their input width are rounded to nearest "
                    "(warned). Other formats are rounded to nearest.")
+@inputs_option(dest="calibrate_on", name="--calibrate-on", help=(
+    "Calibrate in one pass on these inputs files (what 'capture --inputs' takes: files, "
+    "folders, globs, quoted or not), no statistics file: block by block, each block's "
+    "statistics are collected, its layers encoded with them and the statistics dropped. "
+    "Progress per block and phase with an ETA on stderr; an interrupted run resumes from "
+    "its last finished block (work folder OUT.h3q-onepass)."))
+@click.option("--feedback", type=click.Choice(["float", "quantized"]), default="float",
+              show_default=True,
+              help="With --calibrate-on: the next block is measured on the outputs of the "
+                   "float block (the statistics 'capture' gives: the same bytes as capture + "
+                   "--calibration) or of the block as quantized (what the file will run; "
+                   "slower, and no better in docs/calibration.md's measurement).")
 @click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
               default=None,
               help="Statistics of other inputs (captured on IN too): the report also gives "
@@ -151,7 +164,7 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibration_heldout, no_awq_scale, smooth, overwrite, dry_run, as_json,
+            calibrate_on, feedback, calibration_heldout, no_awq_scale, smooth, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -191,6 +204,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
       h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \
           --calibration h3.stats --report r.json              # calibrated codes
+      h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \\
+          --calibrate-on steps/*.safetensors                    # one pass, no statistics file
     """
     from h3quant.cli.render import render_plan, summary_line
 
@@ -230,6 +245,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
             if not quiet:
                 log(f"--to not given: the LoRA layers are encoded again as IN stores them "
                     f"({target}, group size {group_size}, layout {layout})")
+    if feedback != "float" and not calibrate_on:
+        raise click.UsageError("--feedback applies to --calibrate-on")
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
@@ -240,7 +257,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              naming=naming, loras=tuple(loras),
                              lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
                              calibration=calibration, calibration_heldout=calibration_heldout,
-                             awq_scale=not no_awq_scale, smooth=smooth)
+                             awq_scale=not no_awq_scale, smooth=smooth,
+                             calibrate_on=tuple(calibrate_on), feedback=feedback)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from h3quant.cli.inputs_option import inputs_option, one_input
 from h3quant.cli.common import CHECKPOINT, SEED, emit_json, finite_float, format_table, guard, \
     handle_errors, log, mmap_option, progress_enabled
 from h3quant.sizes import mb_number, size_text
@@ -172,11 +173,10 @@ Examples:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the inputs.")
 @click.option("--frames", type=click.IntRange(1, 1024), default=2, show_default=True,
               help="Video latent frames of the seeded input.")
-@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
-              default=None, metavar="FILE",
-              help="Measure on the latents in this safetensors file (video, audio, text, "
-                   "optional sigma: the file verify --model --inputs takes) instead of seeded "
-                   "ones.")
+@inputs_option(dest="inputs_file",
+               help="Measure on the latents in this safetensors file (video, audio, text, "
+                    "optional sigma: the file verify --model --inputs takes) instead of seeded "
+                    "ones (a folder or glob, quoted or not, must name exactly one file).")
 @click.option("--device", "device_class", default=None, metavar="CLASS",
               help="Plan for a machine instead: a device class (turing, ampere, ada, hopper, "
                    "blackwell-dc, blackwell, apple, ascend, cpu) with --vram; prints the VRAM "
@@ -221,6 +221,7 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
     from h3quant.pipelines.plan.planner import Model, calibrated_formats, choose, recipe_rules
     from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
 
+    inputs_file = one_input(inputs_file)
     if target_sqnr is not None and max_size is not None:
         raise click.UsageError("give --target-sqnr or --max-size, not both")
     if target_sqnr is not None and not math.isfinite(target_sqnr):

@@ -7,6 +7,7 @@ import sys
 import click
 
 from h3quant.cli import verify_view as view
+from h3quant.cli.inputs_option import inputs_option, one_input
 from h3quant.cli.common import (
     CHECKPOINT,
     given_options,
@@ -143,11 +144,11 @@ _BLOCK_ONLY = ("blocks", "tokens", "magnitude_factor")
                    "or a non-regular file, nor inside an input directory).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the random inputs (0 .. 2^32-1).")
-@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False, path_type=str),
-              default=None, metavar="FILE",
-              help="--model: read the latents from this safetensors file (video [1,C,T,H,W], "
-                   "audio [1,C,2,Ta], text [1,L,D], optional sigma; docs/verify.md) instead "
-                   "of drawing them from --seed; the same file plan --inputs takes.")
+@inputs_option(dest="inputs_file",
+               help="--model: read the latents from this safetensors file (video [1,C,T,H,W], "
+                    "audio [1,C,2,Ta], text [1,L,D], optional sigma; docs/verify.md) instead "
+                    "of drawing them from --seed; the same file plan --inputs takes (a folder "
+                    "or glob, quoted or not, must name exactly one file).")
 @click.option("--magnitude-factor", type=finite_float(0, 1e6), default=3.0, show_default=True,
               help="Allowed factor between quantized and float sibling magnitudes (0: skip the "
                    "magnitude check).")
@@ -169,6 +170,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
             inputs_file, magnitude_factor,
             as_json, tp, tp_scale, tp_timeout, no_mmap, quiet=False):
     ctx = click.get_current_context()
+    inputs_file = one_input(inputs_file)
     parallel = tp is not None  # never the environment alone (docs/verify.md)
     schedule = _schedule(steps, sigmas, ctx)
     if whole_model:

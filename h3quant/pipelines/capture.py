@@ -1,8 +1,9 @@
 """``capture``: per-linear input statistics of a checkpoint over the user's own inputs.
 
-    result = capture_statistics("h3.safetensors", ["step0.safetensors", ...], "h3.stats")
+    result = capture_statistics("h3.safetensors", ["steps/*.safetensors"], "h3.stats")
 
-Each ``--inputs`` file (``pipelines.inputs_file``: video, audio and text latents, optional
+Each ``--inputs`` value is a file, folder or glob (``inputs_file.expand_inputs``); each file
+(``pipelines.inputs_file``: video, audio and text latents, optional
 sigma) is one call of the model; the forward runs block by block over all of them
 (``calibration.capture``) and the statistics file (``calibration.stats``) is written atomically.
 Every input is checked from its header before any work; the output may not name an input.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from h3quant.errors import UsageError
 
-MAX_INPUTS = 4096  # calls per capture (each one holds its hidden state during the run)
+from h3quant.pipelines.inputs_file import MAX_INPUTS  # calls per capture (each holds its state)
 
 
 @dataclass
@@ -96,6 +97,9 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     if not 0.0 < sigma <= 1.0:
         raise UsageError(f"--sigma must be in (0, 1], got {sigma}")
     t0 = time.perf_counter()
+    from h3quant.pipelines.inputs_file import expand_inputs
+
+    inputs = expand_inputs(inputs)
     described = describe_inputs([str(p) for p in inputs], sigma)
     fp = checkpoint_fingerprint(ckpt)
     with open_source(ckpt) as c:  # a GGUF file is read in place, like a safetensors one

@@ -9,17 +9,85 @@ prediction and the measurement run on the very same latents. The file holds:
 * ``sigma`` (optional): a one-element float in (0, 1], the noise level (else the command's).
 
 Values are read as fp32 and must be finite. The sizes are held to the whole-model row limit
-(``h3quant.limits``) from the header alone, before any tensor is read.
+(``h3quant.limits``) from the header alone, before any tensor is read. Tensors named
+``extra.*`` (what the ComfyUI recorder keeps beside them: condition latents, masks, text token
+tags) are allowed and not read: h3quant's forward runs without them.
+
+Every command's ``--inputs`` goes through ``expand_inputs``: a value is a file, a folder (its
+``*.safetensors`` files) or a glob (``steps/*.safetensors``, expanded here because Windows
+shells pass it unexpanded), and several values may follow one ``--inputs``. A folder is read
+with its subfolders, so ``--inputs h3quant_inputs`` takes every run the recorder made there.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+from pathlib import Path
 
 from h3quant.errors import UsageError
 
 _SHAPES = {"video": 5, "audio": 4, "text": 3}
+EXTRA = "extra."  # tensors kept beside the inputs (the recorder's), not read by the forward
+MAX_INPUTS = 4096  # files one --inputs list may resolve to
+_GLOB = set("*?[")
+
+
+def _folder_files(folder: str) -> list[str]:
+    """The folder's ``*.safetensors`` files and those of its subfolders (the recorder's run
+    folders), sorted by their path inside it."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        found += [os.path.join(root, n) for n in names
+                  if n.endswith(".safetensors") and os.path.isfile(os.path.join(root, n))]
+    return sorted(found, key=lambda p: os.path.relpath(p, folder).split(os.sep))
+
+
+def expand_inputs(values, *, option: str = "--inputs") -> list[Path]:
+    """The files that ``values`` name, in order: a file as itself, a folder as the
+    ``*.safetensors`` files in it and its subfolders, sorted by path, a glob (``*``, ``?``, ``[...]``) as its matches
+    sorted by name; a file named twice is kept once. UsageError for a value that names
+    nothing, a folder or glob without a safetensors file, or more than ``MAX_INPUTS`` files."""
+    out: list[Path] = []
+    seen: set[str] = set()
+    for value in values:
+        text = os.fspath(value)
+        if os.path.isfile(text):
+            found = [text]
+        elif os.path.isdir(text):
+            found = _folder_files(text)
+            if not found:
+                raise UsageError(f"{option}: the folder holds no .safetensors file", path=text)
+        elif _GLOB & set(text):
+            found = sorted(p for p in glob.glob(text) if os.path.isfile(p))
+            if not found:
+                raise UsageError(f"{option}: the pattern matches no file", path=text)
+        else:
+            raise UsageError(f"{option}: no such file or folder", path=text)
+        for p in found:
+            key = os.path.realpath(p)
+            if key not in seen:
+                seen.add(key)
+                out.append(Path(p))
+        if len(out) > MAX_INPUTS:
+            raise UsageError(f"{option}: more than {MAX_INPUTS} files; the limit is "
+                             f"{MAX_INPUTS}", path=text)
+    return out
+
+
+def single_input(values, *, option: str = "--inputs") -> Path | None:
+    """The one file ``values`` name (None for no value), for a command that runs one call;
+    UsageError naming the files when they are several."""
+    if not values:
+        return None
+    files = expand_inputs(values, option=option)
+    if len(files) != 1:
+        names = ", ".join(p.name for p in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise UsageError(f"{option}: this command runs one call and takes one inputs file; "
+                         f"{len(files)} were given ({names})")
+    return files[0]
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
@@ -54,9 +122,11 @@ def read_header(path: str | os.PathLike) -> dict:
     if tensors["audio"][1][2] != 2:
         raise _fail(path, f"audio has shape {list(tensors['audio'][1])}; dimension 2 must be 2 "
                     "(stereo)", "audio")
-    extra = sorted(set(tensors) - set(_SHAPES) - {"sigma"})
+    extra = sorted(n for n in set(tensors) - set(_SHAPES) - {"sigma"}
+                   if not n.startswith(EXTRA))
     if extra:
-        raise _fail(path, f"unexpected tensor {extra[0]!r} (only video, audio, text, sigma)",
+        raise _fail(path, f"unexpected tensor {extra[0]!r} (only video, audio, text, sigma "
+                    f"and {EXTRA}*)",
                     extra[0])
     if "sigma" in tensors:
         dtype, shape = tensors["sigma"]
@@ -110,4 +180,5 @@ def load_sigma(path) -> float | None:
     return value
 
 
-__all__ = ["load_sigma", "load_tensors", "read_header"]
+__all__ = ["EXTRA", "MAX_INPUTS", "expand_inputs", "load_sigma", "load_tensors", "read_header",
+           "single_input"]

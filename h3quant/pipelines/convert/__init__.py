@@ -57,7 +57,8 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOptions | None = None,
             *, progress: bool = False, log=None,
-            report_path: str | os.PathLike | None = None, files=None) -> ConvertReport:
+            report_path: str | os.PathLike | None = None, files=None,
+            precomputed=None) -> ConvertReport:
     """Convert ``src`` to ``dst``; returns the ``ConvertReport``, also written (as JSON) to ``report_path`` when
     given. Both outputs are checked before any work and appear together or not at all
     (``formats.container.atomic.Outputs``). Raises ``OutputError`` (refused output path), ``ConvertError``
@@ -77,6 +78,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
     src, dst = Path(src), Path(dst)
     files = register_files(files, src, dst, options.loras, report_path)
     files.check(overwrite=options.overwrite)
+    if options.calibrate_on and precomputed is None:  # one pass, block by block (onepass)
+        from h3quant.pipelines.convert.onepass import onepass_convert
+
+        return onepass_convert(src, dst, options, progress=progress, log=log,
+                               report_path=report_path, files=files, convert_fn=convert)
     resolve_stale([dst, report_path], log)  # undo a killed run's half-finished move first
     with open_source(src, mmap=options.mmap) as ckpt:
         det, mapping = adopt_mapping(ckpt, options.naming)
@@ -97,6 +103,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
             for line in loras.skipped:
                 log(f"LoRA key skipped (--lora-skip-unmatched): {line}")
         plan = build_plan(source, src, dst, options)
+        plan.precomputed = precomputed
         plan.warnings += getattr(source, "notes", [])
         for path in input_paths(source, src):
             files.read(path, "input shard")

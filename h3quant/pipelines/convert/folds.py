@@ -35,7 +35,7 @@ class Fold:
 def plan_folds(layers, options) -> dict[str, Fold]:
     """The folds of a plan's layers, by consumer name (empty without statistics or with
     ``--no-awq-scale``)."""
-    if not options.calibration or not options.awq_scale:
+    if not (options.calibration or options.calibrate_on) or not options.awq_scale:
         return {}
     by_name = {lp.name: lp for lp in layers}
 

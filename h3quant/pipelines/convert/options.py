@@ -67,6 +67,8 @@ class ConvertOptions:
     calibration_heldout: str | None = None  # statistics of held-out inputs: reported only
     awq_scale: bool = True  # AWQ channel scaling folded into the layer before (convert.folds)
     smooth: str = "off"  # "auto": smoothing searched per layer and folded (convert.smoothing)
+    calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
+    feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -84,8 +86,18 @@ class ConvertOptions:
                                f"got {self.rotation!r}")
         if self.layout not in LAYOUTS:
             raise ConvertError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        object.__setattr__(self, "calibrate_on", tuple(str(p) for p in self.calibrate_on))
+        statistics = bool(self.calibration or self.calibrate_on)
+        if self.calibration and self.calibrate_on:
+            raise ConvertError("give --calibration (a statistics file) or --calibrate-on "
+                               "(inputs, one pass), not both")
+        if self.feedback not in ("quantized", "float"):
+            raise ConvertError(f"--feedback must be quantized or float, got {self.feedback!r}")
+        if self.calibrate_on and self.smooth != "off":
+            raise ConvertError("--smooth with --calibrate-on is not available: run 'h3quant "
+                               "capture', then convert --calibration --smooth auto")
         refusal = registry.target_codec(self.target).spec.write_refusal
-        if refusal and not self.calibration:  # written from statistics only
+        if refusal and not statistics:  # written from statistics only
             raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:
             raise ConvertError(f"--layout {self.layout} is not available for --to {self.target} "
@@ -96,7 +108,7 @@ class ConvertOptions:
         object.__setattr__(self, "loras", tuple(self.loras))
         if self.calibration_heldout and not self.calibration:
             raise ConvertError("--calibration-heldout needs --calibration")
-        if not self.awq_scale and not self.calibration:
+        if not self.awq_scale and not statistics:
             raise ConvertError("--no-awq-scale needs --calibration (channel scaling is only "
                                "done from statistics)")
         if self.smooth not in ("auto", "off"):
@@ -195,6 +207,8 @@ class ConvertOptions:
             body["calibration"] = os.path.basename(self.calibration)
         if self.smooth != "off":
             body["smooth"] = self.smooth
+        if self.calibrate_on:  # calibrated in one pass: how the blocks fed each other
+            body["calibrate_on"] = {"feedback": self.feedback}
         return json.dumps(body, sort_keys=True)
 
     def to_dict(self) -> dict:
@@ -204,6 +218,7 @@ class ConvertOptions:
         d["include"], d["exclude"] = list(self.include), list(self.exclude)
         d["loras"] = list(self.loras)
         d["layers"] = [r.text for r in self.layers]
+        d["calibrate_on"] = list(self.calibrate_on)
         return d
 
 

@@ -89,6 +89,7 @@ class ConvertPlan:
     rules: list = field(default_factory=list)  # convert.recipe.RuleUse per --layer/--recipe rule
     calibration: Any = None  # convert.calibrated.Calibration when --calibration is given
     folds: dict = field(default_factory=dict)  # convert.folds.Fold by consumer (AWQ scaling)
+    precomputed: Any = None  # convert.onepass.BlockFiles: layers encoded block by block
 
     @property
     def output_bytes(self) -> int:

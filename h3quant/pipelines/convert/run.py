@@ -161,8 +161,18 @@ def _convert_layers(layers, run, pool, stream) -> None:
         run(lp, pool=pool)
 
 
+def run_layer(lp, **kw) -> None:
+    """One planned layer through the layer pass (``convert.onepass`` runs a block with it)."""
+    _run_layer(lp, **kw)
+
+
 def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=None) -> None:
     opts = lp.options or plan.options  # a per-layer rule's target, else --to
+    if plan.precomputed is not None and lp.name in plan.precomputed:  # one pass: done before
+        results[lp.name] = {**lp.to_dict(), **plan.precomputed.write(lp, sinks)}
+        bar.update(sum(t.nbytes for t in lp.inputs.values()
+                       if t.name not in {c.src.name for c in lp.copies}))
+        return
     copied = {c.src.name for c in lp.copies}
     total = sum(t.nbytes for t in lp.inputs.values() if t.name not in copied)
     done = [0]
