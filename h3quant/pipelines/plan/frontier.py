@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant.pipelines.plan.planner import FLOAT, Model, Prediction, choose, recipe_rules
-from h3quant.pipelines.plan.sensitivity import OUTPUTS, PlanError, Sensitivity, split_calibrated
+from h3quant.pipelines.plan.sensitivity import (
+    OUTPUTS,
+    PlanError,
+    Sensitivity,
+    is_smoothed,
+    split_calibrated,
+)
 from h3quant.sizes import MB
 
 
@@ -61,7 +67,8 @@ def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | N
                    *, mmap: bool = True, calibration: str | None = None
                    ) -> tuple[int, dict[str, float]]:
     """Convert ``src`` with ``rules`` (and ``calibration``'s statistics, as convert
-    --calibration) and verify the whole model against ``src``: (file bytes, output -> SQNR)."""
+    --calibration, with --smooth auto where the pass measured smoothed candidates) and verify
+    the whole model against ``src``: (file bytes, output -> SQNR)."""
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
@@ -69,8 +76,9 @@ def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | N
         return os.path.getsize(src), {o: math.inf for o in OUTPUTS}
     with tempfile.TemporaryDirectory(prefix="h3quant-plan-", dir=workdir) as d:
         out = Path(d) / "point.safetensors"
+        smooth = "auto" if calibration and any(map(is_smoothed, sens.formats)) else "off"
         convert(src, out, ConvertOptions(layers=tuple(rules), report=False, mmap=mmap,
-                                         calibration=calibration))
+                                         calibration=calibration, smooth=smooth))
         res = verify_model(out, reference=src, device="cpu", inputs=ModelInputs(**sens.inputs),
                            mmap=mmap)
         got = {o.name: o.sqnr_db for o in res.outputs if o.name in OUTPUTS}
