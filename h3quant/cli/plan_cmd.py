@@ -216,6 +216,9 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
         raise click.BadParameter("must be finite", param_hint="--target-sqnr")
     if out_path and target_sqnr is None and max_size is None:
         raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
+    if smooth == "auto" and not calibration:
+        raise click.UsageError("--smooth auto needs --calibration STATS (the factors are chosen "
+                               "from its statistics)")
     if (targets or no_measure or plot) and not frontier:
         raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
     from h3quant.formats.container.iofiles import CommandFiles
