@@ -164,13 +164,12 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     if pred.bytes > max_size:
         raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "
                         f"everywhere) is {pred.bytes:,} bytes, over --max-size {max_size:,}")
-    greedy = _greedy_size(model, assign, pred, max_size)
-    best = greedy
+    chosen = _greedy_size(model, assign, pred, max_size)
     for fmt in model.sens.formats:
         uni = model.uniform(fmt)
-        if uni.bytes <= max_size and objective(model, uni) < objective(model, best):
-            best = uni
-    return best
+        if uni.bytes <= max_size and objective(model, uni) < objective(model, chosen):
+            chosen = uni
+    return chosen
 
 
 def objective(model: Model, pred: Prediction) -> float:
@@ -214,7 +213,8 @@ def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
     table = model.sens.table()
     out: dict[str, dict] = {}
     for unit, fmt in pred.assignment.items():
-        options, alts = {}, []
+        options: dict[str, dict] = {}
+        alts: list[str] = []
         for opt in model.options[unit]:
             trial = pred if opt == fmt else model.predict({**pred.assignment, unit: opt})
             alone = table[unit].get(opt)

@@ -372,11 +372,11 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
                     streams[n] = (u, fblock(x, ref.cond))
                 groups = [[lin] for lin in BLOCK_LINEARS] if per_layer else [list(BLOCK_LINEARS)]
                 for cand in cands:
-                    block, cal = loaded, calib
+                    folded, cal = loaded, calib
                     if cand.smoothed:  # folded as convert --smooth auto folds this target
-                        block, factors = _smoothed_block(loaded, cand, calib, model.ckpt)
+                        folded, factors = _smoothed_block(loaded, cand, calib, model.ckpt)
                         cal = calib.smoothed_by(factors)
-                    enc = {lin: _encoded_layer(block.linear(lin), cand, cal)
+                    enc = {lin: _encoded_layer(folded.linear(lin), cand, cal)
                            for lin in BLOCK_LINEARS}
                     for group in groups:
                         def make(lay, _g=group, _enc=enc):
@@ -386,7 +386,7 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
                                                          runtime=calib is not None)
                             return reference_linear(lay, device=model.tdev)
 
-                        qblock = build_block(block, make, device=model.tdev)
+                        qblock = build_block(folded, make, device=model.tdev)
                         unit = prefix if not per_layer else f"{prefix}.{group[0]}"
                         nbytes = fbytes = 0
                         for lin in group:
@@ -397,7 +397,7 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
                         meta.append((unit[len(model.prefix):], i, cand, nbytes, fbytes))
                         streams.append((len(meta) - 1, qblock(ref.x, ref.cond)))
                         del qblock
-                    del enc, block, cal
+                    del enc, folded, cal
                 ref.x = fblock(ref.x, ref.cond)
             del fblock, loaded
             model.release_block(i)
@@ -432,7 +432,8 @@ def _smoothed_block(loaded, cand: Candidate, calib, ckpt):
     codec = registry.target_codec(cand.target)
     marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
     prefix = loaded.prefix + "."
-    factors_of, found = {}, {}
+    factors_of: dict = {}
+    found: dict = {}
     for lin in smooth.SMOOTHED:
         name = prefix + lin
         if any(t not in ckpt.tensors or ckpt.tensors[t].dtype not in FLOATS
