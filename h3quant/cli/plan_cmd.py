@@ -322,16 +322,18 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
         pred = guard("planning", choose, model, max_size=max_size,
                      target_sqnr=None if target_sqnr is None else target_sqnr + margin)
         rules = recipe_rules(sens, pred.assignment)
-        exact = guard("sizing the plan", planned_bytes, src, rules)
+        calibrated = calibrated_formats(pred.assignment)
+        smoothed = "auto" if any(map(is_smoothed, calibrated)) else "off"
+        exact = guard("sizing the plan", planned_bytes, src, rules,
+                      calibration if calibrated else None, smoothed if calibration else "off")
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
                        "rules": [r.to_dict() for r in rules]}
         text.append(render_prediction(pred, exact, model.input_bytes))
-        calibrated = calibrated_formats(pred.assignment)
         stats_name = (sens.measured_on.get("statistics") or {}).get("file", "STATS")
         why = reasons(model, pred, max_size=max_size, target_sqnr=target_sqnr)
         doc["plan"]["reasons"] = why
         flags = f" --calibration {calibration or stats_name}" + (
-            " --smooth auto" if any(map(is_smoothed, calibrated)) else "")
+            " --smooth auto" if smoothed == "auto" else "")
         if calibrated:
             doc["plan"]["calibration"] = {"formats": calibrated, "statistics": stats_name}
             text.append(f"calibrated: {', '.join(calibrated)} (convert with{flags} to write "

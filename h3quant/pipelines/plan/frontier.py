@@ -54,13 +54,16 @@ class Point:
                 "measured_min_sqnr_db": self.measured_min}
 
 
-def planned_bytes(src, rules) -> int:
-    """The exact output size of converting ``src`` with ``rules`` (header-only plan)."""
+def planned_bytes(src, rules, calibration: str | None = None, smooth: str = "off") -> int:
+    """The exact output size of converting ``src`` with ``rules`` (header-only plan; with
+    ``calibration`` / ``smooth`` as convert records them in the header, which then lists its
+    smoothed layers too: a few hundred bytes more)."""
     from h3quant.pipelines.convert import ConvertOptions, plan_convert
 
     with tempfile.TemporaryDirectory(prefix="h3quant-plan-") as d:
         return plan_convert(src, Path(d) / "o.safetensors",
-                            ConvertOptions(layers=tuple(rules), report=False)).output_bytes
+                            ConvertOptions(layers=tuple(rules), report=False,
+                                           calibration=calibration, smooth=smooth)).output_bytes
 
 
 def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | None = None,
