@@ -126,6 +126,10 @@ Examples:
   h3quant plan h3_bf16.safetensors --calibration h3.stats --target-sqnr 30 --out recipe.json
   h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json \\
       --calibration h3.stats
+  h3quant plan h3_bf16.safetensors --calibration h3.stats --smooth auto --per-layer \\
+      --formats int4-convrot,w4a8,nvfp4,int8-convrot --max-size 11GB --out recipe.json
+  h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json \\
+      --calibration h3.stats --smooth auto
   h3quant plan h3_bf16.safetensors --device ampere --vram 8GB         # an RTX 3070
   h3quant plan h3_bf16.safetensors --device ada --vram 16GB --resolution 1280x720 --frames 121""")
 @click.argument("src", metavar="IN", type=CHECKPOINT)
@@ -141,6 +145,10 @@ Examples:
                    "calibrates with the codes 'convert --calibration STATS' writes (labelled "
                    "e.g. w4a8+gptq); the recipe reproduces them when converted with the same "
                    "--calibration STATS.")
+@click.option("--smooth", type=click.Choice(["auto", "off"]), default="off", show_default=True,
+              help="With --calibration: measure each candidate smoothed as 'convert --calibration "
+                   "STATS --smooth auto' writes it (labelled e.g. w4a8+gptq+smooth); convert the "
+                   "recipe with the same two options.")
 @click.option("--per-layer", is_flag=True,
               help="Measure (and plan) each linear alone instead of each block.")
 @click.option("--from", "from_json", type=click.Path(dir_okay=False, path_type=str),
@@ -194,9 +202,10 @@ Examples:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or notes on stderr.")
 @mmap_option
 @handle_errors
-def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, max_size, out_path, overwrite,
-            frontier, targets, no_measure, plot, seed, frames, inputs_file, device_class, vram,
-            resolution, text_encoder, vae, any_format, as_json, quiet, no_mmap):
+def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, margin, max_size,
+            out_path, overwrite, frontier, targets, no_measure, plot, seed, frames, inputs_file,
+            device_class, vram, resolution, text_encoder, vae, any_format, as_json, quiet,
+            no_mmap):
     """Measure how much each block of float H3 checkpoint IN matters, and plan a mixed file.
 
     The sensitivity pass runs the whole model streamed (fp32, CPU) on seeded inputs and, for
@@ -218,8 +227,14 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
                                  "--device: the video's frames)", param_hint="--frames")
     from h3quant.errors import H3QuantError
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
-    from h3quant.pipelines.plan.planner import Model, calibrated_formats, choose, recipe_rules
-    from h3quant.pipelines.plan.sensitivity import Sensitivity, measure
+    from h3quant.pipelines.plan.planner import (
+        Model,
+        calibrated_formats,
+        choose,
+        reasons,
+        recipe_rules,
+    )
+    from h3quant.pipelines.plan.sensitivity import Sensitivity, is_smoothed, measure
 
     inputs_file = one_input(inputs_file)
     if target_sqnr is not None and max_size is not None:
@@ -228,6 +243,9 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
         raise click.BadParameter("must be finite", param_hint="--target-sqnr")
     if out_path and target_sqnr is None and max_size is None:
         raise click.UsageError("--out writes a planned recipe: give --target-sqnr or --max-size")
+    if smooth == "auto" and not calibration:
+        raise click.UsageError("--smooth auto needs --calibration STATS (the factors are chosen "
+                               "from its statistics)")
     if (targets or no_measure or plot) and not frontier:
         raise click.UsageError("--targets, --no-measure and --plot apply to --frontier")
     from h3quant.formats.container.iofiles import CommandFiles
@@ -300,6 +318,9 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
             actual["statistics"] = guard("reading --calibration", statistics_identity,
                                          calibration)
         check(sens.measured_on, actual, what=f"--from {from_json}")
+        if smooth == "auto" and not any(map(is_smoothed, sens.formats)):
+            raise click.UsageError(f"--smooth auto: --from {from_json} was measured without "
+                                   "smoothing; measure again with --smooth auto")
     else:
         from tqdm import tqdm
 
@@ -315,7 +336,8 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
         try:
             sens = guard("measuring the sensitivity", measure, src, formats=cands,
                          per_layer=per_layer, inputs=given_inputs or ModelInputs(frames=frames, seed=seed),
-                         mmap=not no_mmap, on_block=on_block, calibration=calibration)
+                         mmap=not no_mmap, on_block=on_block, calibration=calibration,
+                         smooth=smooth == "auto")
         finally:
             bar.close()
     from h3quant.pipelines.plan.frontier import source_bytes
@@ -327,16 +349,22 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
         pred = guard("planning", choose, model, max_size=max_size,
                      target_sqnr=None if target_sqnr is None else target_sqnr + margin)
         rules = recipe_rules(sens, pred.assignment)
-        exact = guard("sizing the plan", planned_bytes, src, rules)
+        calibrated = calibrated_formats(pred.assignment)
+        smoothed = "auto" if any(map(is_smoothed, calibrated)) else "off"
+        exact = guard("sizing the plan", planned_bytes, src, rules,
+                      calibration if calibrated else None, smoothed if calibration else "off")
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
                        "rules": [r.to_dict() for r in rules]}
         text.append(render_prediction(pred, exact, model.input_bytes))
-        calibrated = calibrated_formats(pred.assignment)
         stats_name = (sens.measured_on.get("statistics") or {}).get("file", "STATS")
+        why = reasons(model, pred, max_size=max_size, target_sqnr=target_sqnr)
+        doc["plan"]["reasons"] = why
+        flags = f" --calibration {calibration or stats_name}" + (
+            " --smooth auto" if smoothed == "auto" else "")
         if calibrated:
             doc["plan"]["calibration"] = {"formats": calibrated, "statistics": stats_name}
-            text.append(f"calibrated: {', '.join(calibrated)} (convert with --calibration "
-                        f"{calibration or stats_name} to write these codes)")
+            text.append(f"calibrated: {', '.join(calibrated)} (convert with{flags} to write "
+                        "these codes)")
         if out_path:
             from h3quant.pipelines.convert.recipe import recipe_data
             from h3quant.pipelines.metrics import json_safe
@@ -345,17 +373,18 @@ def command(src, cands, calibration, per_layer, from_json, target_sqnr, margin, 
                      "target_sqnr_db": target_sqnr, "margin_db": margin,
                      "max_size_bytes": max_size,
                      "predicted": json_safe({**pred.to_dict(), "planned_bytes": exact}),
-                     "inputs": sens.inputs, "per_layer": sens.per_layer}
+                     "inputs": sens.inputs, "per_layer": sens.per_layer,
+                     "reasons": json_safe(why)}
             if calibrated:
                 notes["calibration"] = {
                     "formats": calibrated, "statistics": stats_name,
-                    "note": "measured with calibrated codes: convert with --calibration and "
-                            "these statistics to write them"}
+                    "note": f"measured with calibrated codes: convert with{flags} to write "
+                            "them"}
             data = json.dumps(recipe_data(rules, **notes), indent=2) + "\n"
             pending.append((out_path, data.encode(), "recipe"))
             done_note = (f"wrote {out_path} ({len(rules)} rule(s)); apply it with: h3quant "
                          f"convert {src} OUT --recipe {out_path}"
-                         + (f" --calibration {calibration or stats_name}" if calibrated else ""))
+                         + (flags if calibrated else ""))
     if frontier:
         if not quiet and not no_measure:
             log("frontier: converting and verifying each point (slow)")

@@ -73,6 +73,17 @@ class Calibration:
                  f"{len(meta['inputs'])} input(s), {rows[0] if rows else 0:,} rows per layer, "
                  f"forward: {meta.get('forward', 'float')}")
 
+    def smoothed_by(self, factors: dict) -> "Calibration":
+        """This calibration seen through smoothing ``factors`` (layer name -> ``s``): the
+        statistics divided as ``convert --smooth auto`` divides them, held-out ones left out.
+        It shares the open files: close this one, never the view."""
+        import copy
+
+        view = copy.copy(self)
+        view.stats = Divided(self.stats, factors) if factors else self.stats
+        view.heldout = None
+        return view
+
     def for_layer(self, name: str, k: int, codec, marker) -> tuple[object, dict]:
         """(layer ``name``'s ``LayerStats`` or None to round to nearest, its report entry);
         ``k``: the weight's input width, which the statistics must have."""

@@ -52,31 +52,89 @@ def _weight_share(st, codec, marker) -> float:
     return 10.0 ** (-max(0.0, st.predicted_gain_db(convrot, g)) / 10.0)
 
 
-def search(view, stats, options, log) -> tuple[dict, dict]:
-    """(layer name -> ``s``, layer name -> report entry) of every smoothed layer of ``view``."""
+def eligible(codec) -> bool:
+    """Whether a layer re-encoded by ``codec`` is searched: a quantized format that does not
+    scale its own channels (AWQ's channel scaling does this for a weight-only format)."""
+    return bool(codec.spec.quantized) and not codec.scales_channels
+
+
+def touched(prefix: str, lin: str) -> list[str]:
+    """The tensors (full names) whose storage the fold of ``prefix + lin`` changes."""
+    from h3quant.calibration import smooth
+
+    out = [f"{prefix}{lin}.weight"]
+    if lin in smooth.NORM_OF:
+        return out + [prefix + smooth.NORM_OF[lin], prefix + "adaln_proj.linear.weight",
+                      prefix + "adaln_proj.linear.bias"]
+    return out + [prefix + smooth.ROWS_OF[lin][0] + ".weight"]
+
+
+_CHOSEN: dict = {}  # memo of layer_choice: its inputs' digest -> Choice (a pure function)
+_CHOSEN_MAX = 4096
+
+
+def layer_choice(name: str, w, dtype: str, st, codec, marker):
+    """The smoothing ``convert --smooth auto`` chooses for layer ``name`` (float weight ``w``
+    [N, K] stored as ``dtype``, its ``LayerStats`` ``st``, target ``codec`` / ``marker``): a
+    ``Choice``, or None where the statistics' width is not the weight's (convert refuses the
+    layer when it runs). The search is a pure function of these inputs, so a repeated call
+    with the same weight, statistics rows and target (``plan --smooth auto`` then ``convert``
+    in one process) returns the earlier choice instead of searching again."""
+    import hashlib
+
     import torch
 
     from h3quant.calibration import smooth
-    from h3quant.formats.container.dtypes import to_torch
+
+    if not st.has_rows:
+        raise UsageError("--smooth: the statistics hold no channel maxima or sampled rows "
+                         "(written by an earlier 'h3quant capture'); capture them again",
+                         path=getattr(st, "path", None), tensor=name)
+    if st.k != w.shape[1]:
+        return None
+    w = w.float().contiguous()
+    x_max, sample = st.channel_absmax().float().contiguous(), st.sample().float().contiguous()
+    share = _weight_share(st, codec, marker)
+    digest = hashlib.sha256()
+    for t in (w, x_max, sample):
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.numpy().tobytes())
+    digest.update(json.dumps([codec.spec.name, marker, dtype, share, smooth.ALPHAS,
+                              smooth.MIN_GAIN_DB, smooth.SEARCH_ROWS],
+                             sort_keys=True, default=str).encode())
+    key = digest.hexdigest()
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    choice = smooth.choose(w, x_max, sample, codec, marker, weight_share=share)
+    if choice.s is not None:
+        from h3quant.formats.container.dtypes import to_torch
+
+        top = float(w.abs().amax(0).mul(choice.s).max())
+        if to_torch(dtype) == torch.float16 and not top < 65504.0 or not math.isfinite(top):
+            choice = smooth.Choice(None, 0.0, choice.modelled_db,
+                                   note="the scaled weight leaves its dtype's range")
+    if len(_CHOSEN) >= _CHOSEN_MAX:
+        _CHOSEN.clear()
+    _CHOSEN[key] = choice
+    return choice
+
+
+def search(view, stats, options, log) -> tuple[dict, dict]:
+    """(layer name -> ``s``, layer name -> report entry) of every smoothed layer of ``view``."""
+    from h3quant.calibration import smooth
 
     tensors = view.tensors
-    found: dict[str, torch.Tensor] = {}
+    found: dict = {}
     report: dict[str, dict] = {}
     for key, prefix in sorted(_block_names(tensors).items(),
                               key=lambda kv: int(kv[0].split(".")[1])):
         for lin in smooth.SMOOTHED:
             name = prefix + lin
             _, lopts = options.for_layer(name)
-            if lopts is None or not options.filtered(name) or not lopts.codec.spec.quantized \
-                    or lopts.codec.scales_channels:
+            if lopts is None or not options.filtered(name) or not eligible(lopts.codec):
                 continue
-            touched = [f"{name}.weight"]
-            if lin in smooth.NORM_OF:
-                touched += [prefix + smooth.NORM_OF[lin], prefix + "adaln_proj.linear.weight",
-                            prefix + "adaln_proj.linear.bias"]
-            else:
-                touched.append(prefix + smooth.ROWS_OF[lin][0] + ".weight")
-            if any(t not in tensors or tensors[t].dtype not in FLOATS for t in touched):
+            if any(t not in tensors or tensors[t].dtype not in FLOATS
+                   for t in touched(prefix, lin)):
                 report[name] = {"smoothed": False, "note": "a tensor the fold needs is not "
                                 "stored as a float: not smoothed"}
                 continue
@@ -87,20 +145,13 @@ def search(view, stats, options, log) -> tuple[dict, dict]:
                 raise UsageError("--smooth: the statistics hold no channel maxima or sampled "
                                  "rows (written by an earlier 'h3quant capture'); capture them "
                                  "again", path=stats.path, tensor=f"{key}.{lin}")
-            w = view.read(f"{name}.weight").float()
-            if st.k != w.shape[1]:
-                continue  # convert refuses it when the layer runs
-            marker = lopts.marker()
-            choice = smooth.choose(w, st.channel_absmax(), st.sample(), lopts.codec, marker,
-                                   weight_share=_weight_share(st, lopts.codec, marker))
+            w = view.read(f"{name}.weight")
+            choice = layer_choice(name, w, tensors[f"{name}.weight"].dtype, st, lopts.codec,
+                                  lopts.marker())
             st.release()
-            if choice.s is not None:
-                dtype = to_torch(tensors[f"{name}.weight"].dtype)
-                top = float(w.abs().amax(0).mul(choice.s).max())
-                if dtype == torch.float16 and not top < 65504.0 or not math.isfinite(top):
-                    choice = smooth.Choice(None, 0.0, choice.modelled_db,
-                                           note="the scaled weight leaves its dtype's range")
             del w
+            if choice is None:
+                continue  # convert refuses it when the layer runs
             report[name] = choice.to_dict()
             db = choice.modelled_db
             log(f"smoothing {name}: " + (f"alpha {choice.alpha:g}, " if choice.s is not None
@@ -150,4 +201,5 @@ def apply(view, options, src, log) -> tuple[dict, dict]:
     return found, report
 
 
-__all__ = ["HEADER_KEY", "apply", "fold_into", "search"]
+__all__ = ["HEADER_KEY", "apply", "eligible", "fold_into", "layer_choice", "search",
+           "touched"]

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant.pipelines.plan.planner import FLOAT, Model, Prediction, choose, recipe_rules
-from h3quant.pipelines.plan.sensitivity import OUTPUTS, PlanError, Sensitivity, split_calibrated
+from h3quant.pipelines.plan.sensitivity import (
+    OUTPUTS,
+    PlanError,
+    Sensitivity,
+    is_smoothed,
+    split_calibrated,
+)
 from h3quant.sizes import MB
 
 
@@ -48,20 +54,24 @@ class Point:
                 "measured_min_sqnr_db": self.measured_min}
 
 
-def planned_bytes(src, rules) -> int:
-    """The exact output size of converting ``src`` with ``rules`` (header-only plan)."""
+def planned_bytes(src, rules, calibration: str | None = None, smooth: str = "off") -> int:
+    """The exact output size of converting ``src`` with ``rules`` (header-only plan; with
+    ``calibration`` / ``smooth`` as convert records them in the header, which then lists its
+    smoothed layers too: a few hundred bytes more)."""
     from h3quant.pipelines.convert import ConvertOptions, plan_convert
 
     with tempfile.TemporaryDirectory(prefix="h3quant-plan-") as d:
         return plan_convert(src, Path(d) / "o.safetensors",
-                            ConvertOptions(layers=tuple(rules), report=False)).output_bytes
+                            ConvertOptions(layers=tuple(rules), report=False,
+                                           calibration=calibration, smooth=smooth)).output_bytes
 
 
 def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | None = None,
                    *, mmap: bool = True, calibration: str | None = None
                    ) -> tuple[int, dict[str, float]]:
     """Convert ``src`` with ``rules`` (and ``calibration``'s statistics, as convert
-    --calibration) and verify the whole model against ``src``: (file bytes, output -> SQNR)."""
+    --calibration, with --smooth auto where the pass measured smoothed candidates) and verify
+    the whole model against ``src``: (file bytes, output -> SQNR)."""
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
@@ -69,8 +79,9 @@ def measure_recipe(src, rules, sens: Sensitivity, workdir: str | os.PathLike | N
         return os.path.getsize(src), {o: math.inf for o in OUTPUTS}
     with tempfile.TemporaryDirectory(prefix="h3quant-plan-", dir=workdir) as d:
         out = Path(d) / "point.safetensors"
+        smooth = "auto" if calibration and any(map(is_smoothed, sens.formats)) else "off"
         convert(src, out, ConvertOptions(layers=tuple(rules), report=False, mmap=mmap,
-                                         calibration=calibration))
+                                         calibration=calibration, smooth=smooth))
         res = verify_model(out, reference=src, device="cpu", inputs=ModelInputs(**sens.inputs),
                            mmap=mmap)
         got = {o.name: o.sqnr_db for o in res.outputs if o.name in OUTPUTS}

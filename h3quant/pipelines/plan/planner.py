@@ -15,7 +15,13 @@ codec's planned tensors); the file size is the float input's minus what the unit
   saving keeps the target (largest saving first).
 * ``max_size``: start from the smallest format everywhere (refused when even that is too big);
   take the upgrade with the largest drop of normalised noise per added byte that still fits,
-  until none fits.
+  until none fits; a uniform file (one candidate everywhere) that fits and has less normalised
+  noise replaces the result, so a size budget never gets a mix worse than the best single
+  format within it (the greedy search is no exhaustive one).
+
+``reasons`` says per unit why it got its format, in figures: each option's size and the
+whole-model SQNR with that unit alone in it, and the planned file's predicted SQNR and size
+with the unit in each other option.
 """
 
 from __future__ import annotations
@@ -158,6 +164,27 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     if pred.bytes > max_size:
         raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "
                         f"everywhere) is {pred.bytes:,} bytes, over --max-size {max_size:,}")
+    chosen = _greedy_size(model, assign, pred, max_size)
+    for fmt in model.sens.formats:
+        uni = model.uniform(fmt)
+        if uni.bytes <= max_size and objective(model, uni) < objective(model, chosen):
+            chosen = uni
+    return chosen
+
+
+def objective(model: Model, pred: Prediction) -> float:
+    """What ``max_size`` minimises: the noise energies over the float output's, summed over
+    the outputs."""
+    total = {o: 0.0 for o in OUTPUTS}
+    for unit, fmt in pred.assignment.items():
+        for o, v in model.noise(unit, fmt).items():
+            total[o] += v
+    return sum(total[o] / model.sens.signal[o] for o in OUTPUTS)
+
+
+def _greedy_size(model: Model, assign: dict[str, str], pred: Prediction,
+                 max_size: int) -> Prediction:
+    signal = model.sens.signal
     while True:
         best, best_score = None, -math.inf
         for unit, up in _upgrades(model, assign):
@@ -173,6 +200,48 @@ def choose(model: Model, *, target_sqnr: float | None = None,
             return pred
         assign[best[0]] = best[1]
         pred = model.predict(assign)
+
+
+def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
+            target_sqnr: float | None = None) -> dict[str, dict]:
+    """unit -> why it got its format: ``why`` (one line) and ``options`` (each option's bytes,
+    the whole-model SQNR with this unit alone in it (``alone_sqnr_db``, None for float), and
+    the planned file's predicted worse-output SQNR and size with this unit in that option).
+    ``max_size`` / ``target_sqnr``: the plan's budget or target, to say which options break it."""
+    from h3quant.sizes import size_text
+
+    table = model.sens.table()
+    out: dict[str, dict] = {}
+    for unit, fmt in pred.assignment.items():
+        options: dict[str, dict] = {}
+        alts: list[str] = []
+        for opt in model.options[unit]:
+            trial = pred if opt == fmt else model.predict({**pred.assignment, unit: opt})
+            alone = table[unit].get(opt)
+            options[opt] = {"bytes": model.size(unit, opt),
+                            "alone_sqnr_db": None if alone is None else
+                            round(alone.min_sqnr_db, 3),
+                            "file_min_sqnr_db": round(trial.min_sqnr_db, 3),
+                            "file_bytes": trial.bytes}
+            if opt == fmt:
+                continue
+            broken = []
+            if max_size is not None and trial.bytes > max_size:
+                broken.append("over the size budget")
+            if target_sqnr is not None and trial.min_sqnr_db < target_sqnr:
+                broken.append("below the target")
+            delta = trial.bytes - pred.bytes
+            alts.append(f"as {opt}: file {trial.min_sqnr_db:.2f} dB, "
+                        f"{'+' if delta >= 0 else '-'}{size_text(abs(delta))}"
+                        + (f" ({', '.join(broken)})" if broken else ""))
+        mine = options[fmt]
+        here = ("kept as stored" if fmt == FLOAT else
+                f"{mine['alone_sqnr_db']:.2f} dB with only this unit quantized")
+        out[unit] = {"format": fmt, "options": options,
+                     "why": f"{fmt} ({here}, {size_text(mine['bytes'])}); file "
+                            f"{pred.min_sqnr_db:.2f} dB, {size_text(pred.bytes)}; "
+                            + "; ".join(alts)}
+    return out
 
 
 def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):

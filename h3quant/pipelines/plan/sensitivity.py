@@ -14,7 +14,15 @@ the runtime's int8 path. Streams:
 With statistics (``calibration``, from ``h3quant capture``), every candidate whose format has a
 calibrated encoder is encoded as ``convert --calibration`` would write it (the same scales,
 codes by error feedback; layers convert rounds to nearest, too few rows, are rounded to nearest
-here too) and labelled ``FORMAT+gptq``.
+here too) and labelled ``FORMAT+gptq``, and every candidate runs on the runtime's default CPU
+path for its format (``runtime.model.block.quantized_linear``, what ``verify --model`` runs:
+INT4 ConvRot with int4 activations, W4A8 and int8 with int8 activations, nvfp4 decoded).
+With ``smooth`` as well (``convert --smooth auto``), each candidate that smoothing applies to
+is labelled ``FORMAT+gptq+smooth``: at block ``j`` the factors ``convert`` would choose for
+each of the block's linears with that format as its target (``convert.smoothing.layer_choice``,
+the same search) are folded into the block's float tensors, the statistics are divided by them,
+and only then are the linears encoded; the folded float block computes what the original does
+(powers of two), so the rest of the model and the reference are unchanged.
 
 After the last block each stream's video and audio outputs are compared with the reference's:
 the noise energy each (unit, format) alone puts on each output. Memory holds one block's weights
@@ -35,6 +43,7 @@ from h3quant.errors import H3QuantError, VerifyError
 OUTPUTS = ("video", "audio")
 DEFAULT_FORMATS = ("int8-convrot", "w4a8")
 CALIBRATED = "+gptq"  # label suffix of a candidate measured with calibrated codes
+SMOOTHED = "+smooth"  # ... and smoothed as convert --smooth auto smooths (after CALIBRATED)
 
 
 class PlanError(H3QuantError):
@@ -51,18 +60,28 @@ class Candidate:
     target: str
     group_size: int = 256
     calibrated: bool = False
+    smoothed: bool = False  # with calibrated: folded as convert --smooth auto folds
 
     @property
     def format(self) -> str:
         base = self.target if self.group_size == 256 else f"{self.target}:g={self.group_size}"
-        return base + (CALIBRATED if self.calibrated else "")
+        return base + (CALIBRATED if self.calibrated else "") + (SMOOTHED if self.smoothed
+                                                                 else "")
 
 
 def split_calibrated(fmt: str) -> tuple[str, bool]:
-    """``w4a8:g=64+gptq`` -> (``w4a8:g=64``, True): the convert format and the calibration."""
+    """``w4a8:g=64+gptq`` (or ``+gptq+smooth``) -> (``w4a8:g=64``, True): the convert format
+    and the calibration."""
+    if fmt.endswith(SMOOTHED):
+        fmt = fmt[:-len(SMOOTHED)]
     if fmt.endswith(CALIBRATED):
         return fmt[:-len(CALIBRATED)], True
     return fmt, False
+
+
+def is_smoothed(fmt: str) -> bool:
+    """Whether a candidate label was measured smoothed (``+gptq+smooth``)."""
+    return fmt.endswith(CALIBRATED + SMOOTHED)
 
 
 def parse_candidates(text: str) -> tuple[Candidate, ...]:
@@ -75,6 +94,10 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         base, calibrated = split_calibrated(item)
+        smoothed = is_smoothed(item)
+        if item.endswith(SMOOTHED) and not smoothed:
+            raise PlanError(f"--formats: {item!r}: smoothing is measured with calibrated "
+                            "codes only (FORMAT+gptq+smooth)")
         try:
             target, opts = parse_format(base, "--formats")
         except ConvertError as exc:
@@ -86,7 +109,9 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
             raise PlanError("--formats: the planner measures the canonical layout only")
         if calibrated and not registry.target_codec(target).calibrates:
             raise PlanError(f"--formats: {target} has no calibrated encoder ({item!r})")
-        cand = Candidate(target, opts.get("group_size") or 256, calibrated)
+        if smoothed and not _smoothable(target):
+            raise PlanError(f"--formats: {target} is not smoothed ({item!r})")
+        cand = Candidate(target, opts.get("group_size") or 256, calibrated, smoothed)
         if cand in out:
             raise PlanError(f"--formats: {item!r} is given twice")
         out.append(cand)
@@ -163,9 +188,19 @@ def sqnr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def with_calibration(cands, calibrated: bool) -> tuple[Candidate, ...]:
-    """With statistics, every candidate whose format calibrates is measured calibrated
-    (``PlanError`` if that names one twice); without, a ``+gptq`` candidate is refused."""
+def _smoothable(target: str) -> bool:
+    from h3quant.formats import registry
+    from h3quant.pipelines.convert.smoothing import eligible
+
+    codec = registry.target_codec(target)
+    return codec.calibrates and eligible(codec)
+
+
+def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Candidate, ...]:
+    """With statistics, every candidate whose format calibrates is measured calibrated (and,
+    with ``smooth``, smoothed where convert --smooth auto smooths it; ``PlanError`` if that
+    names one twice); without, a ``+gptq`` candidate is refused, and without ``smooth`` a
+    ``+smooth`` one."""
     from h3quant.formats import registry
 
     if not calibrated:
@@ -173,10 +208,17 @@ def with_calibration(cands, calibrated: bool) -> tuple[Candidate, ...]:
         if bad:
             raise PlanError(f"--formats {bad[0]}: calibrated candidates need --calibration "
                             "STATS (h3quant capture)")
+        if smooth:
+            raise PlanError("--smooth auto needs --calibration STATS (the factors are chosen "
+                            "from its statistics)")
         return tuple(cands)
+    bad = [c.format for c in cands if c.smoothed and not smooth]
+    if bad:
+        raise PlanError(f"--formats {bad[0]}: smoothed candidates need --smooth auto")
     out: list[Candidate] = []
     for c in cands:
-        c = Candidate(c.target, c.group_size, registry.target_codec(c.target).calibrates)
+        cal = registry.target_codec(c.target).calibrates
+        c = Candidate(c.target, c.group_size, cal, smooth and _smoothable(c.target))
         if c in out:
             raise PlanError(f"--formats: {c.format} is given twice (with --calibration every "
                             "format that calibrates is measured calibrated)")
@@ -212,16 +254,18 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
 
 
-def _candidate_linear(layer, device, compute_dtype):
+def _candidate_linear(layer, device, compute_dtype, runtime: bool = False):
     """The module a candidate-format layer runs as: the runtime's quantized linear where the
     runtime multiplies the format's int8 grid (int8, W4A8), else the float linear of the
-    format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only)."""
+    format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only).
+    ``runtime``: always the runtime's default module for the format (INT4 ConvRot with its
+    int4 activations), what ``verify --model`` runs."""
     import torch
 
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
 
     codec = layer.codec
-    if not codec.decodes:
+    if runtime or not codec.decodes:
         return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
     rows, whole = codec.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}
@@ -251,15 +295,17 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
 
 def measure(path: str | os.PathLike, *, formats=DEFAULT_FORMATS, per_layer: bool = False,
             inputs=None, mmap: bool = True, blocks: int | None = None,
-            on_block=None, calibration: str | os.PathLike | None = None) -> Sensitivity:
+            on_block=None, calibration: str | os.PathLike | None = None,
+            smooth: bool = False) -> Sensitivity:
     """The sensitivity pass (see the module docstring). ``formats``: Candidates or their text;
     ``blocks``: measure only the first N blocks (the model then ends after them; for quick
     looks); ``on_block(done, total)`` after each block; ``calibration``: a statistics file
-    of this checkpoint (candidates that calibrate are measured calibrated, ``+gptq``)."""
+    of this checkpoint (candidates that calibrate are measured calibrated, ``+gptq``);
+    ``smooth``: and smoothed as ``convert --smooth auto`` does (``+gptq+smooth``)."""
     from h3quant.pipelines.verify.model import ModelInputs
 
     cands = tuple(c if isinstance(c, Candidate) else parse_candidates(c)[0] for c in formats)
-    cands = with_calibration(cands, calibration is not None)
+    cands = with_calibration(cands, calibration is not None, smooth)
     inputs = inputs or ModelInputs()
     calib = None
     if calibration is not None:
@@ -326,16 +372,21 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
                     streams[n] = (u, fblock(x, ref.cond))
                 groups = [[lin] for lin in BLOCK_LINEARS] if per_layer else [list(BLOCK_LINEARS)]
                 for cand in cands:
-                    enc = {lin: _encoded_layer(loaded.linear(lin), cand, calib)
+                    folded, cal = loaded, calib
+                    if cand.smoothed:  # folded as convert --smooth auto folds this target
+                        folded, factors = _smoothed_block(loaded, cand, calib, model.ckpt)
+                        cal = calib.smoothed_by(factors)
+                    enc = {lin: _encoded_layer(folded.linear(lin), cand, cal)
                            for lin in BLOCK_LINEARS}
                     for group in groups:
                         def make(lay, _g=group, _enc=enc):
                             local = lay.name[len(prefix) + 1:]
                             if local in _g:
-                                return _candidate_linear(_enc[local], cpu, torch.float32)
+                                return _candidate_linear(_enc[local], cpu, torch.float32,
+                                                         runtime=calib is not None)
                             return reference_linear(lay, device=model.tdev)
 
-                        qblock = build_block(loaded, make, device=model.tdev)
+                        qblock = build_block(folded, make, device=model.tdev)
                         unit = prefix if not per_layer else f"{prefix}.{group[0]}"
                         nbytes = fbytes = 0
                         for lin in group:
@@ -346,7 +397,7 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
                         meta.append((unit[len(model.prefix):], i, cand, nbytes, fbytes))
                         streams.append((len(meta) - 1, qblock(ref.x, ref.cond)))
                         del qblock
-                    del enc
+                    del enc, folded, cal
                 ref.x = fblock(ref.x, ref.cond)
             del fblock, loaded
             model.release_block(i)
@@ -367,11 +418,53 @@ def _measure(path, cands, per_layer, inputs, mmap, blocks, on_block, calib) -> S
     return result
 
 
+def _smoothed_block(loaded, cand: Candidate, calib, ckpt):
+    """(``loaded`` with the smoothing ``convert --smooth auto`` chooses for ``cand``'s format
+    folded into its float tensors, layer name -> ``s`` of the smoothed linears). Each linear's
+    factors come from ``convert.smoothing.layer_choice`` on the stored weight, as convert's
+    search reads it (before any fold)."""
+    from dataclasses import replace
+
+    from h3quant.calibration import smooth
+    from h3quant.formats import registry
+    from h3quant.pipelines.convert.smoothing import FLOATS, layer_choice, touched
+
+    codec = registry.target_codec(cand.target)
+    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
+    prefix = loaded.prefix + "."
+    factors_of: dict = {}
+    found: dict = {}
+    for lin in smooth.SMOOTHED:
+        name = prefix + lin
+        if any(t not in ckpt.tensors or ckpt.tensors[t].dtype not in FLOATS
+               for t in touched(prefix, lin)):
+            continue
+        st = calib.stats.layer(name)
+        if st is None:
+            continue
+        choice = layer_choice(name, loaded.linear(lin).weight,
+                              ckpt.tensors[f"{name}.weight"].dtype, st, codec, marker)
+        st.release()
+        if choice is not None and choice.s is not None:
+            factors_of[lin], found[name] = choice.s, choice.s
+    if not factors_of:
+        return loaded, found
+    flat = {f"{local}.{suffix}": t for local, lay in loaded.layers.items()
+            for suffix, t in lay.tensors.items()}
+    changed = smooth.fold_block(flat, factors_of)
+    layers = {}
+    for local, lay in loaded.layers.items():
+        tensors = {suffix: changed.get(f"{local}.{suffix}", t) for suffix, t in lay.tensors.items()}
+        hit = any(f"{local}.{suffix}" in changed for suffix in lay.tensors)
+        layers[local] = replace(lay, tensors=tensors, _grid=None) if hit else lay
+    return replace(loaded, layers=layers), found
+
+
 def unit_pattern(prefix: str, unit: str) -> str:
     """The recipe pattern naming exactly ``unit`` (a block's linears, or one linear)."""
     return "^" + re.escape(prefix + unit) + (r"\." if unit.count(".") == 1 else "$")
 
 
-__all__ = ["CALIBRATED", "Candidate", "PlanError", "Sensitivity", "UnitResult", "VerifyError",
-           "measure", "parse_candidates", "split_calibrated", "sqnr_db", "statistics_identity",
+__all__ = ["CALIBRATED", "SMOOTHED", "Candidate", "PlanError", "Sensitivity", "UnitResult", "VerifyError",
+           "is_smoothed", "measure", "parse_candidates", "split_calibrated", "sqnr_db", "statistics_identity",
            "unit_bytes", "unit_pattern", "with_calibration"]
