@@ -181,9 +181,9 @@ def plot_png(res) -> bytes:
     plt = require_matplotlib()
     cards = res.ranked()
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    # one colour and marker per file in every panel (a 20-colour map, markers beyond it)
-    cmap = plt.get_cmap("tab20")
-    style = {id(c): (cmap(i % 20), "osD^v"[i // 20 % 5]) for i, c in enumerate(cards)}
+    # one colour and marker per file in every panel (10 colours, then other markers)
+    cmap = plt.get_cmap("tab10")
+    style = {id(c): (cmap(i % 10), "osD^v"[i // 10 % 5]) for i, c in enumerate(cards)}
     names = {id(c): f"{_rank(c)} {os.path.basename(c.facts.path)}"
              + (" (FLAGGED)" if c.flags else "") for c in cards}
     ax = axes[0]
@@ -254,12 +254,13 @@ def plot_png(res) -> bytes:
 
 def _fit(ax, xs: list[float], ys: list[float]) -> None:
     """Axes that fit the points drawn, with a small margin."""
-    for data, setter in ((xs, ax.set_xlim), (ys, ax.set_ylim)):
+    for data, setter, least in ((xs, ax.set_xlim, 0.03), (ys, ax.set_ylim, None)):
         if not data:
             continue
         lo, hi = min(data), max(data)
-        pad = (hi - lo) * 0.08 or max(abs(hi) * 0.05, 0.5)
+        pad = max((hi - lo) * 0.08, abs(hi) * least if least else 0.5)
         setter(lo - pad, hi + pad)
+    ax.ticklabel_format(useOffset=False)
 
 
 def _draw_frontier(ax, res) -> None:

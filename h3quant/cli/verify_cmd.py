@@ -66,8 +66,11 @@ The whole model (--model): the real H3 forward of CKPT (every block, streamed: o
 memory at a time) against the reference forward on the same seeded inputs (--frames --height
 --width --audio-frames --text-tokens --sigma --seed), interleaved block by block. Reports the
 video and audio output SQNR / relative error and the drift (hidden-state SQNR after each block).
-Passes when video, audio and the last hidden state reach SQNR >= 20 dB (int8) or >= 8 dB (any
-W4A8 layer). The packed sequence, text + 2 x audio frames + frames x ceil(H/2) x ceil(W/2)
+With --reference, video, audio and the last hidden state are held to a fresh plain encode of
+the reference in the file's own formats, run the same way on the same inputs, less a 3 dB
+margin (the error the format is expected to have on this model; a calibrated file may beat
+it). Where nothing can be re-encoded, or without --reference, they must reach SQNR >= 20 dB
+(int8) or >= 8 dB (any W4A8 layer). The packed sequence, text + 2 x audio frames + frames x ceil(H/2) x ceil(W/2)
 rows, is at most {rows} (checked before any work). --depth N runs the first N blocks only
 (the final layer is skipped); --plot FILE.png draws the drift (needs matplotlib: pip install 'h3quant[plot]').
   h3quant verify h3_int8.safetensors --reference h3_bf16.safetensors --model
