@@ -131,7 +131,7 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
                                          if wname not in tensors else
                                          "the reference stores it quantized")
                 continue
-            w = tensors[wname]  # as stored: the codecs then reproduce kitchen bit for bit
+            w = tensors[wname].float()  # in float32, as convert encodes
             if gguf:
                 got = _gguf_roundtrip(w.float(), fields["gguf"])
                 if got is None:
