@@ -207,6 +207,8 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
         key = json.dumps(sorted((k, sorted(v.items())) for k, v in layers.items()))
     except H3QuantError:
         layers = None
+    if layers == {}:  # a float file: no format to encode in, nothing to judge
+        return
     if key is not None and key in encodes:
         enc, exp = encodes[key]
     else:
