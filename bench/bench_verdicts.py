@@ -239,6 +239,33 @@ def run_one(seed: int, blocks: int, root: Path, verify: bool, stats: dict) -> li
     return problems
 
 
+def report(stats: dict, a, out) -> None:
+    """The figures so far, to ``out``."""
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    say(f"{len(stats['clean_block'])} clean files ({len(KITCHEN)} kitchen formats + Q8_0 "
+        f"GGUF, seeds {a.first_seed}..{a.first_seed + a.seeds - 1}, tiny, blocks {a.blocks}), "
+        f"{len(stats['defect_block'])} defect files run (NaN files fail before running)")
+    say(f"noise floor (1-ulp inputs, CPU float32): lowest {min(stats['floor']):.1f} dB")
+    cb = [x for x in stats["clean_block"] if math.isfinite(x)]
+    co = [x for x in stats["clean_output"] if math.isfinite(x)]
+    say(f"clean files, block alone minus the fresh encode: worst {min(cb):+.3f} dB, "
+        f"best {max(cb):+.3f} dB")
+    say(f"clean files, output minus the fresh encode: worst {min(co):+.3f} dB, "
+        f"best {max(co):+.3f} dB")
+    for fmt, qs in stats["clean_q"].items():
+        sf = stats["clean_by_fmt"][fmt]
+        say(f"  {fmt:13s} one-forward limiting SQNR {min(qs):6.2f}..{max(qs):6.2f} dB; minus "
+            f"the fresh encode: blocks worst {min(b for b, _ in sf):+.3f}, outputs worst "
+            f"{min(o for _, o in sf):+.3f} dB")
+    db = stats["defect_block"]
+    say("defects, worst block alone minus the fresh encode (range over seeds):")
+    for kind in sorted({n for _, n in db}):
+        vals = [x for x, n in db if n == kind]
+        say(f"  {kind:28s} {max(vals):+7.2f} .. {min(vals):+7.2f} dB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
@@ -259,27 +286,10 @@ def main() -> None:
                 problems += run_one(seed, blocks, root, not a.no_verify, stats)
                 print(f"seed {seed} blocks {blocks}: done ({time.perf_counter() - t0:.0f} s)",
                       file=sys.stderr)
-    n_clean = len(stats["clean_block"])
-    print(f"{n_clean} clean files ({len(KITCHEN)} kitchen formats + Q8_0 GGUF, seeds "
-          f"{a.first_seed}..{a.first_seed + a.seeds - 1}, tiny, blocks {a.blocks}), "
-          f"{len(stats['defect_block'])} defect files run (NaN files fail before running)")
-    print(f"noise floor (1-ulp inputs, CPU float32): lowest {min(stats['floor']):.1f} dB")
-    cb = [x for x in stats["clean_block"] if math.isfinite(x)]
-    co = [x for x in stats["clean_output"] if math.isfinite(x)]
-    print(f"clean files, block alone minus the fresh encode: worst {min(cb):+.3f} dB, "
-          f"best {max(cb):+.3f} dB")
-    print(f"clean files, output minus the fresh encode: worst {min(co):+.3f} dB, "
-          f"best {max(co):+.3f} dB")
-    for fmt, qs in stats["clean_q"].items():
-        sf = stats["clean_by_fmt"][fmt]
-        print(f"  {fmt:13s} one-forward limiting SQNR {min(qs):6.2f}..{max(qs):6.2f} dB; "
-              f"minus the fresh encode: blocks worst {min(b for b, _ in sf):+.3f}, outputs "
-              f"worst {min(o for _, o in sf):+.3f} dB")
-    db = sorted(stats["defect_block"], key=lambda x: -x[0])
-    print("defects, worst block alone minus the fresh encode (closest to the margin first):")
-    for kind in sorted({n for _, n in db}):
-        vals = [x for x, n in db if n == kind]
-        print(f"  {kind:28s} {max(vals):+7.2f} .. {min(vals):+7.2f} dB")
+                report(stats, a, sys.stderr)  # so far
+                for p in problems:
+                    print("PROBLEM:", p, file=sys.stderr, flush=True)
+    report(stats, a, sys.stdout)
     print(f"{time.perf_counter() - t0:.0f} s")
     for p in problems:
         print("PROBLEM:", p)

@@ -246,3 +246,27 @@ def test_the_whole_matrix_of_seeds_and_formats(tmp_path):
             problems += bench_verdicts.run_one(seed, blocks, tmp_path, True, stats)
     assert not problems, problems
     assert len(stats["clean_block"]) == 2 * 10 * (len(KITCHEN) + 1)
+
+
+def test_the_calibrated_convert_summary_gives_the_output_sqnr_on_the_statistics():
+    from h3quant.cli.render import summary_line
+    from h3quant.pipelines.convert.result import summarize
+
+    def layer(name, rel, cal=None):
+        d = {"name": name, "metrics": {"weight_rel_l2": rel, "output_rel_l2": rel,
+                                       "sqnr_db": -20 * math.log10(rel)}}
+        if cal is not None:
+            d["calibration"] = {"predicted_gain_db": 1.0, "output_sqnr_db": cal}
+        return d
+
+    plain = summarize([layer("a", 0.1), layer("b", 0.2)])
+    assert "mean_output_sqnr_db_calibration" not in plain
+    assert "calibration statistics" not in summary_line(plain)
+    cal = summarize([layer("a", 0.1, {"calibration": 30.0, "heldout": 28.0}),
+                     layer("b", 0.2, {"calibration": 26.0, "heldout": 25.0}),
+                     layer("c", 0.2, {"calibration": float("inf")})])
+    assert cal["mean_output_sqnr_db_calibration"] == pytest.approx(28.0)
+    assert cal["mean_output_sqnr_db_heldout"] == pytest.approx(26.5)
+    line = summary_line(cal)
+    assert "output SQNR on the calibration statistics mean 28.0 dB over 2" in line
+    assert "held-out statistics 26.5 dB" in line and "mean weight SQNR" in line
