@@ -228,16 +228,18 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
     card.expected = {"what": what,
                      "outputs": {k: m.sqnr_db for k, m in exp.outputs.items()},
                      "blocks": {d.block: d.local_sqnr_db for d in exp.drift}}
+    bm, om = enc.margin_db(fe.BLOCK_MARGIN_DB), enc.margin_db(fe.OUTPUT_MARGIN_DB)
+    card.expected["margin_db"] = {"block": bm, "output": om}
     for d, e in zip(card.drift, exp.drift):
-        if _below(d.local_sqnr_db, e.local_sqnr_db, fe.BLOCK_MARGIN_DB):
+        if _below(d.local_sqnr_db, e.local_sqnr_db, bm):
             card.flags.append(f"block {d.block}: {_f(d.local_sqnr_db)} dB alone against "
                               f"{_f(e.local_sqnr_db)} dB for the fresh encode (margin "
-                              f"{fe.BLOCK_MARGIN_DB:g} dB)")
+                              f"{bm:g} dB)")
     for k, m in card.outputs.items():
         e = exp.outputs[k].sqnr_db
-        if _below(m.sqnr_db, e, fe.OUTPUT_MARGIN_DB):
+        if _below(m.sqnr_db, e, om):
             card.flags.append(f"{k} output: {_f(m.sqnr_db)} dB against {_f(e)} dB for the "
-                              f"fresh encode (margin {fe.OUTPUT_MARGIN_DB:g} dB)")
+                              f"fresh encode (margin {om:g} dB)")
     if enc.skipped:
         _judge_fixed(card, what)
 

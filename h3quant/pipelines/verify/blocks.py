@@ -452,7 +452,8 @@ def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
         exp = verify_checkpoint(enc.path, reference=reference, expected=False, **run)
     layers = {(c.name, c.path): c.rel_err for c in exp.layers}
     blocks = {b.index: b.sqnr_db for b in exp.block_checks}
-    factor = 10.0 ** (fe.BLOCK_MARGIN_DB / 20.0)
+    margin = enc.margin_db(fe.BLOCK_MARGIN_DB)
+    factor = 10.0 ** (margin / 20.0)
     for c in result.layers:
         e = layers.get((c.name, c.path))
         if e is None or c.smoothed or not math.isfinite(e) or c.name not in enc.encoded:
@@ -463,11 +464,11 @@ def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
         e = blocks.get(b.index)
         if e is None or not math.isfinite(e):
             continue
-        b.limit_db = round(e - fe.BLOCK_MARGIN_DB, 2)
+        b.limit_db = round(e - margin, 2)
         b.passed = b.sqnr_db >= b.limit_db
     result.notes.append(f"limits: {enc.describe()}; each layer's relative error may exceed "
-                        f"its own by {fe.BLOCK_MARGIN_DB:g} dB, each block's SQNR fall "
-                        f"{fe.BLOCK_MARGIN_DB:g} dB below it (the fixed per-format limits do "
+                        f"its own by {margin:g} dB, each block's SQNR fall "
+                        f"{margin:g} dB below it (the fixed per-format limits do "
                         "not apply)")
 
 

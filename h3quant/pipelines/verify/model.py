@@ -262,15 +262,15 @@ def judge_relative(result: ModelVerifyResult, path, reference, run: dict) -> Non
             return
         exp = verify_model(enc.path, reference=reference, expected=False, **run)
     want = {o.name: o.sqnr_db for o in exp.outputs}
-    result.expected = {"what": enc.describe(), "margin_db": fe.OUTPUT_MARGIN_DB,
-                       "outputs": want}
+    margin = enc.margin_db(fe.OUTPUT_MARGIN_DB)
+    result.expected = {"what": enc.describe(), "margin_db": margin, "outputs": want}
     for o in result.outputs:
         e = want.get(o.name)
         if e is None or not math.isfinite(e):
             continue
-        o.limit_db = round(e - fe.OUTPUT_MARGIN_DB, 2)
+        o.limit_db = round(e - margin, 2)
         o.passed = o.sqnr_db >= o.limit_db  # NaN fails
-    result.notes.append(f"limits: {enc.describe()}, {fe.OUTPUT_MARGIN_DB:g} dB below its "
+    result.notes.append(f"limits: {enc.describe()}, {margin:g} dB below its "
                         "SQNR on the same inputs (the fixed per-format limits do not apply)")
 
 
