@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from h3quant.formats import registry
 
 MAX_REFERENCE_BYTES = 8 << 30  # the encode is built in memory
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # names some GGUF files carry
 
 # The margins (dB) below the fresh encode at which a file is flagged. Measured by
 # bench/bench_verdicts.py (docs/verify.md, relative verdicts): files made by comfy-kitchen's own
@@ -133,6 +134,11 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
         for name in ref.tensors:
             tensors[name] = ref.read(name)
         for layer, fields in sorted(layers.items()):
+            if layer + ".weight" not in tensors:  # a GGUF file's names under ComfyUI's prefix
+                for prefix in PREFIXES:
+                    if layer.startswith(prefix) and layer[len(prefix):] + ".weight" in tensors:
+                        layer = layer[len(prefix):]
+                        break
             wname = layer + ".weight"
             if wname not in tensors or layer in ref_scan_quantized:
                 result.skipped[layer] = ("the reference has no float weight of that name"

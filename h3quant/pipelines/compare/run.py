@@ -245,7 +245,8 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
 
 
 def _judge_fixed(card: FileCard, what: str) -> None:
-    """The sanity floor: the fixed per-format block limits (docs/verify.md)."""
+    """The sanity floor: the fixed per-format block limits on each block alone (docs/verify.md;
+    not on the outputs, whose chained error no fixed limit fits across models)."""
     from h3quant.pipelines.verify.result import SqnrLimits
 
     formats = [f for f in card.facts.formats if not f.startswith(("float:", "gguf:"))]
@@ -257,10 +258,6 @@ def _judge_fixed(card: FileCard, what: str) -> None:
         if _below(d.local_sqnr_db, lim, 0.0):
             card.flags.append(f"block {d.block}: {_f(d.local_sqnr_db)} dB alone, under the "
                               f"fixed limit of {lim:g} dB")
-    for k, m in card.outputs.items():
-        if _below(m.sqnr_db, lim, 0.0):
-            card.flags.append(f"{k} output: {_f(m.sqnr_db)} dB, under the fixed limit of "
-                              f"{lim:g} dB")
 
 
 def _below(got: float, want: float, margin: float) -> bool:
