@@ -53,7 +53,7 @@ Checks (default thresholds):
 A wrong Hadamard or permuted rows are only caught with --reference. With --reference the layer
 and block limits above give way to a fresh plain encode of the reference in the file's own
 formats, checked the same way: a layer may exceed its relative error, a block fall below its
-SQNR, by 5 dB (9 dB with W4A8 layers); the fixed limits stay where a format cannot be
+SQNR, by 5 dB (12 dB with W4A8 layers); the fixed limits stay where a format cannot be
 re-encoded, and with --no-expected.
 
 \b
@@ -73,7 +73,7 @@ memory at a time) against the reference forward on the same seeded inputs (--fra
 video and audio output SQNR / relative error and the drift (hidden-state SQNR after each block).
 With --reference, video, audio and the last hidden state are held to a fresh plain encode of
 the reference in the file's own formats, run the same way on the same inputs, less a margin
-of 5 dB (9 dB with W4A8): the error the format is expected to have on this model (a
+of 5 dB (12 dB with W4A8): the error the format is expected to have on this model (a
 calibrated file may beat it). Where nothing can be re-encoded, or without --reference, they must reach SQNR >= 20 dB
 (int8) or >= 8 dB (any W4A8 layer). The packed sequence, text + 2 x audio frames + frames x ceil(H/2) x ceil(W/2)
 rows, is at most {rows} (checked before any work). --depth N runs the first N blocks only
