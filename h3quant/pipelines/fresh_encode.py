@@ -35,7 +35,8 @@ BLOCK_MARGIN_DB = 5.0  # one block's residual update, on the reference's own inp
 OUTPUT_MARGIN_DB = 5.0  # the model's video / audio output (one forward)
 # Formats whose plain encode here is not comfy-kitchen's own: a file kitchen made lands further
 # from it. W4A8: kitchen's files measured up to 6.1 dB below on a block, 8.9 dB on an output.
-FORMAT_MARGIN_DB = {"asym_w4a8_int8": 12.0}
+# (keyed by the wire name of the format --to w4a8 writes)
+FORMAT_MARGIN_DB = {registry.target_codec("w4a8").spec.name: 12.0}
 
 
 @dataclass
