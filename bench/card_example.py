@@ -1,6 +1,7 @@
 """The README's example card: a synthetic tiny H3, every format h3quant writes, GGUF files
 written with the gguf package, one file with a planted defect; then ``h3quant compare`` over all
-of them (markdown, JSON and plot written to OUT_DIR).
+of them (markdown, JSON and plot written to OUT_DIR; compare exits 1 there, since the defect is
+flagged).
 
     python bench/card_example.py /tmp/card [--blocks 4] [--steps 8]
 
@@ -73,8 +74,11 @@ def main() -> None:
     t0 = time.perf_counter()
     cmd = ["compare", *map(str, files), "--reference", str(ref), "--steps", str(a.steps),
            "--markdown", str(d / "card.md"), "--plot", str(d / "card.png"), "--overwrite"]
-    with open(d / "card.json", "w") as fh:
-        subprocess.run([sys.executable, "-m", "h3quant", *cmd, "--json"], check=True, stdout=fh)
+    with open(d / "card.json", "w") as fh:  # exit 1: the planted defect is flagged
+        rc = subprocess.run([sys.executable, "-m", "h3quant", *cmd, "--json"],
+                            stdout=fh).returncode
+    if rc not in (0, 1):
+        raise SystemExit(f"compare failed (exit {rc})")
     print(f"card of {len(files)} files in {time.perf_counter() - t0:.1f} s: {d / 'card.md'}")
     print((d / "card.md").read_text())
 

@@ -94,16 +94,16 @@ def files(tmp_path_factory):
     return out
 
 
-def _card(args):
+def _card(args, code=0):
     r = CliRunner().invoke(main, ["compare", *args, *SMALL, "--json"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == code, r.output
     return {rec["path"]: rec for rec in json.loads(r.stdout)["records"]}
 
 
 def test_defects_rank_below_the_clean_file_and_the_drift_points_at_their_block(files):
     names = ["int8", *DEFECTS]
     recs = _card([str(files[n]) for n in names] + ["--reference", str(files["bf16"]),
-                                                   "--steps", "2"])
+                                                   "--steps", "2"], code=1)  # flagged
     clean = recs[str(files["int8"])]
     assert clean["rank"] == 1 and clean["role"] == "file"
     for name in DEFECTS:
@@ -111,6 +111,7 @@ def test_defects_rank_below_the_clean_file_and_the_drift_points_at_their_block(f
         assert bad["rank"] > clean["rank"], name
         assert bad["quality_db"] < clean["quality_db"] - 3, (name, bad["quality_db"])
         assert bad["suspect_block"] == BAD, (name, bad["drift"])
+        assert any(f.startswith(f"block {BAD}:") for f in bad["flags"]), (name, bad["flags"])
         # the drift is clean before the broken block and drops at it
         d = {x["block"]: x for x in bad["drift"]}
         c = {x["block"]: x for x in clean["drift"]}
@@ -181,7 +182,7 @@ def test_the_planner_frontier_over_a_float_reference(files, tmp_path):
     png, md = tmp_path / "card.png", tmp_path / "card.md"
     base = [str(files["int8"]), str(files["w4a8"]), *SMALL, "--steps", "0"]
     r = CliRunner().invoke(main, ["compare", *base, "--reference", str(files["bf16"]), "--json",
-                                  "--plot", str(png), "--markdown", str(md)])
+                                  "--plot", str(png), "--markdown", str(md), "--frontier"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     front = doc["frontier"]

@@ -38,10 +38,16 @@ Every file runs the real H3 forward, streamed block by block, on the same inputs
 every file. Without --reference the most precise file given (a float file, else the most bits
 per weight) is the reference, and the card says so. Files: safetensors (single, sharded, any
 format h3quant reads) and GGUF (read with the gguf package; pip install 'h3quant[gguf]').
-Files are ranked by the lower of the final video / audio latent SQNR. SQNR and PSNR of a
-latent are not a perceptual metric and no VAE runs (docs/compare.md).
+Each file is judged against a fresh plain encode of the reference in the file's own formats
+(the error the format is expected to have on this model): a block or output clearly worse
+than it is flagged, naming the block and both figures. Files are ranked by the limiting
+stream (the lower of the one-forward video / audio SQNR): files without a flag first, then
+flagged files, then failing ones; differences the measured noise floor can explain are ties
+(shown "="). SQNR and PSNR of a latent are not a perceptual metric and no VAE runs
+(docs/compare.md).
 
-Exit status: 0 card printed, 1 a file breaks a rule (a finding), 2 usage or I/O error (nothing written).
+Exit status: 0 card printed, 1 a file is flagged or breaks a rule (a finding), 2 usage or I/O
+error (nothing written).
 
 \b
 Examples:
@@ -50,6 +56,7 @@ Examples:
   h3quant compare --reference h3_bf16.safetensors h3_*.safetensors --markdown card.md --plot card.png
   h3quant compare --reference ref.safetensors a.safetensors --sigmas 1,0.95,0.8,0 --device cuda
   h3quant compare --reference ref.safetensors a.safetensors --inputs latents.safetensors --steps 0
+  h3quant compare --reference h3_bf16.safetensors h3_int8.safetensors --frontier --plot card.png
 """
 
 
@@ -91,19 +98,22 @@ Examples:
               default=None, metavar="FILE",
               help="Also draw size against quality, the per-block and the per-step drift to a "
                    "PNG (needs matplotlib: pip install 'h3quant[plot]').")
-@click.option("--frontier/--no-frontier", default=None,
-              help="Also give the planner's predicted frontier over the reference (size "
+@click.option("--frontier/--no-frontier", default=False, show_default=True,
+              help="Also give the planner's predicted frontier over a float reference (size "
                    "against predicted output SQNR for per-block choices of int8-convrot, w4a8 "
-                   "and float; in the card, --json, --markdown and --plot). Default: on when "
-                   "the reference is a float file. Its cost: one planner sensitivity pass, one "
-                   "streamed forward per candidate format per block (as h3quant plan), on the "
-                   "CPU in float32; nothing is converted.")
+                   "and float; in the card, --json, --markdown and --plot). Its cost: one "
+                   "planner sensitivity pass, one streamed forward per candidate format per "
+                   "block (as h3quant plan), on the CPU in float32; nothing is converted.")
+@click.option("--expected/--no-expected", default=True, show_default=True,
+              help="Judge each file against a fresh plain encode of the reference in its own "
+                   "formats (one more forward per distinct mix of formats); --no-expected "
+                   "judges by the fixed per-format limits only.")
 @click.option("--overwrite", is_flag=True, help="Replace existing --markdown / --plot files.")
 @mmap_option
 @handle_errors
 def command(files, reference, device, steps, sigmas, frames, height, width, audio_frames,
             text_tokens, sigma, seed, inputs_file, as_json, markdown_path, plot_path, frontier,
-            overwrite, no_mmap):
+            expected, overwrite, no_mmap):
     from h3quant.pipelines.compare.run import CompareOptions, compare_files
     from h3quant.pipelines.verify.model import ModelInputs
 
@@ -119,7 +129,7 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
         raise click.UsageError("a file is named twice (FILE... and --reference must differ)")
     outputs = _check_outputs(every, inputs_file, markdown_path, plot_path, overwrite)
     opts = CompareOptions(inputs, None if schedule is None else tuple(schedule), device,
-                          not no_mmap, frontier=frontier)
+                          not no_mmap, frontier=frontier, expected=expected)
     res = guard("comparing", compare_files, files, reference=reference, options=opts,
                 progress=_bar_factory(), log=log)
     _write(res, markdown_path, plot_path, overwrite, outputs)
@@ -132,6 +142,11 @@ def command(files, reference, device, steps, sigmas, frames, height, width, audi
     if res.failed:  # validate --deep's data verdict, or non-finite outputs: never a success
         for c in res.failed:
             click.echo(f"h3quant: error: {c.facts.path}: {c.failures[0]}", err=True)
+        sys.exit(EXIT_FINDINGS)
+    flagged = [c for c in res.files if c.flags]
+    if flagged:  # clearly worse than the format's own encode: a finding
+        for c in flagged:
+            click.echo(f"h3quant: error: {c.facts.path}: {c.flags[0]}", err=True)
         sys.exit(EXIT_FINDINGS)
     sys.exit(EXIT_OK)
 

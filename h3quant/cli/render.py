@@ -98,5 +98,20 @@ def summary_line(summary: dict, converted: int = 0) -> str:
             f"weight rel L2 mean {summary['mean_weight_rel_l2']:.4f} "
             f"max {summary['max_weight_rel_l2']:.4f}; "
             f"output rel L2 mean {summary['mean_output_rel_l2']:.4f} max "
-            f"{summary['max_output_rel_l2']:.4f}; mean SQNR {summary['mean_sqnr_db']:.1f} dB; "
-            f"worst layer {summary['worst_layer']}")
+            f"{summary['max_output_rel_l2']:.4f} (seeded random inputs); mean weight SQNR "
+            f"{summary['mean_sqnr_db']:.1f} dB; worst layer {summary['worst_layer']}"
+            + _calibrated_part(summary))
+
+
+def _calibrated_part(summary: dict) -> str:
+    """The output SQNR over the calibration statistics (and held-out ones): what calibrated
+    codes improve, while their weight error and random-input error may grow."""
+    cal = summary.get("mean_output_sqnr_db_calibration")
+    if cal is None:
+        return ""
+    text = (f"; output SQNR on the calibration statistics mean {cal:.1f} dB over "
+            f"{summary['output_sqnr_layers_calibration']} calibrated layers")
+    held = summary.get("mean_output_sqnr_db_heldout")
+    if held is not None:
+        text += f", on the held-out statistics {held:.1f} dB"
+    return text + " (calibration is judged by these, not by the weight or random-input error)"

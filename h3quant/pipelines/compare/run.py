@@ -3,13 +3,15 @@ docstring and docs/compare.md)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
-from h3quant.errors import FindingError, VerifyError
+from h3quant.errors import FindingError, H3QuantError, VerifyError
 from h3quant.pipelines.compare.card import BlockDrift, CompareResult, FileCard, Metric, StepDrift
 from h3quant.pipelines.compare.card import rank as rank_cards
 from h3quant.pipelines.compare.facts import FileFacts, file_facts, pick_reference
@@ -42,9 +44,12 @@ class CompareOptions:
     mmap: bool = True
     backend: str | None = None
     probe: Probe | None = None
-    # the planner's predicted frontier over the reference: None draws it when the reference
-    # is a float file; True asks for it (refused for a quantized reference); False skips it
-    frontier: bool | None = None
+    # the planner's predicted frontier over the reference: drawn only when asked for (True;
+    # refused for a quantized reference), at one streamed forward per candidate per block
+    frontier: bool = False
+    # judge each file against a fresh plain encode of the reference in its own formats
+    # (pipelines.fresh_encode): one more one-forward run per distinct format mix
+    expected: bool = True
 
 
 def metric(got: torch.Tensor, want: torch.Tensor, psnr: bool = False) -> Metric:
@@ -118,6 +123,7 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
                            path=ref_facts.path)
     with tempfile.TemporaryDirectory(prefix="h3quant-compare-") as work:
         ref, ref_card = _reference(ref_facts, opts, sched, dev, dtype, work, progress, log)
+        encodes: dict = {}
         try:
             cards = []
             bar = progress("files", len(facts), "file")
@@ -133,16 +139,138 @@ def compare_files(files, *, reference=None, options: CompareOptions | None = Non
                     else:
                         cards.append(_file_card(f, ref, opts, sched, dev, dtype, work,
                                                 progress))
+                        _judge(cards[-1], ref_facts, ref, opts, dev, dtype, work, progress,
+                               log, encodes)
                     bar.update(1)
             finally:
                 bar.close()
+            floor = noise_floor(ref_facts, ref, opts, dev, dtype)
         finally:
             ref.close()
-    rank_cards(cards)
+    limiting = min(floor["video"], floor["audio"])
+    rank_cards(cards, limiting)
     result = CompareResult(ref_card, cards, chosen, run, notes)
-    if opts.frontier is not False and not ref_facts.quantized:
+    result.floor = floor
+    if opts.frontier:
         result.frontier = _frontier(ref_facts, opts, progress, log)
     return result
+
+
+def _forward(model, opts, dtype, nudge: bool = False):
+    """One forward of ``model`` on the card's inputs in ``dtype`` (each input moved by one ulp
+    toward +inf with ``nudge``): its (video, audio) outputs, fp32 on the CPU."""
+    video, audio, text = opts.inputs.tensors(model.video_channels, model.audio_channels,
+                                             model.text_dim)
+    if nudge:
+        video, audio, text = (torch.nextafter(x, torch.full_like(x, math.inf))
+                              for x in (video, audio, text))
+    st = model.start(video.to(dtype), audio.to(dtype), text.to(dtype), opts.inputs.sigma)
+    with torch.no_grad():
+        for i in model.blocks:
+            block = model.load_block(i, dtype)
+            st.x = block(st.x, st.cond)
+            del block
+            model.release_block(i)
+    return tuple(o.float().cpu() for o in model.finish(st))
+
+
+def noise_floor(facts: FileFacts, ref: ReferenceRun, opts, dev, dtype) -> dict:
+    """The reference against itself: one forward with every input moved by one ulp (CPU,
+    float32) and, where the device computes in another dtype, one forward on the device in
+    that dtype; per stream the lower SQNR. Differences it can explain are ties."""
+    linear = "reference" if facts.quantized else "runtime"
+    how = ["inputs moved by one ulp (CPU, float32)"]
+    with _open(facts.path, "cpu", opts, linear) as model:
+        got = [_forward(model, opts, torch.float32, nudge=True)]
+    if dtype != torch.float32:
+        with _open(facts.path, dev, opts, linear) as model:
+            got.append(_forward(model, opts, dtype))
+        how.append(f"{str(dtype).replace('torch.', '')} on {dev} against float32 on the CPU")
+    out: dict = {"how": how}
+    for k, name in enumerate(("video", "audio")):
+        out[name] = min(error_metrics(g[k], ref.outputs[k])[1] for g in got)
+    return out
+
+
+def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, dtype, work,
+           progress, log, encodes: dict) -> None:
+    """Flag what is clearly worse than the fresh plain encode of the reference in the file's
+    formats (``fresh_encode``), or, where none can be made, below the fixed per-format limits."""
+    from h3quant.pipelines import fresh_encode as fe
+
+    if not opts.expected:
+        return
+    key = None
+    enc = None
+    try:
+        layers, _ = fe.file_layers(card.facts.path)
+        key = json.dumps(sorted((k, sorted(v.items())) for k, v in layers.items()))
+    except H3QuantError:
+        layers = None
+    if layers == {}:  # a float file: no format to encode in, nothing to judge
+        return
+    if key is not None and key in encodes:
+        enc, exp = encodes[key]
+    else:
+        out = os.path.join(work, f"fresh-{len(encodes)}.safetensors")
+        if log is not None:
+            log(f"encoding the reference afresh in the formats of {card.facts.path}")
+        enc = fe.write_fresh_encode(card.facts.path, ref_facts.path, out, mmap=opts.mmap)
+        exp = None
+        if enc.path is not None:
+            exp = _file_card(file_facts(enc.path), ref, opts, None, dev, dtype, work, progress)
+        if key is not None:
+            encodes[key] = (enc, exp)
+    what = enc.describe()
+    if exp is None:
+        _judge_fixed(card, what)
+        return
+    card.expected = {"what": what,
+                     "outputs": {k: m.sqnr_db for k, m in exp.outputs.items()},
+                     "blocks": {d.block: d.local_sqnr_db for d in exp.drift}}
+    bm, om = enc.margin_db(fe.BLOCK_MARGIN_DB), enc.margin_db(fe.OUTPUT_MARGIN_DB)
+    card.expected["margin_db"] = {"block": bm, "output": om}
+    for d, e in zip(card.drift, exp.drift):
+        if _below(d.local_sqnr_db, e.local_sqnr_db, bm):
+            card.flags.append(f"block {d.block}: {_f(d.local_sqnr_db)} dB alone against "
+                              f"{_f(e.local_sqnr_db)} dB for the fresh encode (margin "
+                              f"{bm:g} dB)")
+    for k, m in card.outputs.items():
+        e = exp.outputs[k].sqnr_db
+        if _below(m.sqnr_db, e, om):
+            card.flags.append(f"{k} output: {_f(m.sqnr_db)} dB against {_f(e)} dB for the "
+                              f"fresh encode (margin {om:g} dB)")
+    if enc.skipped:
+        _judge_fixed(card, what)
+
+
+def _judge_fixed(card: FileCard, what: str) -> None:
+    """The sanity floor: the fixed per-format block limit less the block margin, on each block
+    alone (docs/verify.md; not on the outputs, whose chained error no fixed limit fits across
+    models)."""
+    from h3quant.pipelines import fresh_encode as fe
+
+    from h3quant.pipelines.verify.result import SqnrLimits
+
+    formats = [f for f in card.facts.formats if not f.startswith(("float:", "gguf:"))]
+    low = (card.facts.bits_per_weight or 16) < 6
+    lim = SqnrLimits().limit(formats) if formats else (
+        SqnrLimits().sqnr_db_w4a8 if low else SqnrLimits().sqnr_db_int8)
+    card.notes.append(what)
+    for d in card.drift:  # the limit less the block margin: a floor, not a verdict on quality
+        if _below(d.local_sqnr_db, lim, fe.BLOCK_MARGIN_DB):
+            card.flags.append(f"block {d.block}: {_f(d.local_sqnr_db)} dB alone, under the "
+                              f"fixed limit of {lim:g} dB less {fe.BLOCK_MARGIN_DB:g} dB")
+
+
+def _below(got: float, want: float, margin: float) -> bool:
+    if math.isnan(got):
+        return True
+    return math.isfinite(want) and got < want - margin
+
+
+def _f(x: float) -> str:
+    return f"{x:.1f}" if math.isfinite(x) else str(x)
 
 
 def data_findings(path: str) -> list[str]:

@@ -78,7 +78,7 @@ def summarize(layers: list[dict]) -> dict:
     out = [d["metrics"]["output_rel_l2"] for d in rows]
     sq = [d["metrics"]["sqnr_db"] for d in rows if math.isfinite(d["metrics"]["sqnr_db"])]
     worst = max(rows, key=lambda d: d["metrics"]["output_rel_l2"])
-    return {
+    summary = {
         "layers": len(rows),
         "worst_layer": worst["name"],
         "worst_output_rel_l2": worst["metrics"]["output_rel_l2"],
@@ -86,3 +86,14 @@ def summarize(layers: list[dict]) -> dict:
         "mean_output_rel_l2": sum(out) / len(out), "max_output_rel_l2": max(out),
         "mean_sqnr_db": sum(sq) / len(sq) if sq else math.inf,
     }
+    # calibrated layers: the output SQNR over the statistics' inputs (and held-out inputs'),
+    # what calibration improves, where the weight error above may grow
+    cal = [c.get("output_sqnr_db") or {} for c in
+           (d.get("calibration") for d in layers) if isinstance(c, dict)]
+    for key in ("calibration", "heldout"):
+        vals = [c[key] for c in cal if isinstance(c.get(key), (int, float))
+                and math.isfinite(c[key])]
+        if vals:
+            summary[f"mean_output_sqnr_db_{key}"] = sum(vals) / len(vals)
+            summary[f"output_sqnr_layers_{key}"] = len(vals)
+    return summary

@@ -356,10 +356,13 @@ def verify_checkpoint(
     backend: str | None = None,
     probe=None,
     on_block=None,
+    expected: bool = True,
 ) -> VerifyResult:
     """Run every check on ``blocks`` (an int: the first N blocks; a list: those indices; None: the
     first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
     about torch and the machine (see ``h3quant.runtime.capabilities``; simulations use it).
+    With a ``reference`` and ``expected``, layers and blocks are held to a fresh plain encode of
+    the reference in the file's formats, run the same way (``judge_relative``).
     Raises VerifyError (or DeviceError) when the run cannot be set up."""
     from h3quant.runtime.availability import require_device
 
@@ -424,7 +427,49 @@ def verify_checkpoint(
             result.notes.append("reference = the file's own dequantized weights: the layer and "
                                 "block checks test the runtime; the data checks test the stored "
                                 "codes; pass --reference to test weights against the original")
+    if reference is not None and expected:
+        judge_relative(result, path, reference, dict(
+            device=dev, blocks=idx, tokens=tokens, seed=seed, sigma=sigma, mmap=mmap,
+            thresholds=th, backend=backend, probe=probe))
     return result
+
+
+def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
+    """Hold each layer and block to the fresh plain encode of the reference in the file's
+    formats (``pipelines.fresh_encode``) checked the same way, less the margin (layers: their
+    relative error may exceed the encode's by that many dB). Where nothing can be re-encoded
+    the fixed limits stay (the note says what was compared)."""
+    import tempfile
+
+    from h3quant.pipelines import fresh_encode as fe
+
+    with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
+        enc = fe.write_fresh_encode(str(path), str(reference), os.path.join(
+            work, "fresh.safetensors"), mmap=run["mmap"])
+        if enc.path is None:
+            result.notes.append(enc.describe())
+            return
+        exp = verify_checkpoint(enc.path, reference=reference, expected=False, **run)
+    layers = {(c.name, c.path): c.rel_err for c in exp.layers}
+    blocks = {b.index: b.sqnr_db for b in exp.block_checks}
+    margin = enc.margin_db(fe.BLOCK_MARGIN_DB)
+    factor = 10.0 ** (margin / 20.0)
+    for c in result.layers:
+        e = layers.get((c.name, c.path))
+        if e is None or c.smoothed or not math.isfinite(e) or c.name not in enc.encoded:
+            continue
+        c.limit = round(max(e * factor, 1e-6), 6)
+        c.passed = c.rel_err <= c.limit  # NaN fails
+    for b in result.block_checks:
+        e = blocks.get(b.index)
+        if e is None or not math.isfinite(e):
+            continue
+        b.limit_db = round(e - margin, 2)
+        b.passed = b.sqnr_db >= b.limit_db
+    result.notes.append(f"limits: {enc.describe()}; each layer's relative error may exceed "
+                        f"its own by {margin:g} dB, each block's SQNR fall "
+                        f"{margin:g} dB below it (the fixed per-format limits do "
+                        "not apply)")
 
 
 def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: float,

@@ -12,6 +12,7 @@ every step's combination of heads; the drift is reported for the first step.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -108,6 +109,9 @@ class ModelVerifyResult(Verdict):
     head_bank: int = 1  # output heads the file stacks
     steps: list[dict] = field(default_factory=list)  # per step: step, sigma, heads [start, stop)
     provenance: dict[str, dict] = field(default_factory=dict)  # int8 layers judged as W4A8
+    # the fresh plain encode of the reference in the file's formats the outputs were judged
+    # against: {"what": text, "margin_db": dB, "outputs": {name: dB}}; None: the fixed limits
+    expected: dict | None = None
 
     @property
     def final_layer_run(self) -> bool:
@@ -129,6 +133,7 @@ class ModelVerifyResult(Verdict):
             "drift": [asdict(d) for d in self.drift],
             "backends": self.backends, "notes": self.notes,
             "head_bank": self.head_bank, "steps": self.steps, "provenance": self.provenance,
+            "expected": self.expected,
         })
 
 
@@ -165,10 +170,14 @@ def verify_model(
     probe=None,
     on_block=None,
     sigmas=None,
+    expected: bool = True,
 ) -> ModelVerifyResult:
     """Run both forwards and compare (see the module docstring). ``on_block(done, total)`` is
     called after each block (progress). ``sigmas``: a sampler schedule (every step is checked;
-    ``inputs.sigma`` is then unused). Raises VerifyError when the run cannot be set up."""
+    ``inputs.sigma`` is then unused). With a ``reference`` and ``expected``, every output is
+    judged against a fresh plain encode of the reference in the file's formats, run the same
+    way (``judge_relative``); the fixed limits then apply only where no encode can be made.
+    Raises VerifyError when the run cannot be set up."""
     from h3quant.runtime.availability import require_device
     from h3quant.runtime.model.model import H3Model
     from h3quant.runtime.model.schedule import check_schedule
@@ -229,7 +238,40 @@ def verify_model(
             result.notes.append("reference = the file's own quantized weights in float math (no "
                                 "activation quantization): this tests the runtime, not the "
                                 "weights; pass --reference to compare with the original")
+    if reference is not None and expected:
+        judge_relative(result, path, reference, dict(
+            device=dev, inputs=inputs, depth=depth, mmap=mmap, thresholds=th,
+            backend=backend, probe=probe, sigmas=sigmas))
     return result
+
+
+def judge_relative(result: ModelVerifyResult, path, reference, run: dict) -> None:
+    """Hold each output to the fresh plain encode of the reference in the file's formats
+    (``pipelines.fresh_encode``) run on the same device and inputs, less the margin: the
+    error the format is expected to have on this model. Where nothing can be re-encoded the
+    fixed limits stay (the note says what was compared)."""
+    import tempfile
+
+    from h3quant.pipelines import fresh_encode as fe
+
+    with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
+        enc = fe.write_fresh_encode(str(path), str(reference), os.path.join(
+            work, "fresh.safetensors"), mmap=run["mmap"])
+        if enc.path is None:
+            result.notes.append(enc.describe())
+            return
+        exp = verify_model(enc.path, reference=reference, expected=False, **run)
+    want = {o.name: o.sqnr_db for o in exp.outputs}
+    margin = enc.margin_db(fe.OUTPUT_MARGIN_DB)
+    result.expected = {"what": enc.describe(), "margin_db": margin, "outputs": want}
+    for o in result.outputs:
+        e = want.get(o.name)
+        if e is None or not math.isfinite(e):
+            continue
+        o.limit_db = round(e - margin, 2)
+        o.passed = o.sqnr_db >= o.limit_db  # NaN fails
+    result.notes.append(f"limits: {enc.describe()}, {margin:g} dB below its "
+                        "SQNR on the same inputs (the fixed per-format limits do not apply)")
 
 
 def _compare_at(model, ref, inputs, sigma, sched, step, run, dtype, share, result, *, drift,
