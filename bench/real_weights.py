@@ -340,6 +340,10 @@ def main(argv=None) -> int:
                 model.set_linear(key, module)
             if reason is None:
                 e2e[mode] = end_to_end(model, tok, held_texts, args.max_len, ref)
+                r = e2e[mode]
+                print(f"{fmt} {MODE_TEXT[mode]}: 1 - mean cosine {r['err']:.5f}, worst cosine "
+                      f"{r['worst']:.5f} ({time.perf_counter() - tf:.0f} s)", file=sys.stderr,
+                      flush=True)
             else:
                 e2e[mode] = {"na": reason}
             for k, lin in floats.items():

@@ -164,3 +164,64 @@ def test_float_activation_formats_and_version_1_statistics_keep_the_plain_feedba
     a = codec.encode(w, marker, "exact", calibration=st)
     b = codec.encode(w, marker, "exact", calibration=aware)
     assert all(torch.equal(a[t], b[t]) for t in a)
+
+
+# ------------------------------------------------------------------------- convert end to end
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.synth import synth_checkpoint
+
+    from helpers.inputs import input_dims, seeded_inputs
+
+    d = tmp_path_factory.mktemp("aware")
+    src = d / "bf16.safetensors"
+    synth_checkpoint(src, preset="tiny", blocks=1, seed=3)
+    ins = seeded_inputs(d, input_dims(src), range(5))
+    stats = d / "a.stats"
+    capture_statistics(src, ins, stats, predict=False)
+    return {"d": d, "src": src, "stats": stats}
+
+
+def _convert(world, target, aware, name):
+    from h3quant.formats.container.checkpoint import Checkpoint
+    from h3quant.pipelines.convert import ConvertOptions, convert
+
+    out = world["d"] / name
+    rep = convert(world["src"], out, ConvertOptions(
+        target=target, overwrite=True, calibration=str(world["stats"]),
+        activation_aware=aware)).to_dict()
+    layers = rep["layers"] if isinstance(rep["layers"], list) else list(rep["layers"].values())
+    with Checkpoint(out) as c:
+        tensors = {n: c.read(n) for n in c.tensors}
+    return [lay.get("calibration", {}) for lay in layers], tensors
+
+
+@pytest.mark.parametrize("target", ["int4-convrot", "w4a8"])
+def test_convert_activation_aware_changes_codes_not_the_format(world, target):
+    cal_off, off = _convert(world, target, "off", f"off_{target}.safetensors")
+    cal_on, on = _convert(world, target, "auto", f"on_{target}.safetensors")
+    assert all("activation_aware" not in c for c in cal_off)
+    assert [c.get("activation_aware") for c in cal_on if "basis" in c] == ["on"] * 4
+    assert off.keys() == on.keys()
+    assert all(off[n].dtype == on[n].dtype and off[n].shape == on[n].shape for n in off)
+    def raw(t):
+        return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+    changed = [n for n in off if not torch.equal(raw(off[n]), raw(on[n]))]
+    assert changed and all(n.endswith(".weight") for n in changed), changed
+
+
+def test_convert_activation_aware_leaves_float_activation_formats_alone(world):
+    cal, _ = _convert(world, "nvfp4", "auto", "nvfp4.safetensors")
+    notes = {c.get("activation_aware") for c in cal if "basis" in c}
+    assert notes == {"off: the runtime keeps this format's activations in float"}
+
+
+def test_activation_aware_needs_calibration():
+    from h3quant.errors import ConvertError
+    from h3quant.pipelines.convert import ConvertOptions
+
+    with pytest.raises(ConvertError, match="--activation-aware auto needs --calibration"):
+        ConvertOptions(target="int4-convrot", activation_aware="auto")

@@ -137,6 +137,13 @@ def _group_size(ctx, param, value):
                    "block's norm weights, adaLN shift rows and the v / up rows (tensors ComfyUI "
                    "already loads); a layer is smoothed only where the model says it helps. "
                    "Needs statistics from this version of 'h3quant capture'.")
+@click.option("--activation-aware", type=click.Choice(["auto", "off"]), default="off",
+              show_default=True,
+              help="With --calibration: error feedback minimises the layer's error with its "
+                   "inputs rounded as the runtime rounds them (int4 per token for "
+                   "int4-convrot, int8 per token for w4a8 and int8), modelled from the "
+                   "statistics' sampled rows; formats run with float activations are "
+                   "unaffected. Needs statistics from this version of 'h3quant capture'.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -151,7 +158,7 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibration_heldout, no_awq_scale, smooth, overwrite, dry_run, as_json,
+            calibration_heldout, no_awq_scale, smooth, activation_aware, overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -191,6 +198,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
       h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
       h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \
           --calibration h3.stats --report r.json              # calibrated codes
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot \
+          --calibration h3.stats --smooth auto --activation-aware auto
     """
     from h3quant.cli.render import render_plan, summary_line
 
@@ -240,7 +249,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              naming=naming, loras=tuple(loras),
                              lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
                              calibration=calibration, calibration_heldout=calibration_heldout,
-                             awq_scale=not no_awq_scale, smooth=smooth)
+                             awq_scale=not no_awq_scale, smooth=smooth,
+                             activation_aware=activation_aware)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:
