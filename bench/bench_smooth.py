@@ -1,6 +1,7 @@
 """Plain vs calibrated vs calibrated + smoothed, whole model, on a tiny SYNTHETIC H3.
 
     python bench/bench_smooth.py [--blocks 8] [--formats int4-convrot w4a8 nvfp4 int8-convrot]
+                                 [--variants plain calibrated smoothed aware smoothed+aware]
 
 Everything here is synthetic: ``h3quant synth --preset tiny`` weights and seeded random latents.
 
@@ -9,7 +10,8 @@ Everything here is synthetic: ``h3quant synth --preset tiny`` weights and seeded
   sigmas 0.15-0.9; statistics captured on the float file (``h3quant capture``);
 * held out: 4 files, both sizes, other seeds (100-103) and sigmas (0.33, 0.47, 0.62, 0.81);
 * per format, three files: rounding to nearest (plain), ``--calibration`` (calibrated),
-  ``--calibration --smooth auto`` (calibrated + smoothed);
+  ``--calibration --smooth auto`` (calibrated + smoothed); with ``--variants``, also
+  ``--activation-aware auto`` without (aware) and with smoothing (smoothed+aware);
 * each measured with ``verify --model --reference FLOAT`` on the runtime's default CPU path
   (the path ComfyUI runs each format on without its kernel: INT4 ConvRot through comfy-kitchen's
   eager W4A4, int4 activations; W4A8 and int8 on the int8 grid with per-token int8 activations;
@@ -39,6 +41,13 @@ SIZES = {"A": ((16, 16), 32, 64), "B": ((12, 20), 24, 40)}  # video h x w, audio
 CALIB = [(0, "A", 0.15), (1, "A", 0.5), (2, "A", 0.9), (3, "B", 0.3), (4, "B", 0.65),
          (5, "B", 0.8)]
 HELDOUT = [(100, "A", 0.33), (101, "B", 0.47), (102, "A", 0.62), (103, "B", 0.81)]
+
+
+VARIANTS = {"plain": {}, "calibrated": {"calibration": "STATS"},
+            "smoothed": {"calibration": "STATS", "smooth": "auto"},
+            "aware": {"calibration": "STATS", "activation_aware": "auto"},
+            "smoothed+aware": {"calibration": "STATS", "smooth": "auto",
+                               "activation_aware": "auto"}}
 
 
 def make_inputs(d: Path, m, tag: str, spec) -> list[Path]:
@@ -71,6 +80,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--formats", nargs="*",
                     default=["int4-convrot", "w4a8", "nvfp4", "int8-convrot"])
+    ap.add_argument("--variants", nargs="+", default=["plain", "calibrated", "smoothed"],
+                    choices=list(VARIANTS), help="plain is always measured (the gains' base)")
     args = ap.parse_args()
     d = args.dir
     d.mkdir(parents=True, exist_ok=True)
@@ -85,8 +96,8 @@ def main() -> None:
     print(f"SYNTHETIC tiny H3, {args.blocks} blocks (seed {args.seed}); capture "
           f"{time.perf_counter() - t0:.1f} s; held-out files: "
           + ", ".join(f"seed {s} size {z} sigma {g}" for s, z, g in HELDOUT))
-    variants = {"plain": {}, "calibrated": {"calibration": str(stats)},
-                "smoothed": {"calibration": str(stats), "smooth": "auto"}}
+    variants = {name: {k: (str(stats) if v == "STATS" else v) for k, v in kw.items()}
+                for name, kw in VARIANTS.items() if name == "plain" or name in args.variants}
     for fmt in args.formats:
         res, secs = {}, {}
         for name, kw in variants.items():
@@ -95,26 +106,26 @@ def main() -> None:
             rep = convert(src, out, ConvertOptions(target=fmt, overwrite=True, **kw))
             secs[name] = time.perf_counter() - t0
             res[name] = measure(out, src, held)
-            if name == "smoothed":
+            if name.startswith("smoothed"):
                 sm = rep.extra.get("smoothing", {})
                 n_s = sum(1 for v in sm.values() if v.get("smoothed"))
-                secs["layers"] = f"{n_s}/{len(sm)} layers smoothed"
+                secs[f"{name} layers"] = f"{n_s}/{len(sm)} smoothed"
         path = res["plain"][0]["backends"]
         print(f"\n### {fmt} (verify --model, CPU default path: {path}); convert s: "
               + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else v for k, v in secs.items()))
-        print("| held-out file | plain video / audio | calibrated video / audio | "
-              "smoothed video / audio | worse of v/a: plain | calibrated | smoothed | "
-              "gain calibrated | gain smoothed |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        worst_block = {"calibrated": float("inf"), "smoothed": float("inf")}
+        names = list(variants)
+        print("| held-out file | " + " | ".join(f"{k} video / audio" for k in names)
+              + " | worse of v/a: " + " | ".join(names) + " | "
+              + " | ".join(f"gain {k}" for k in names[1:]) + " |")
+        print("|---" * (1 + 2 * len(names) + len(names) - 1) + "|")
+        worst_block = {k: float("inf") for k in names[1:]}
         for i, (seed, size, sigma) in enumerate(HELDOUT):
             r = {k: res[k][i] for k in res}
             worse = {k: min(v["video"], v["audio"]) for k, v in r.items()}
             print(f"| {seed} {size} s={sigma} | "
                   + " | ".join(f"{r[k]['video']:.2f} / {r[k]['audio']:.2f}" for k in r)
-                  + " | " + " | ".join(f"{worse[k]:.2f}" for k in r)
-                  + f" | {worse['calibrated'] - worse['plain']:+.2f}"
-                  f" | {worse['smoothed'] - worse['plain']:+.2f} |")
+                  + " | " + " | ".join(f"{worse[k]:.2f}" for k in r) + " | "
+                  + " | ".join(f"{worse[k] - worse['plain']:+.2f}" for k in names[1:]) + " |")
             for k in worst_block:
                 diffs = [a - b for a, b in zip(r[k]["blocks"], r["plain"]["blocks"])]
                 worst_block[k] = min(worst_block[k], min(diffs))

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bert import ROLES, BertConfig, BertModel, WordPiece, documents, split_corpus  # noqa: E402
 
+from h3quant.calibration.aware import input_rounding  # noqa: E402
 from h3quant.calibration.stats import LayerStats  # noqa: E402
 from h3quant.formats import registry  # noqa: E402
 from h3quant.runtime.paths import group_size_for, layer_path, runtime_layer  # noqa: E402
@@ -181,11 +182,29 @@ class Divided(torch.nn.Module):
         return self.inner(x / self.s)
 
 
+MODES = ("plain", "calibrated", "smoothed", "aware", "smoothed+aware")
+MODE_TEXT = {"plain": "plain", "calibrated": "calibrated", "smoothed": "calibrated + smoothed",
+             "aware": "calibrated, activation-aware",
+             "smoothed+aware": "calibrated + smoothed, activation-aware"}
+
+
+def with_rows(st: LayerStats, sample: torch.Tensor, s: torch.Tensor | None = None) -> LayerStats:
+    """``st`` (divided by ``s`` when given, ``LayerStats.scaled``) with the sampled calibration
+    rows (divided the same way), which activation-aware feedback models the rounding on."""
+    if s is not None:
+        st = st.scaled(s)
+        sample = sample / s
+    rows = sample.to(torch.float32)
+    return LayerStats(st.key, st.k, st.rows, None, st.absmean, st.hessian(),
+                      _load_sample=lambda: rows)
+
+
 def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, LayerStats],
           choose=None, smooth_inputs=None):
-    """(runtime module with bias, path text) of one layer in ``mode`` (plain, calibrated,
-    smoothed), or (None, reason). ``smooth_inputs[key]``: (max |x| per channel, sampled
-    calibration rows) for ``choose``."""
+    """(runtime module with bias, path text) of one layer in ``mode`` (``MODES``), or (None,
+    reason). ``smooth_inputs[key]``: (max |x| per channel, sampled calibration rows) for
+    ``choose`` and for activation-aware feedback (``aware`` modes: the statistics carry the
+    runtime's input rounding, ``h3quant.calibration.aware``)."""
     codec = registry.target_codec(fmt)
     lin = model.linear(key)
     w, b = lin.weight, lin.bias
@@ -203,11 +222,16 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     elif not codec.calibrates:
         return None, "no calibrated encoder"
     else:
-        if mode == "smoothed":
+        if mode.startswith("smoothed"):
             s = choose(w, cal, codec, marker, *smooth_inputs[key])
             if s is not None:
                 w = w * s.to(w.dtype)[None, :]
                 cal = cal.scaled(s)
+        if mode.endswith("aware"):
+            rounding = input_rounding(codec, marker)
+            if rounding is None:
+                return None, "activations run in float: the same as calibrated"
+            cal = with_rows(stats[key], smooth_inputs[key][1], s).rounded_by(rounding)
         tensors = codec.encode(w, marker, "exact", calibration=cal)
     module = runtime_layer(tensors, marker, bias=b, compute_dtype=DTYPE, name=key)
     path = layer_path(module, DTYPE, marker["format"]).describe()
@@ -256,6 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--held", type=int, default=256, help="held-out passages")
     ap.add_argument("--max-len", type=int, default=128, help="tokens per passage at most")
     ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                    help="what to measure (aware: activation-aware error feedback)")
     args = ap.parse_args(argv)
     try:
         d = model_dir(args.model)
@@ -289,7 +315,7 @@ def main(argv=None) -> int:
     for role, (a, b) in outliers(stats).items():
         print(f"| {role} | {a:.1f} | {b:.1f} |")
     choose, smooth_text = smoothing_hook()
-    modes = ["plain", "calibrated"] + (["smoothed"] if choose else [])
+    modes = [m for m in args.modes if choose or not m.startswith("smoothed")]
     print(f"\ncalibrated + smoothed: {smooth_text}\n")
     floats = {k: model.linear(k) for k in model.keys()}
     summary = []
@@ -314,6 +340,10 @@ def main(argv=None) -> int:
                 model.set_linear(key, module)
             if reason is None:
                 e2e[mode] = end_to_end(model, tok, held_texts, args.max_len, ref)
+                r = e2e[mode]
+                print(f"{fmt} {MODE_TEXT[mode]}: 1 - mean cosine {r['err']:.5f}, worst cosine "
+                      f"{r['worst']:.5f} ({time.perf_counter() - tf:.0f} s)", file=sys.stderr,
+                      flush=True)
             else:
                 e2e[mode] = {"na": reason}
             for k, lin in floats.items():
@@ -331,37 +361,39 @@ def main(argv=None) -> int:
             gain = f" | {v['calibrated'] - v['plain']:+.1f}" if "calibrated" in v and "plain" in v \
                 else ""
             print(f"| {key} | {ROLES[role]} | {k} | {cells}{gain} |")
-        line = {"format": fmt, "paths": sorted(paths), "e2e": e2e, "roles": {}, "worse": 0,
+        line = {"format": fmt, "paths": sorted(paths), "e2e": e2e, "roles": {}, "worse": {},
                 "seconds": time.perf_counter() - tf}
         for role in ROLES:
             vals = [v for k, v in per_layer.items() if k.endswith(role)]
             line["roles"][role] = {m: statistics.mean(v[m] for v in vals) for m in cols
                                    if all(m in v for v in vals)}
-        if "plain" in cols and "calibrated" in cols:
-            line["worse"] = sum(v["calibrated"] < v["plain"] for v in per_layer.values())
+        if "plain" in cols:
+            for m in cols[1:]:
+                line["worse"][m] = sum(v[m] < v["plain"] for v in per_layer.values())
         summary.append(line)
         print()
     print("### per layer kind (mean output SQNR over the layers, dB, held-out rows)\n")
-    print("| format | role | plain | calibrated | calibrated + smoothed |\n|---|---|---|---|---|")
+    print("| format | role | " + " | ".join(MODE_TEXT[m] for m in modes) + " |\n|---|---|"
+          + "---|" * len(modes))
     for s in summary:
         for role, v in s["roles"].items():
-            cells = [f"{v[m]:.1f}" if m in v else "n/a" for m in ("plain", "calibrated")]
-            cells.append(f"{v['smoothed']:.1f}" if "smoothed" in v else "not available")
+            cells = [f"{v[m]:.1f}" if m in v else "n/a" for m in modes]
             print(f"| {s['format']} | {ROLES[role]} | " + " | ".join(cells) + " |")
     print("\n### end to end: sentence embeddings of the held-out passages against float32\n")
     print("| format | mode | mean cosine | 1 - mean cosine | worst cosine | top-10 neighbour "
           "overlap | layers worse than plain |\n|---|---|---|---|---|---|---|")
     for s in summary:
-        for mode in ("plain", "calibrated", "smoothed"):
+        for mode in MODES:
             r = s["e2e"].get(mode)
             if r is None:
-                print(f"| {s['format']} | {mode} | {smooth_text} | | | | |")
+                if mode.startswith("smoothed") and mode in args.modes:
+                    print(f"| {s['format']} | {MODE_TEXT[mode]} | {smooth_text} | | | | |")
                 continue
             if "na" in r:
-                print(f"| {s['format']} | {mode} | n/a ({r['na']}) | | | | |")
+                print(f"| {s['format']} | {MODE_TEXT[mode]} | n/a ({r['na']}) | | | | |")
                 continue
-            worse = s["worse"] if mode == "calibrated" else ""
-            print(f"| {s['format']} | {mode} | {r['mean']:.5f} | {r['err']:.5f} | "
+            worse = s["worse"].get(mode, "")
+            print(f"| {s['format']} | {MODE_TEXT[mode]} | {r['mean']:.5f} | {r['err']:.5f} | "
                   f"{r['worst']:.5f} | {r['top10']:.3f} | {worse} |")
     print("\npaths: " + "; ".join(f"{s['format']}: {', '.join(s['paths'])}" for s in summary))
     print(f"total {time.perf_counter() - t0:.1f} s")

@@ -15,6 +15,20 @@ the ``n`` rows), between blocks one matrix product ``Err [n, B] @ U[B, rest]`` (
 
 With ``H`` a multiple of the identity, ``U`` is diagonal, every update is an exact zero and the
 result is round-to-nearest itself, bit for bit (the identity guard tests this for every codec).
+
+Activation rounding (``aware_target``). Where the runtime quantizes a layer's inputs too, the
+layer computes ``Xq Wq^T`` (``Xq`` the rounded, rotated inputs), not ``X Wq^T``, and the error
+that matters is ``|X W^T - Xq Wq^T|^2``. With ``Hq = Xq^T Xq`` and the cross term
+``C = X^T Xq``, its minimiser over every real ``V`` is ``V* = W C Hq^-1``, and because the
+residual ``X W^T - Xq V*^T`` is orthogonal to ``Xq``'s columns,
+
+    |X W^T - Xq Wq^T|^2 = |Xq (Wq - V*)^T|^2 + const,
+
+which is GPTQ's objective with the Hessian ``Hq`` and the target ``V*`` in place of ``W``. With
+damping ``lam`` (the term ``lam |V - W|^2`` added) the target is
+``V = W (C + lam I)(Hq + lam I)^-1``, which is ``W`` itself when ``C == Hq`` (inputs the runtime
+does not round): then ``aware_target`` returns ``W`` untouched, so the codes are the plain
+feedback's bit for bit.
 """
 
 from __future__ import annotations
@@ -48,11 +62,14 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
 
     Row ``j`` of ``U`` divided by ``U[j, j]`` is the optimal spread of column ``j``'s error over
     the columns after it; ``U[j, j]^2`` is the inverse Hessian of the columns ``j..`` at ``j``."""
-    hd = damped(h, damp)
-    lower = torch.linalg.cholesky(hd)
+    return factor_from_lower(torch.linalg.cholesky(damped(h, damp)))
+
+
+def factor_from_lower(lower: torch.Tensor) -> torch.Tensor:
+    """``inverse_factor`` from the lower Cholesky factor of the damped ``H`` (float64)."""
     # H^-1 = L^-T L^-1 through a triangular solve and a GEMM: LAPACK's potri (cholesky_inverse)
     # was measured 5-25x slower on a busy two-core machine
-    eye = torch.eye(hd.shape[0], dtype=hd.dtype, device=hd.device)
+    eye = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device)
     li = torch.linalg.solve_triangular(lower, eye, upper=False)
     hinv = li.t() @ li
     return torch.linalg.cholesky(hinv, upper=True).to(torch.float32)
@@ -110,6 +127,46 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
     return codes.t().contiguous()
 
 
+def aware_target(x: torch.Tensor, c: torch.Tensor, hq: torch.Tensor, damp: float = DAMP
+                 ) -> torch.Tensor:
+    """The target ``x (C + lam I)(Hq + lam I)^-1`` (fp32 ``[n, K]``) that error feedback over
+    ``Hq`` rounds when the inputs are rounded too (module text): ``x`` [n, K] the weight in the
+    statistics' basis, ``c = X^T Xq`` and ``hq = Xq^T Xq`` [K, K]. ``lam`` and the dead inputs
+    are ``damped``'s (the same damped ``Hq`` whose factor the feedback uses). ``c`` equal to
+    ``hq`` returns ``x`` itself."""
+    if torch.equal(c, hq):
+        return x
+    return aware_solve(x, *aware_system(c, hq, damp))
+
+
+def aware_system(c: torch.Tensor, hq: torch.Tensor, damp: float = DAMP
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``C`` plus ``damped``'s additions to ``Hq``, the lower Cholesky factor of the
+    damped ``Hq``), float64: what ``aware_solve`` needs, computed once per layer."""
+    hq64 = hq.to(torch.float64)
+    hd = damped(hq64, damp)
+    # lam on the diagonal; an input that always rounds to zero (a dead row of Hq) keeps its
+    # weight as the target, and the inputs it correlates with still take over its part
+    cd = c.to(torch.float64) + (hd - hq64)
+    return cd, torch.linalg.cholesky(hd)
+
+
+def aware_solve(x: torch.Tensor, cd: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """``x cd (L L^T)^-1`` in float64, returned fp32 (``aware_system``'s pair)."""
+    m = x.to(torch.float64) @ cd  # [n, K]
+    return torch.cholesky_solve(m.t().contiguous(), lower).t().to(torch.float32).contiguous()
+
+
+def aware_objective(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                    hq: torch.Tensor) -> float:
+    """``|X W^T - Xq W_hat^T|^2`` from the statistics alone (float64):
+    ``tr(W H W^T) - 2 tr(W C W_hat^T) + tr(W_hat Hq W_hat^T)``."""
+    w, w_hat = w.to(torch.float64), w_hat.to(torch.float64)
+    return float(((w @ h.to(torch.float64)) * w).sum()
+                 - 2.0 * ((w @ c.to(torch.float64)) * w_hat).sum()
+                 + ((w_hat @ hq.to(torch.float64)) * w_hat).sum())
+
+
 def predicted_gain_db(h: torch.Tensor, damp: float = DAMP) -> float:
     """Predicted output-error gain of error feedback over rounding to nearest, in dB.
 
@@ -146,5 +203,22 @@ def output_sqnr_db(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> flo
     return 10.0 * math.log10(max(sig, 1e-300) / noise)
 
 
-__all__ = ["BLOCK", "DAMP", "damped", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
+def gains_and_noise(x: torch.Tensor, xq: torch.Tensor, h_diag: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gain ``a`` [K], noise energy ``v`` [K]) float64 of ``calibration.aware``'s model, from
+    the sampled rows ``x`` and their rounding ``xq`` (same basis) and ``H``'s diagonal in that basis. A
+    channel the sample never sees keeps ``a = 1``, ``v = 0``."""
+    x64, q64 = x.to(torch.float64), xq.to(torch.float64)
+    xx = (x64 * x64).sum(0)
+    seen = xx > 0
+    a = torch.ones_like(xx)
+    a[seen] = (x64 * q64).sum(0)[seen] / xx[seen]
+    e = q64 - x64 * a
+    v = torch.zeros_like(xx)
+    v[seen] = h_diag.to(torch.float64)[seen].clamp_min(0) * (e * e).sum(0)[seen] / xx[seen]
+    return a, v
+
+
+__all__ = ["BLOCK", "DAMP", "aware_objective", "gains_and_noise", "aware_solve", "aware_system", "aware_target",
+           "damped", "factor_from_lower", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]

@@ -83,6 +83,7 @@ class LayerStats:
     _load_absmean: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] mean |x|
     _load_absmax: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] max |x| (v2)
     _load_sample: Callable[[], torch.Tensor] | None = None  # () -> fp32 [S, K] rows (v2)
+    _rounding: Callable | None = None  # the runtime's input rounding (calibration.aware)
     _factors: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -123,9 +124,54 @@ class LayerStats:
             return self._factors[key]
 
     def feedback(self, x: torch.Tensor, quantize, *, convrot: bool, group_size: int = 256):
-        from h3quant.calibration.gptq import feedback
+        from h3quant.calibration.gptq import aware_solve, feedback
 
-        return feedback(x, self.factor(convrot, group_size), quantize)
+        system = self.aware_system(convrot, group_size)
+        if system is None:
+            return feedback(x, self.factor(convrot, group_size), quantize)
+        cd, lower, u = system
+        return feedback(aware_solve(x, cd, lower), u, quantize)
+
+    def rounded_by(self, rounding) -> "LayerStats":
+        """These statistics with the runtime's input rounding ``rounding``
+        (``calibration.aware.input_rounding``; None: the plain feedback): ``feedback`` then
+        minimises ``|X W^T - Xq Wq^T|^2`` where the file's sampled rows allow (version 2)."""
+        return LayerStats(self.key, self.k, self.rows, self._load, self.absmean, self._h,
+                          self._load_absmean, self._load_absmax, self._load_sample, rounding)
+
+    def aware_system(self, convrot: bool, group_size: int = 256):
+        """(``C + lam``, lower factor of the damped ``Hq``, ``Hq``'s inverse factor) in the codes'
+        basis (``calibration.aware``), computed once; None where the plain feedback applies: no
+        rounding, no sampled rows, or sampled rows the rounding leaves as they are."""
+        if self._rounding is None or self._load_sample is None:
+            return None
+        from h3quant.calibration.gptq import damped, factor_from_lower, gains_and_noise
+
+        key = ("aware", bool(convrot), int(group_size) if convrot else 0)
+        with self._lock:
+            if key not in self._factors:
+                h = self.hessian(convrot, group_size).to(torch.float64, copy=True)
+                x, xq = self._rounding(self.sample())
+                a, v = gains_and_noise(x, xq, h.diagonal())
+                if bool((a == 1).all()) and not bool(v.any()):
+                    self._factors[key] = None
+                    return None
+                hq = h * a[:, None] * a[None, :]  # diag(a) H diag(a) + diag(v)
+                hq.diagonal().add_(v)
+                hd = damped(hq)
+                lam = hd.diagonal() - hq.diagonal()  # damping (and dead inputs' unit diagonal)
+                del hq
+                try:
+                    lower = torch.linalg.cholesky(hd)
+                except torch.linalg.LinAlgError:
+                    raise UsageError(f"--calibration: the Hessian of {self.key}'s rounded "
+                                     "inputs is not positive definite even after damping",
+                                     tensor=f"{self.key}.hessian") from None
+                del hd
+                cd = h.mul_(a[None, :])  # C = H diag(a), plus the damping
+                cd.diagonal().add_(lam)
+                self._factors[key] = (cd, lower, factor_from_lower(lower))
+            return self._factors[key]
 
     def predicted_gain_db(self, convrot: bool, group_size: int = 256) -> float:
         from h3quant.calibration.gptq import damped, gain_from_factor

@@ -150,6 +150,13 @@ def _group_size(ctx, param, value):
                    "block's norm weights, adaLN shift rows and the v / up rows (tensors ComfyUI "
                    "already loads); a layer is smoothed only where the model says it helps. "
                    "Needs statistics from this version of 'h3quant capture'.")
+@click.option("--activation-aware", type=click.Choice(["auto", "off"]), default="off",
+              show_default=True,
+              help="With --calibration: error feedback minimises the layer's error with its "
+                   "inputs rounded as the runtime rounds them (int4 per token for "
+                   "int4-convrot, int8 per token for w4a8 and int8), modelled from the "
+                   "statistics' sampled rows; formats run with float activations are "
+                   "unaffected. Needs statistics from this version of 'h3quant capture'.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan / report as JSON on stdout.")
@@ -164,7 +171,8 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibrate_on, feedback, calibration_heldout, no_awq_scale, smooth, overwrite, dry_run, as_json,
+            calibrate_on, feedback, calibration_heldout, no_awq_scale, smooth, activation_aware,
+            overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
 
@@ -202,10 +210,12 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
           --layer 'mlp\\.=nvfp4'                                 # nvfp4 MLP, int8 attention
       h3quant convert h3_bf16.safetensors planned.safetensors --recipe recipe.json
       h3quant capture h3_bf16.safetensors --inputs steps/*.safetensors --out h3.stats
-      h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \
+      h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \\
           --calibration h3.stats --report r.json              # calibrated codes
       h3quant convert h3_bf16.safetensors h3_w4a8_cal.safetensors --to w4a8 \\
           --calibrate-on steps/*.safetensors                    # one pass, no statistics file
+      h3quant convert h3_bf16.safetensors h3_int4.safetensors --to int4-convrot \\
+          --calibration h3.stats --smooth auto --activation-aware auto
     """
     from h3quant.cli.render import render_plan, summary_line
 
@@ -258,7 +268,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              lora_skip_unmatched=lora_skip_unmatched, lora_promote=lora_promote,
                              calibration=calibration, calibration_heldout=calibration_heldout,
                              awq_scale=not no_awq_scale, smooth=smooth,
-                             calibrate_on=tuple(calibrate_on), feedback=feedback)
+                             calibrate_on=tuple(calibrate_on), feedback=feedback,
+                             activation_aware=activation_aware)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)
         if as_json:

@@ -50,6 +50,13 @@ class ConvRotW4A4Codec(Codec):
         return w4a4_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
                            _g(fields), bias)
 
+    def rounded_inputs(self, x, fields):
+        """(``x`` in the ConvRot basis, the same rounded to int4 per token), fp32: what
+        ``emulated_linear`` multiplies the codes with."""
+        from h3quant.formats.int4_convrot.tensors import rounded_activations
+
+        return rounded_activations(x, _g(fields))
+
     def int8_grid(self, tensors, fields):
         """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
         from h3quant.errors import UnsupportedError

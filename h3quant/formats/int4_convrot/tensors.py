@@ -125,6 +125,18 @@ def _quantize_rows_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.reshape(-1).to(torch.float32)
 
 
+def rounded_activations(x: torch.Tensor, group_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` rotated, the same rounded to per-token int4), both fp32 ``[M, K]``: the inputs
+    ``w4a4_linear`` multiplies, as values (codes times their token's scale), rotated and
+    rounded in ``x``'s dtype as it does."""
+    k = x.shape[-1]
+    g = group_size
+    x2 = x.reshape(-1, k)
+    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype, x.device).t()).reshape(-1, k)
+    qa, sa = _quantize_rows_int4(x_rot)
+    return x_rot.to(torch.float32), qa.to(torch.float32) * sa.reshape(-1, 1)
+
+
 def w4a4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int = 256,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` the way comfy-kitchen's eager W4A4 path computes it (ComfyUI without the

@@ -127,7 +127,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
 
                 plan.calibration = Calibration(options.calibration, src, log,
                                                heldout=options.calibration_heldout,
-                                               smoothed=smoothed)
+                                               smoothed=smoothed,
+                                               aware=options.activation_aware == "auto")
             try:
                 report = run_plan(plan, source, out, progress=progress)
             finally:

@@ -43,15 +43,18 @@ class Divided:
 class Calibration:
     """The open statistics of one conversion (and the held-out ones, when given)."""
 
-    def __init__(self, stats, src, log=None, *, heldout=None, smoothed=None):
+    def __init__(self, stats, src, log=None, *, heldout=None, smoothed=None, aware=False):
         """``stats``: the statistics file of checkpoint ``src`` (``heldout``: those of other
         inputs, reported only); both are refused for another checkpoint. ``smoothed``: layer
         name -> smoothing factors folded into the input (``convert.smoothing``): both files'
-        statistics are seen divided by them."""
+        statistics are seen divided by them. ``aware``: error feedback models the runtime's
+        rounding of each layer's inputs (``calibration.aware``) where the format rounds them and
+        the file holds sampled rows."""
         from h3quant.calibration.fingerprint import checkpoint_fingerprint
         from h3quant.calibration.stats import Statistics
 
         self.log = log or (lambda msg: None)
+        self.aware = aware
         fp = checkpoint_fingerprint(src)
         self.stats = Statistics(stats)
         self.heldout = None
@@ -117,7 +120,24 @@ class Calibration:
         info["predicted_gain_db"] = round(st.predicted_gain_db(convrot, g), 2)
         self.log(f"calibrating {name}: K={st.k}, {st.rows:,} rows, predicted gain "
                  f"{info['predicted_gain_db']:+.1f} dB")
+        if self.aware:
+            st, info["activation_aware"] = self._aware(st, codec, marker)
         return st, info
+
+    @staticmethod
+    def _aware(st, codec, marker):
+        """(the statistics error feedback uses, what the report says about activation-aware
+        feedback): the runtime's input rounding attached where it applies."""
+        from h3quant.calibration.aware import input_rounding
+
+        rounding = input_rounding(codec, marker)
+        if rounding is None:
+            return st, "off: the runtime keeps this format's activations in float"
+        if not st.has_rows:
+            return st, "off: the statistics hold no sampled rows (version 1)"
+        aware = st.rounded_by(rounding)  # takes over the loaded Hessian
+        st.release()
+        return aware, "on"
 
     def output_sqnr(self, lp, ref, w_hat) -> dict:
         """Output SQNR (dB) of the sampled rows over the calibration (and held-out) inputs."""

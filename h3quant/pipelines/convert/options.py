@@ -69,6 +69,7 @@ class ConvertOptions:
     smooth: str = "off"  # "auto": smoothing searched per layer and folded (convert.smoothing)
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
     feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
+    activation_aware: str = "off"  # "auto": feedback models the runtime's input rounding
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -116,6 +117,12 @@ class ConvertOptions:
         if self.smooth == "auto" and not self.calibration:
             raise ConvertError("--smooth auto needs --calibration (the factors are chosen from "
                                "the statistics)")
+        if self.activation_aware not in ("auto", "off"):
+            raise ConvertError("--activation-aware must be auto or off, got "
+                               f"{self.activation_aware!r}")
+        if self.activation_aware == "auto" and not self.calibration:
+            raise ConvertError("--activation-aware auto needs --calibration (the rounded "
+                               "inputs are modelled from the statistics)")
         if self.lora_promote is not None and self.lora_promote not in TARGETS:
             raise ConvertError(f"--lora-promote must be one of {', '.join(TARGETS)}, "
                                f"got {self.lora_promote!r}")

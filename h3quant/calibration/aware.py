@@ -1,0 +1,62 @@
+"""Activation-aware error feedback: the statistics of the inputs as the runtime rounds them.
+
+A format whose runtime path quantizes a layer's inputs (INT4 ConvRot: rotated, int4 per token;
+W4A8 and INT8 ConvRot: rotated, int8 per token; plain INT8: int8 per token) computes
+``Xq Wq^T``, and error feedback then needs ``Hq = Xq^T Xq`` and the cross term ``C = X^T Xq``
+(``calibration.gptq``, ``aware_target``) in the basis the codes are chosen in.
+
+Writing both ``K x K`` matrices per format into the statistics file would triple its size and
+tie it to one format, so they are modelled from what a version 2 file holds: the exact ``H``
+over every row, and the sampled rows. Each rounded channel is its input times a gain plus
+noise, ``xq_j = a_j x_j + e_j``, the noise uncorrelated with the inputs and between channels
+(per-token rounding errors of different channels have independent signs; what is not
+independent, such as a channel that mostly rounds to zero or the token maximum that is never
+rounded, is the gain). Then
+
+    C = H diag(a),    Hq = diag(a) H diag(a) + diag(v),
+
+with ``a_j = sum x_j xq_j / sum x_j^2`` and the noise energy ``v_j = H_jj sum e_j^2 / sum x_j^2``
+measured on the sampled rows by the format's own activation path (``input_rounding``), and ``H``
+exact. ``Hq`` is positive semi-definite by construction (a few hundred sampled rows would make a
+full ``D^T D`` estimate rank-deficient and noisy). Sampled rows the runtime leaves as they are
+give ``a = 1``, ``v = 0``: ``C == Hq == H`` and the plain feedback's codes bit for bit. A
+version 1 file has no sampled rows: its layers keep the plain feedback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from h3quant.calibration.gptq import gains_and_noise
+
+Rounding = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def input_rounding(codec, marker: dict | None) -> Rounding | None:
+    """``x [S, K] fp32 -> (x in the codes' basis, x as the runtime rounds it)`` for a layer of
+    ``codec`` / ``marker`` on the runtime's default CPU path, or None where that path keeps the
+    activations in float (the formats run through their float decode). The dispatch is
+    ``smooth.runtime_output``'s: comfy-kitchen's emulated forward where ComfyUI runs one on the
+    CPU (INT4 ConvRot), the float decode, else the int8 grid with per-token int8 inputs."""
+    fields = marker or {}
+    emulation = getattr(codec, "emulation", None)
+    if emulation is not None and "cpu" in emulation[1] and hasattr(codec, "rounded_inputs"):
+        return lambda x: codec.rounded_inputs(x.to(torch.float32), fields)
+    if codec.decodes and hasattr(codec, "decode_weight"):
+        return None
+    from h3quant.runtime.int8_math import quantize_activation, rotate_activation
+
+    convrot = codec.spec.uses_convrot(marker)
+    g = int(fields.get("convrot_groupsize", 256))
+
+    def rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(torch.float32)
+        q, s = quantize_activation(x, convrot, g)
+        return rotate_activation(x, convrot, g), q.to(torch.float32) * s.reshape(-1, 1)
+
+    return rounding
+
+
+__all__ = ["Rounding", "gains_and_noise", "input_rounding"]
