@@ -124,7 +124,7 @@ def test_every_command_under_a_commit_limit_half_the_file(tiny, tmp_path, comman
     args = {
         "convert": ["convert", src, tmp_path / "o.safetensors", "--to", "w4a8"],
         "verify": ["verify", q, "--reference", src, "--blocks", "1"],
-        "verify-model": ["verify", q, "--reference", src, "--model", *ins],
+        "verify-model": ["verify", q, "--reference", src, "--model", "--inputs", inputs[0]],
         "plan": ["plan", src, "--target-sqnr", "20", "--out", tmp_path / "r.json"],
         "capture": ["capture", src, *ins, "--out", tmp_path / "h3.stats"],
         "compare": ["compare", q, "--reference", src, "--no-frontier"],

@@ -13,8 +13,9 @@ calibrated file is) is ok; one clearly worse is flagged (docs/verify.md, relativ
   quantize (the k-quants) are not re-encoded: the file is then judged by the fixed limits only,
   and the result says so.
 
-The encode is written to a temporary safetensors file beside the caller's others; it is held in
-memory while written, so a reference above ``MAX_REFERENCE_BYTES`` is not re-encoded (said).
+The encode is written to a temporary safetensors file beside the caller's others. The reference's
+other tensors are copied one at a time, but the re-encoded layers are held in memory until the
+file is written, so a reference above ``MAX_REFERENCE_BYTES`` is not re-encoded (said).
 """
 
 from __future__ import annotations
@@ -115,10 +116,9 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool]:
 
 def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True) -> FreshEncode:
     """Write to ``out`` the reference with every layer ``file`` quantizes re-encoded plainly in
-    that layer's format (module docstring). The reference's other tensors are copied."""
-    import torch
-
-    from h3quant.formats.container.writer import save_tensors
+    that layer's format (module docstring). The reference's other tensors are copied, one at a
+    time, so only the re-encoded layers are held in memory while the file is written."""
+    from h3quant.formats.container.writer import Entry, StreamingWriter, entry_for, plan_layout
     from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
     from h3quant.sources import open_as_comfy
 
@@ -130,46 +130,57 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
                               for n in layers}
             return result
         ref_scan_quantized = _quantized_names(ref)
-        tensors: dict[str, torch.Tensor] = {}
+        names = set(ref.tensors)
+        encoded: dict[str, object] = {}  # the re-encoded layers' tensors, held until written
+        dropped: set[str] = set()  # reference weights the encode replaces
         header: dict[str, dict] = {}
-        for name in ref.tensors:
-            tensors[name] = ref.read(name)
         for layer, fields in sorted(layers.items()):
-            if layer + ".weight" not in tensors:  # a GGUF file's names under ComfyUI's prefix
+            if layer + ".weight" not in names:  # a GGUF file's names under ComfyUI's prefix
                 for prefix in PREFIXES:
-                    if layer.startswith(prefix) and layer[len(prefix):] + ".weight" in tensors:
+                    if layer.startswith(prefix) and layer[len(prefix):] + ".weight" in names:
                         layer = layer[len(prefix):]
                         break
             wname = layer + ".weight"
-            if wname not in tensors or layer in ref_scan_quantized:
+            if wname not in names or layer in ref_scan_quantized:
                 result.skipped[layer] = ("the reference has no float weight of that name"
-                                         if wname not in tensors else
+                                         if wname not in names else
                                          "the reference stores it quantized")
                 continue
-            w = tensors[wname].float()  # in float32, as convert encodes
+            w = ref.read(wname).float()  # in float32, as convert encodes
             if gguf:
-                got = _gguf_roundtrip(w.float(), fields["gguf"])
+                got = _gguf_roundtrip(w, fields["gguf"])
                 if got is None:
                     result.skipped[layer] = (f"the gguf package cannot quantize "
                                              f"{fields['gguf']}")
                     continue
-                tensors[wname] = got
+                encoded[wname] = got
+                dropped.add(wname)
                 result.encoded[layer] = "gguf:" + fields["gguf"]
                 continue
             codec = registry.codec_for(fields, tensor=wname)
             if codec.spec.write_refusal:
                 result.skipped[layer] = f"{fields['format']}: {codec.spec.write_refusal}"
                 continue
-            del tensors[wname]
+            dropped.add(wname)
             for suffix, value in codec.encode(w, fields, "exact").items():
-                tensors[f"{layer}.{suffix}"] = value.contiguous()
-            tensors[layer + ".comfy_quant"] = marker_tensor(fields)
+                encoded[f"{layer}.{suffix}"] = value.contiguous()
+            encoded[layer + ".comfy_quant"] = marker_tensor(fields)
             header[layer] = fields
             result.encoded[layer] = fields["format"]
-    if not result.encoded:
-        return result
-    meta = {HEADER_KEY: header_metadata_value(header)} if header else None
-    save_tensors(out, tensors, meta)
+            del w
+        if not result.encoded:
+            return result
+        entries = [Entry(n, info.dtype, tuple(info.shape)) for n, info in ref.tensors.items()
+                   if n not in dropped and n not in encoded]
+        entries += [entry_for(n, t) for n, t in encoded.items()]  # type: ignore[arg-type]
+        meta = {HEADER_KEY: header_metadata_value(header)} if header else None
+        layout = plan_layout(entries, meta)
+        with StreamingWriter(out, layout) as sink:
+            for entry in layout.order:
+                if entry.name in encoded:
+                    sink.write_tensor(entry.name, encoded.pop(entry.name))  # type: ignore[arg-type]
+                else:
+                    sink.write_tensor(entry.name, ref.read(entry.name))
     result.path = out
     return result
 
