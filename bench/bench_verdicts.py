@@ -55,9 +55,11 @@ def _linears(tensors: dict) -> list[str]:
                   and k.startswith("blocks.") and k[:-len(".weight")].endswith(LINEARS))
 
 
-def kitchen_file(src: Path, out: Path, fmt: str) -> Path:
+def kitchen_file(src: Path, out: Path, fmt: str, *, from_float32: bool = True) -> Path:
     """Every block linear of ``src`` quantized by comfy-kitchen's layout (eager backend, from
-    the weight in float32, as convert reads it) with ComfyUI's marker tensor."""
+    the weight in float32, as convert reads it, or in the file's own dtype with
+    ``from_float32=False``, as a publisher quantizing bf16 weights does) with ComfyUI's marker
+    tensor."""
     import json
 
     import comfy_kitchen as ck
@@ -67,7 +69,8 @@ def kitchen_file(src: Path, out: Path, fmt: str) -> Path:
     layout, kw, marker = KITCHEN[fmt]
     t = load_file(str(src))
     for name in _linears(t):
-        w = t.pop(name + ".weight").float()
+        w = t.pop(name + ".weight")
+        w = w.float() if from_float32 else w
         with ck.registry.use_backend("eager"):
             qt = QuantizedTensor.from_float(w, layout, **kw)
         for k, v in qt.state_dict(name + ".weight").items():

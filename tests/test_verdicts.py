@@ -107,6 +107,19 @@ def test_a_kitchen_nvfp4_file_passes_verify_model_where_the_fixed_limit_failed_i
     assert fixed["expected"] is None and all(o["limit_db"] == 9.0 for o in fixed["outputs"])
 
 
+def test_kitchens_int8_made_from_bf16_weights_passes_verify(files, tmp_path):
+    """comfy-kitchen quantizing bf16 weights rotates and scales in bf16, so its int8 rows peak
+    at 126-128 (with -128 codes) instead of 127: a valid file that verify must not fail."""
+    f = kitchen_file(files["ref"], tmp_path / "int8-bf16.safetensors", "int8-convrot",
+                     from_float32=False)
+    q = load_file(str(f))["blocks.0.mlp.fc2.weight"]
+    peaks = torch.maximum(q.amax(1).int(), -q.amin(1).int())
+    assert int(peaks.max()) == 128 or int(peaks.min()) < 127  # the bf16 arithmetic shows
+    r = run("verify", f, "--reference", files["ref"], "--device", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+    assert all(d["passed"] for d in json.loads(r.stdout)["data"] if d["check"] == "row-range")
+
+
 def test_verify_flags_a_planted_defect_by_block_and_layer(files):
     r = run("verify", files["int8-convrot scale x1.5"][0], "--reference", files["ref"],
             "--device", "cpu", "--json")

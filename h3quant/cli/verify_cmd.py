@@ -45,7 +45,8 @@ Checks (default thresholds):
               fc2 also through the fused SwiGLU entry point
   block       SQNR of the residual update >= 20 dB (int8), >= 8 dB (with W4A8 layers)
   scales      every scale finite and > 0
-  row-range   int8: max|q| == 127 in every non-zero row; W4A8: row peak in [96, 127]
+  row-range   int8: max|q| == 127 in every non-zero row (126-128 when made in bf16
+              arithmetic, as comfy-kitchen does from bf16 weights); W4A8: peak in [96, 127]
               (at most 1 % of rows may miss)
   saturation  at most 1 % of codes at |q| >= 127 beyond each row's peak
   magnitude   dequantized row-norm RMS within 3x of the float linears of the same role

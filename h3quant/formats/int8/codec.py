@@ -72,12 +72,16 @@ class Int8Codec(Codec):
 
     def row_range(self, tensors, th):
         if tensors["weight_scale"].numel() == 1:  # one scale: one peak for the whole tensor
-            return RowRange(True, 127, 127, True, "max|q| = 127 per tensor")
+            return RowRange(True, 126, 128, False, "max|q| = 127 per tensor (126-128 when the "
+                            "grid was computed in bf16)")
         # int8 converted from W4A8 through its decoded grid (FORMATS.md 9) keeps W4A8's peaks:
         # the limit is verify's (``th.w4a8_row_peak_min``), handed in by the caller
         low = th.w4a8_row_peak_min
         w4a8_grid = RowRange(False, low, 127, True, f"a W4A8 int8 grid: row peak in [{low}, 127]")
-        return RowRange(False, 127, 127, True, "max|q| = 127 per row", alt=w4a8_grid)
+        # comfy-kitchen quantizing bf16 weights rotates and scales in bf16: peaks land on
+        # 126-128 (and -128 codes appear), where h3quant's fp32 arithmetic gives 127
+        return RowRange(False, 126, 128, False, "max|q| = 127 per row (126-128 when the grid "
+                        "was computed in bf16)", alt=w4a8_grid)
 
 
 CODEC = Int8Codec(SPEC)
