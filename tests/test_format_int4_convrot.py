@@ -270,7 +270,7 @@ def test_verify_runs_the_cpu_forward_within_the_formats_limits(src, tmp_path):
 
     out = tmp_path / "int4.safetensors"
     assert cli("convert", src, out, "--to", "int4-convrot", "-q").exit_code == 0
-    res = verify_checkpoint(out, reference=src, device="cpu")
+    res = verify_checkpoint(out, reference=src, device="cpu", expected=False)  # fixed limits
     assert res.passed, res.failures
     assert {c.backend for c in res.layers} == {"emulated"}
     assert {c.limit for c in res.layers} == {0.35}

@@ -109,9 +109,18 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool]:
     from h3quant.formats.layers import scan_checkpoint
     from h3quant.sources import open_as_comfy
 
+    from h3quant.h3 import provenance as origin
+
     with open_as_comfy(path) as ck:
         scan = scan_checkpoint(ck)
-        return {n: dict(lay.fields or {}) for n, lay in scan.quantized.items()}, False
+        from_w4a8 = set().union(*(origin.read(sf.metadata) for sf in ck.files))
+        layers = {n: dict(lay.fields or {}) for n, lay in scan.quantized.items()}
+    w4a8 = registry.spec(origin.W4A8)
+    for n in from_w4a8 & set(layers):  # int8 converted from W4A8 carries W4A8's error
+        if w4a8 is not None and w4a8.targets:
+            rot = int(layers[n].get("convrot_groupsize", 256))
+            layers[n] = dict(w4a8.marker(w4a8.targets[0], rot) or {})  # ConvRot group as stored
+    return layers, False
 
 
 def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True) -> FreshEncode:
@@ -158,6 +167,11 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
                 result.encoded[layer] = "gguf:" + fields["gguf"]
                 continue
             codec = registry.codec_for(fields, tensor=wname)
+            if codec.spec.canonical and codec.spec.canonical != fields.get("format"):
+                # a layout variant (the NPU's [K, N] int8) has its canonical format's error:
+                # encode that one, which the runtime runs with the same arithmetic
+                fields = {**fields, "format": codec.spec.canonical}
+                codec = registry.codec_for(fields, tensor=wname)
             if codec.spec.write_refusal:
                 result.skipped[layer] = f"{fields['format']}: {codec.spec.write_refusal}"
                 continue
