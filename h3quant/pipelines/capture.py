@@ -42,7 +42,8 @@ class CaptureResult:
                 "warnings": self.warnings}
 
 
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB pieces (hex)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -65,7 +66,7 @@ def describe_inputs(paths, sigma: float) -> list[dict]:
         own = load_sigma(p)
         with SafetensorsFile(p, mmap=False) as fh:
             seed = fh.metadata.get("seed")
-        item = {"file": os.path.basename(p), "sha256": _sha256(p),
+        item = {"file": os.path.basename(p), "sha256": sha256_file(p),
                 "sigma": own if own is not None else sigma, **dims}
         if seed is not None:
             item["seed"] = seed

@@ -123,6 +123,21 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool]:
     return layers, False
 
 
+def judged_encode(file: str, reference: str, run_on, *, mmap: bool = True):
+    """(the fresh encode of ``reference`` in ``file``'s formats, ``run_on(its path)``): the
+    encode is written to a temporary folder, removed when ``run_on`` returns. The second item
+    is None where nothing could be re-encoded (the first says why)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
+        enc = write_fresh_encode(file, reference, os.path.join(work, "fresh.safetensors"),
+                                 mmap=mmap)
+        if enc.path is None:
+            return enc, None
+        return enc, run_on(enc.path)
+
+
 def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True) -> FreshEncode:
     """Write to ``out`` the reference with every layer ``file`` quantizes re-encoded plainly in
     that layer's format (module docstring). The reference's other tensors are copied, one at a

@@ -33,7 +33,6 @@ the block's statistics are there) and the process's peak resident set so far.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from h3quant.errors import UsageError
 from h3quant.h3 import layouts
+from h3quant.pipelines.capture import sha256_file
 
 WORK_SUFFIX = ".h3q-onepass"
 STATE_VERSION = 1
@@ -54,14 +54,6 @@ _FREE = ("workers", "mmap", "overwrite", "calibrate_on", "calibration", "calibra
 
 def work_dir(dst) -> Path:
     return Path(str(dst).rstrip("/\\") + WORK_SUFFIX)
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _options_key(options) -> dict:
@@ -117,12 +109,12 @@ def _check_resume(work: Path, key: dict) -> dict | None:
                          f"{', '.join(diff)}" + hint, path=work)
     for item in state.get("blocks", []):
         f = work / item["file"]
-        if not f.exists() or _sha256(f) != item["sha256"]:
+        if not f.exists() or sha256_file(f) != item["sha256"]:
             raise UsageError(f"--calibrate-on: the saved block file {item['file']} is missing or "
                              "damaged" + hint, path=work)
     if state.get("blocks"):
         f = work / str(state.get("hidden"))
-        if not f.is_file() or _sha256(f) != state.get("hidden_sha256"):
+        if not f.is_file() or sha256_file(f) != state.get("hidden_sha256"):
             raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
                              + hint, path=work)
     return state
@@ -313,8 +305,8 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
             before = state.get("hidden")
             hidden = work / f"hidden_{b:03d}.safetensors"  # a kill at any point leaves the
             _save_hidden(hidden, states)  # state file naming a complete, checked set
-            state["blocks"].append({"block": b, "file": part.name, "sha256": _sha256(part)})
-            state["hidden"], state["hidden_sha256"] = hidden.name, _sha256(hidden)
+            state["blocks"].append({"block": b, "file": part.name, "sha256": sha256_file(part)})
+            state["hidden"], state["hidden_sha256"] = hidden.name, sha256_file(hidden)
             t["write"] = time.perf_counter() - t3
             t["total"] = time.perf_counter() - t0
             t["peak_rss_bytes"] = _peak_rss()

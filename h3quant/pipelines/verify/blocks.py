@@ -439,17 +439,13 @@ def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
     formats (``pipelines.fresh_encode``) checked the same way, less the margin (layers: their
     relative error may exceed the encode's by that many dB). Where nothing can be re-encoded
     the fixed limits stay (the note says what was compared)."""
-    import tempfile
-
     from h3quant.pipelines import fresh_encode as fe
 
-    with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
-        enc = fe.write_fresh_encode(str(path), str(reference), os.path.join(
-            work, "fresh.safetensors"), mmap=run["mmap"])
-        if enc.path is None:
-            result.notes.append(enc.describe())
-            return
-        exp = verify_checkpoint(enc.path, reference=reference, expected=False, **run)
+    enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_checkpoint(
+        p, reference=reference, expected=False, **run), mmap=run["mmap"])
+    if exp is None:
+        result.notes.append(enc.describe())
+        return
     layers = {(c.name, c.path): c.rel_err for c in exp.layers}
     blocks = {b.index: b.sqnr_db for b in exp.block_checks}
     margin = enc.margin_db(fe.BLOCK_MARGIN_DB)

@@ -250,17 +250,13 @@ def judge_relative(result: ModelVerifyResult, path, reference, run: dict) -> Non
     (``pipelines.fresh_encode``) run on the same device and inputs, less the margin: the
     error the format is expected to have on this model. Where nothing can be re-encoded the
     fixed limits stay (the note says what was compared)."""
-    import tempfile
-
     from h3quant.pipelines import fresh_encode as fe
 
-    with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
-        enc = fe.write_fresh_encode(str(path), str(reference), os.path.join(
-            work, "fresh.safetensors"), mmap=run["mmap"])
-        if enc.path is None:
-            result.notes.append(enc.describe())
-            return
-        exp = verify_model(enc.path, reference=reference, expected=False, **run)
+    enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_model(
+        p, reference=reference, expected=False, **run), mmap=run["mmap"])
+    if exp is None:
+        result.notes.append(enc.describe())
+        return
     want = {o.name: o.sqnr_db for o in exp.outputs}
     margin = enc.margin_db(fe.OUTPUT_MARGIN_DB)
     result.expected = {"what": enc.describe(), "margin_db": margin, "outputs": want}
