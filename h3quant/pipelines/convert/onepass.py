@@ -455,11 +455,9 @@ def _folder_bytes(folder: Path) -> int:
 
 def _peak_rss() -> int:
     """The process's peak resident set so far, in bytes (0 where the platform does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return 0
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+    from h3quant.formats.container.platform import max_rss_bytes
+
+    return max_rss_bytes() or 0
 
 
 def _save_hidden(path: Path, states) -> None:
