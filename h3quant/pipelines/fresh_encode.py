@@ -20,7 +20,6 @@ file is written, so a reference above ``MAX_REFERENCE_BYTES`` is not re-encoded 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from h3quant.formats import registry
@@ -57,11 +56,6 @@ class FreshEncode:
         """The margin for this file: ``base``, or a wider one where a format's plain encode
         here is not comfy-kitchen's (``FORMAT_MARGIN_DB``)."""
         return max([base, *(FORMAT_MARGIN_DB.get(f, base) for f in self.encoded.values())])
-
-    @property
-    def signature(self) -> str:
-        """Files with the same signature share one fresh encode."""
-        return json.dumps([sorted(self.encoded.items()), sorted(self.skipped)])
 
     def describe(self) -> str:
         if self.path is None:
@@ -138,15 +132,17 @@ def judged_encode(file: str, reference: str, run_on, *, mmap: bool = True):
         return enc, run_on(enc.path)
 
 
-def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True) -> FreshEncode:
+def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True,
+                       scanned: tuple[dict[str, dict], bool] | None = None) -> FreshEncode:
     """Write to ``out`` the reference with every layer ``file`` quantizes re-encoded plainly in
     that layer's format (module docstring). The reference's other tensors are copied, one at a
-    time, so only the re-encoded layers are held in memory while the file is written."""
+    time, so only the re-encoded layers are held in memory while the file is written.
+    ``scanned``: ``file_layers(file)`` where the caller has it already."""
     from h3quant.formats.container.writer import Entry, StreamingWriter, entry_for, plan_layout
     from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
     from h3quant.sources import open_as_comfy
 
-    layers, gguf = file_layers(file)
+    layers, gguf = scanned if scanned is not None else file_layers(file)
     result = FreshEncode(None)
     with open_as_comfy(reference, mmap=mmap) as ref:
         if ref.total_bytes > MAX_REFERENCE_BYTES:

@@ -202,8 +202,10 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
         return
     key = None
     enc = None
+    scanned = None
     try:
-        layers, _ = fe.file_layers(card.facts.path)
+        scanned = fe.file_layers(card.facts.path)
+        layers = scanned[0]
         key = json.dumps(sorted((k, sorted(v.items())) for k, v in layers.items()))
     except H3QuantError:
         layers = None
@@ -215,7 +217,8 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
         out = os.path.join(work, f"fresh-{len(encodes)}.safetensors")
         if log is not None:
             log(f"encoding the reference afresh in the formats of {card.facts.path}")
-        enc = fe.write_fresh_encode(card.facts.path, ref_facts.path, out, mmap=opts.mmap)
+        enc = fe.write_fresh_encode(card.facts.path, ref_facts.path, out, mmap=opts.mmap,
+                                    scanned=scanned)
         exp = None
         if enc.path is not None:
             exp = _file_card(file_facts(enc.path), ref, opts, None, dev, dtype, work, progress)
