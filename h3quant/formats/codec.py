@@ -127,7 +127,7 @@ class Codec:
         return RowRange(per_tensor=False, low=127, high=127, no_min128=True, text="max|q| = 127 per row")
 
     def data_violation(self, suffix: str, values: torch.Tensor) -> Violation | None:
-        """The rule on the values of a ``spec.deep_whole`` tensor (None: they pass)."""
+        """The rule on the values of a ``spec.verify.deep_whole`` tensor (None: they pass)."""
         return None
 
     def layer_data_violations(self, tensors: dict, read, fields: dict) -> list[Violation]:

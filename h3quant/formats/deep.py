@@ -182,7 +182,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
     t = layer.tensors
     codec = registry.get(fmt) if fmt is not None else None
     if codec is not None:  # supported formats: their scale tensors must be finite and > 0
-        for suffix in codec.spec.deep_scales:
+        for suffix in codec.spec.verify.deep_scales:
             info = t.get(suffix)
             if info is None or info.dtype not in FLOAT_DTYPES | {"F8_E4M3", "U8"}:
                 continue
@@ -198,7 +198,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
         w = t.get("weight")
         if codec.spec.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
-        for suffix in codec.spec.deep_whole:
+        for suffix in codec.spec.verify.deep_whole:
             info = t.get(suffix)
             if info is not None and (info.dtype in FLOAT_DTYPES or info.dtype == "I8"):
                 _check_whole(src, codec, suffix, info, out)

@@ -132,6 +132,21 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
+class VerifyFacet:
+    """What ``verify`` and ``validate --deep`` read: the error limits, the tensors whose values
+    are checked, the limit class and the topology exception."""
+
+    limits: VerifyLimits | None = None  # None: no limits of its own (the loosest format's apply)
+    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
+    deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
+    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
+    # the token refiner too), and convert keeps such layers as they are: a layer outside the
+    # DiT blocks stored in it is expected, not flagged (T105).
+    whole_model: bool = False
+
+
+@dataclass(frozen=True)
 class FormatSpec:
     """One on-disk layer format, as data (plus the header rules a subclass may override)."""
 
@@ -144,12 +159,9 @@ class FormatSpec:
     kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
     load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
     targets: tuple[Target, ...] = ()
-    verify: VerifyLimits | None = None
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
     runtime_tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
     runtime_required: tuple[str, ...] = ()
-    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
-    deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
     int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
@@ -162,7 +174,6 @@ class FormatSpec:
     convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
-    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
     # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
     # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
     # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
@@ -187,10 +198,7 @@ class FormatSpec:
     row_scale: str | None = None
     relayout_note: str | None = None
     grid_note: str | None = None
-    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
-    # the token refiner too), and convert keeps such layers as they are: a layer outside the
-    # DiT blocks stored in it is expected, not flagged (T105).
-    whole_model: bool = False
+    verify: VerifyFacet = field(default_factory=VerifyFacet)
 
     # ------------------------------------------------------------------ derived facts
     @property

@@ -461,7 +461,7 @@ def check(tensors: dict, detection: Detection | None,
     found += _variant_notes(tensors, detection, expected, quantized)
     for layer, fmt in sorted(quantized.items()):
         fspec = registry.spec(_fmt(fmt))
-        if fspec is not None and fspec.whole_model:
+        if fspec is not None and fspec.verify.whole_model:
             continue  # ComfyUI's own releases store every linear so (the fp8_scaled files)
         if not is_h3_block_linear(layer):
             why = " (the token refiner is never quantized in released files)" \

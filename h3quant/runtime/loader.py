@@ -250,7 +250,7 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
         codec = registry.codec_for(layer.fields, tensor=layer.name)
-        for suffix in codec.spec.deep_whole:  # the rules validate --deep and convert apply too
+        for suffix in codec.spec.verify.deep_whole:  # the rules validate --deep and convert apply too
             v = codec.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
             if v is not None:
                 raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),

@@ -9,6 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
+from h3quant.formats.spec import VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -125,18 +126,20 @@ SPEC = AWQW4A16Spec(
     ),
     targets=(Target("awq-w4a16", NAME, False,
                     "AWQ W4A16 (needs calibration statistics; refused without them)"),),
-    # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
-    # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
-    # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
-    # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
-    verify=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
     marker_defaults={"group_size": 64},
     runtime_tensors=("weight", "weight_scale", "weight_zeros"),
     runtime_required=("weight", "weight_scale", "weight_zeros"),
-    deep_scales=("weight_scale",),
     chunked=False,  # written whole: its scales are stored [K/G, N], not by row
     unrowed_outputs=("weight_scale", "weight_zeros"),
     packed=True,
-    weight_bits=4,
     write_refusal=REFUSAL,
+    verify=VerifyFacet(
+        # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
+        # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
+        # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
+        # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
+        limits=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
+    ),
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
@@ -75,17 +76,19 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             BIAS,
         ),
         targets=(Target(target, name, False, text),),
-        verify=limits,
         marker_defaults={"full_precision_matrix_mult": False},
         runtime_tensors=("weight", "weight_scale", "input_scale"),
         runtime_required=("weight", "weight_scale"),
-        deep_scales=("weight_scale", "input_scale"),
         chunked=False,  # one amax over the whole layer: a first pass, then row chunks
         streamed=True,
         unrowed_outputs=("weight_scale",),
-        weight_bits=8,
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
-        whole_model=True,
+        verify=VerifyFacet(
+            limits=limits,
+            deep_scales=("weight_scale", "input_scale"),
+            weight_bits=8,
+            whole_model=True,
+        ),
     )
 
 

@@ -11,6 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.spec import VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -153,18 +154,20 @@ SPEC = ConvRotW4A4Spec(
     ),
     targets=(Target("int4-convrot", NAME, True,
                     "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
-    # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
-    # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
-    # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
-    verify=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
     marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
     runtime_tensors=("weight", "weight_scale"),
     runtime_required=("weight", "weight_scale"),
-    deep_scales=("weight_scale",),
     always_convrot=True,
     convrot_rules=True,
     packed=True,
-    weight_bits=4,
+    verify=VerifyFacet(
+        # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
+        # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
+        # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
+        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
+    ),
 )
 
 
@@ -202,14 +205,16 @@ ALIAS_SPEC = AliasSpec(
     description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
     tensors=SPEC.tensors,
     comfy=False,
-    verify=SPEC.verify,
     marker_defaults=SPEC.marker_defaults,
     runtime_tensors=SPEC.runtime_tensors,
     runtime_required=SPEC.runtime_required,
-    deep_scales=SPEC.deep_scales,
     always_convrot=True,
     convrot_rules=True,
     packed=True,
-    weight_bits=4,
     alias_of=NAME,
+    verify=VerifyFacet(
+        limits=SPEC.verify.limits,
+        deep_scales=SPEC.verify.deep_scales,
+        weight_bits=4,
+    ),
 )

@@ -19,6 +19,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     Target,
     TensorSpec,
+    VerifyFacet,
     VerifyLimits,
     Violation,
     scalar,
@@ -118,15 +119,17 @@ SPEC = MxSpec(
         BIAS,
     ),
     targets=(Target(NAME, NAME, False, TEXT),),
-    # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
-    verify=VerifyLimits(0.06, 16.0),
     marker_defaults={"full_precision_matrix_mult": False},
     runtime_tensors=("weight", "weight_scale", "input_scale"),
     runtime_required=("weight", "weight_scale"),
-    deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
     chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
     streamed=True,
     chunk_rows=128,
     unrowed_outputs=("weight_scale",),
-    weight_bits=8,
+    verify=VerifyFacet(
+        # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
+        limits=VerifyLimits(0.06, 16.0),
+        deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
+        weight_bits=8,
+    ),
 )

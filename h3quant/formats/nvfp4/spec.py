@@ -8,6 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
+from h3quant.formats.spec import VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
@@ -120,16 +121,18 @@ SPEC = NVFP4Spec(
     ),
     targets=(Target("nvfp4", NAME, False,
                     "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
-    # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
-    # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
-    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
     runtime_tensors=("weight", "weight_scale", "weight_scale_2"),
     runtime_required=("weight", "weight_scale", "weight_scale_2"),
-    deep_scales=("weight_scale_2",),
     chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
     streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
     chunk_rows=128,
     unrowed_outputs=("weight_scale", "weight_scale_2"),
     packed=True,
-    weight_bits=4,
+    verify=VerifyFacet(
+        # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
+        # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
+        limits=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
+        deep_scales=("weight_scale_2",),
+        weight_bits=4,
+    ),
 )

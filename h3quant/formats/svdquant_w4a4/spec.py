@@ -13,6 +13,7 @@ loader is an open pull request), so h3quant reads it and never writes it.
 from __future__ import annotations
 
 from h3quant.findings import Severity, register
+from h3quant.formats.spec import VerifyFacet
 from h3quant.formats.spec import (BIAS, FormatSpec, TensorSpec, VerifyLimits, Violation,
                                   packed_weight, shape_of)
 
@@ -151,15 +152,17 @@ SPEC = SVDQuantW4A4Spec(
         BIAS,
     ),
     comfy=False,  # stock ComfyUI does not register it (docs/FORMATS.md)
-    # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files
-    verify=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
     marker_defaults={"group_size": GROUP},
     runtime_tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
     runtime_required=("weight", "weight_scale"),
-    deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
     chunked=False,
     packed=True,
-    weight_bits=4,
     write_refusal=READ_ONLY,
     kept_refusal=READ_ONLY,
+    verify=VerifyFacet(
+        # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files
+        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
+        deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
+        weight_bits=4,
+    ),
 )
