@@ -132,6 +132,17 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
+class RuntimeFacet:
+    """What the runtime and the device tables read: the tensors a runtime linear loads, and how
+    ComfyUI runs the format (or, where it does not load it, what does)."""
+
+    tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
+    required: tuple[str, ...] = ()  # of those, the ones a layer must have
+    kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
+    load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
+
+
+@dataclass(frozen=True)
 class VerifyFacet:
     """What ``verify`` and ``validate --deep`` read: the error limits, the tensors whose values
     are checked, the limit class and the topology exception."""
@@ -156,12 +167,8 @@ class FormatSpec:
     closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
     quantized: bool = True
     comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
-    kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
-    load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
     targets: tuple[Target, ...] = ()
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
-    runtime_tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
-    runtime_required: tuple[str, ...] = ()
     int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
@@ -198,6 +205,7 @@ class FormatSpec:
     row_scale: str | None = None
     relayout_note: str | None = None
     grid_note: str | None = None
+    runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
     verify: VerifyFacet = field(default_factory=VerifyFacet)
 
     # ------------------------------------------------------------------ derived facts

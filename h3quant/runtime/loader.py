@@ -225,7 +225,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
             f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
-    extra = sorted(set(layer.tensors) - set(codec.spec.runtime_tensors) - {"bias", "comfy_quant"})
+    extra = sorted(set(layer.tensors) - set(codec.spec.runtime.tensors) - {"bias", "comfy_quant"})
     if "weight_correction" in extra:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)

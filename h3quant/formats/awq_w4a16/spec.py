@@ -9,7 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -113,10 +113,6 @@ class AWQW4A16Spec(FormatSpec):
 SPEC = AWQW4A16Spec(
     name=NAME,
     description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
-    kitchen=KitchenFacts(
-        "TensorCoreAWQW4A16Layout", None, "0.2.9",
-        notes=(("ampere", "", "sm_80+ runs comfy-kitchen's CUDA gemv_awq_w4a16; other devices its "
-                              "pure-PyTorch path"),)),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
                    "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
@@ -127,8 +123,6 @@ SPEC = AWQW4A16Spec(
     targets=(Target("awq-w4a16", NAME, False,
                     "AWQ W4A16 (needs calibration statistics; refused without them)"),),
     marker_defaults={"group_size": 64},
-    runtime_tensors=("weight", "weight_scale", "weight_zeros"),
-    runtime_required=("weight", "weight_scale", "weight_zeros"),
     chunked=False,  # written whole: its scales are stored [K/G, N], not by row
     unrowed_outputs=("weight_scale", "weight_zeros"),
     packed=True,
@@ -141,5 +135,13 @@ SPEC = AWQW4A16Spec(
         limits=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
         deep_scales=("weight_scale",),
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorCoreAWQW4A16Layout", None, "0.2.9",
+            notes=(("ampere", "", "sm_80+ runs comfy-kitchen's CUDA gemv_awq_w4a16; other devices its "
+                                  "pure-PyTorch path"),)),
+        tensors=("weight", "weight_scale", "weight_zeros"),
+        required=("weight", "weight_scale", "weight_zeros"),
     ),
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
@@ -68,7 +68,6 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
           text: str) -> Fp8Spec:
     return Fp8Spec(
         name=name, description=text,
-        kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
         tensors=(
             TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
             TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),
@@ -77,8 +76,6 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
         ),
         targets=(Target(target, name, False, text),),
         marker_defaults={"full_precision_matrix_mult": False},
-        runtime_tensors=("weight", "weight_scale", "input_scale"),
-        runtime_required=("weight", "weight_scale"),
         chunked=False,  # one amax over the whole layer: a first pass, then row chunks
         streamed=True,
         unrowed_outputs=("weight_scale",),
@@ -88,6 +85,11 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             deep_scales=("weight_scale", "input_scale"),
             weight_bits=8,
             whole_model=True,
+        ),
+        runtime=RuntimeFacet(
+            kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
+            tensors=("weight", "weight_scale", "input_scale"),
+            required=("weight", "weight_scale"),
         ),
     )
 

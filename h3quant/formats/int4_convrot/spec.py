@@ -11,7 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -138,13 +138,6 @@ _EAGER = "ComfyUI runs comfy-kitchen's eager W4A4 (activations quantized to int4
 SPEC = ConvRotW4A4Spec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
-    kitchen=KitchenFacts(
-        "TensorCoreConvRotW4A4Layout", (7, 5), "0.2.17",
-        notes=(("hopper", "", "native int4 MMA on sm_8x only; Hopper and newer run comfy-kitchen's "
-                              "int8 fallback kernel"),
-               ("ascend", "unverified", "comfy-kitchen has an Ascend convrot_w4a4_linear; whether "
-                                        "ComfyUI reaches it is unverified"),
-               ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
                    "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
@@ -155,8 +148,6 @@ SPEC = ConvRotW4A4Spec(
     targets=(Target("int4-convrot", NAME, True,
                     "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
     marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
     always_convrot=True,
     convrot_rules=True,
     packed=True,
@@ -167,6 +158,17 @@ SPEC = ConvRotW4A4Spec(
         limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
         deep_scales=("weight_scale",),
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorCoreConvRotW4A4Layout", (7, 5), "0.2.17",
+            notes=(("hopper", "", "native int4 MMA on sm_8x only; Hopper and newer run comfy-kitchen's "
+                                  "int8 fallback kernel"),
+                   ("ascend", "unverified", "comfy-kitchen has an Ascend convrot_w4a4_linear; whether "
+                                            "ComfyUI reaches it is unverified"),
+                   ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
     ),
 )
 
@@ -206,8 +208,6 @@ ALIAS_SPEC = AliasSpec(
     tensors=SPEC.tensors,
     comfy=False,
     marker_defaults=SPEC.marker_defaults,
-    runtime_tensors=SPEC.runtime_tensors,
-    runtime_required=SPEC.runtime_required,
     always_convrot=True,
     convrot_rules=True,
     packed=True,
@@ -216,5 +216,9 @@ ALIAS_SPEC = AliasSpec(
         limits=SPEC.verify.limits,
         deep_scales=SPEC.verify.deep_scales,
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        tensors=SPEC.runtime.tensors,
+        required=SPEC.runtime.required,
     ),
 )

@@ -10,6 +10,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     TensorSpec,
     Target,
+    RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
     Violation,
@@ -93,11 +94,6 @@ RELAYOUT_NOTE = "pure relayout: same int8 codes and scales, transposed (no requa
 SPEC = Int8Spec(
     name=NAME,
     description="int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
-    kitchen=KitchenFacts(
-        "TensorWiseINT8Layout", (7, 5), "0.2.11",
-        notes=(("ascend", "unverified", "comfy-kitchen has an Ascend int8_linear (npu_quant_matmul "
-                                        "on the [N, K] weight); whether ComfyUI reaches it is "
-                                        "unverified"),)),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k)], "[N, K]"),
         TensorSpec("weight_scale", SCALE_DTYPES, lambda n, k, f: int8_scale_shapes(n),
@@ -110,8 +106,6 @@ SPEC = Int8Spec(
         Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
     ),
     marker_defaults={"convrot": False, "convrot_groupsize": 256},
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
     int8_codes=True,
     convrot_rules=True,
     row_scale="weight_scale",
@@ -120,5 +114,14 @@ SPEC = Int8Spec(
         limits=VerifyLimits(rel_err=0.05, block_sqnr_db=20.0),
         deep_scales=("weight_scale", "input_scale"),
         weight_bits=8,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorWiseINT8Layout", (7, 5), "0.2.11",
+            notes=(("ascend", "unverified", "comfy-kitchen has an Ascend int8_linear (npu_quant_matmul "
+                                            "on the [N, K] weight); whether ComfyUI reaches it is "
+                                            "unverified"),)),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
     ),
 )

@@ -13,7 +13,7 @@ from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
 from h3quant.formats.int8.spec import SPEC as INT8_SPEC
 from h3quant.formats.int8.spec import Int8Spec
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
 from h3quant.findings import Severity, register
 
@@ -87,12 +87,7 @@ SPEC = Int8KnSpec(
         BIAS,
     ),
     comfy=False,
-    load_note=("ComfyUI refuses it (a format name it does not register); only h3quant's own "
-               "runtime runs it (verify, compare). For ComfyUI on Ascend make the canonical int8 "
-               "layout (convert --to int8-convrot, without --layout npu)"),
     marker_defaults=dict(INT8_SPEC.marker_defaults),
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
     int8_codes=True,
     convrot_rules=True,
     transposed_outputs=("weight",),
@@ -106,5 +101,12 @@ SPEC = Int8KnSpec(
         deep_scales=("weight_scale",),
         deep_whole=("weight",),  # the per-channel peak rule (D107): one orientation, one verdict
         weight_bits=8,
+    ),
+    runtime=RuntimeFacet(
+        load_note=("ComfyUI refuses it (a format name it does not register); only h3quant's own "
+                   "runtime runs it (verify, compare). For ComfyUI on Ascend make the canonical int8 "
+                   "layout (convert --to int8-convrot, without --layout npu)"),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
     ),
 )

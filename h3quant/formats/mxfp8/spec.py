@@ -19,6 +19,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     Target,
     TensorSpec,
+    RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
     Violation,
@@ -108,7 +109,6 @@ class MxSpec(FormatSpec):
 
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
 SPEC = MxSpec(
-    kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
     name=NAME, description=TEXT,
     tensors=(
         TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
@@ -120,8 +120,6 @@ SPEC = MxSpec(
     ),
     targets=(Target(NAME, NAME, False, TEXT),),
     marker_defaults={"full_precision_matrix_mult": False},
-    runtime_tensors=("weight", "weight_scale", "input_scale"),
-    runtime_required=("weight", "weight_scale"),
     chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
     streamed=True,
     chunk_rows=128,
@@ -131,5 +129,10 @@ SPEC = MxSpec(
         limits=VerifyLimits(0.06, 16.0),
         deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
         weight_bits=8,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
+        tensors=("weight", "weight_scale", "input_scale"),
+        required=("weight", "weight_scale"),
     ),
 )

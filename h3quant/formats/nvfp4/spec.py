@@ -8,7 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
@@ -105,7 +105,6 @@ class NVFP4Spec(FormatSpec):
 
 
 SPEC = NVFP4Spec(
-    kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
     name=NAME,
     description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
                 "tensor scale",
@@ -121,8 +120,6 @@ SPEC = NVFP4Spec(
     ),
     targets=(Target("nvfp4", NAME, False,
                     "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
-    runtime_tensors=("weight", "weight_scale", "weight_scale_2"),
-    runtime_required=("weight", "weight_scale", "weight_scale_2"),
     chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
     streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
     chunk_rows=128,
@@ -134,5 +131,10 @@ SPEC = NVFP4Spec(
         limits=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
         deep_scales=("weight_scale_2",),
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
+        tensors=("weight", "weight_scale", "weight_scale_2"),
+        required=("weight", "weight_scale", "weight_scale_2"),
     ),
 )

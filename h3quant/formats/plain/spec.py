@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import RuntimeFacet
 from h3quant.formats.spec import BIAS, FLOATS, FormatSpec, TensorSpec, Target
 
 NAME = "float"
@@ -19,6 +20,8 @@ SPEC = PlainSpec(
     closed=False,
     quantized=False,
     targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
-    runtime_tensors=("weight",),
-    runtime_required=("weight",),
+    runtime=RuntimeFacet(
+        tensors=("weight",),
+        required=("weight",),
+    ),
 )

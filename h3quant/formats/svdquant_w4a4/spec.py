@@ -13,7 +13,7 @@ loader is an open pull request), so h3quant reads it and never writes it.
 from __future__ import annotations
 
 from h3quant.findings import Severity, register
-from h3quant.formats.spec import VerifyFacet
+from h3quant.formats.spec import RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import (BIAS, FormatSpec, TensorSpec, VerifyLimits, Violation,
                                   packed_weight, shape_of)
 
@@ -153,8 +153,6 @@ SPEC = SVDQuantW4A4Spec(
     ),
     comfy=False,  # stock ComfyUI does not register it (docs/FORMATS.md)
     marker_defaults={"group_size": GROUP},
-    runtime_tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
-    runtime_required=("weight", "weight_scale"),
     chunked=False,
     packed=True,
     write_refusal=READ_ONLY,
@@ -164,5 +162,9 @@ SPEC = SVDQuantW4A4Spec(
         limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
         deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
+        required=("weight", "weight_scale"),
     ),
 )

@@ -10,6 +10,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     TensorSpec,
     Target,
+    RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
     Violation,
@@ -169,8 +170,6 @@ class W4A8Spec(FormatSpec):
 SPEC = W4A8Spec(
     name=NAME,
     description="4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on",
-    kitchen=KitchenFacts("AsymW4A8Int8Layout", (8, 0), "0.2.27",
-                         "ComfyUI v0.31.0, reported"),
     tensors=(
         TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
         TensorSpec("weight_s_rel", S_REL_DTYPES,
@@ -183,8 +182,6 @@ SPEC = W4A8Spec(
     ),
     targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
     marker_defaults={"group_size": GROUP, "convrot_groupsize": 256, "convrot": True},
-    runtime_tensors=("weight", "weight_s_rel", "weight_s_channel", "weight_codebook"),
-    runtime_required=("weight", "weight_s_rel", "weight_s_channel"),
     chunked=False,  # the codebook is chosen per layer
     unrowed_outputs=("weight_codebook",),
     always_convrot=True,
@@ -199,5 +196,11 @@ SPEC = W4A8Spec(
         deep_scales=("weight_s_rel", "weight_s_channel"),
         deep_whole=("weight_codebook",),
         weight_bits=4,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("AsymW4A8Int8Layout", (8, 0), "0.2.27",
+                             "ComfyUI v0.31.0, reported"),
+        tensors=("weight", "weight_s_rel", "weight_s_channel", "weight_codebook"),
+        required=("weight", "weight_s_rel", "weight_s_channel"),
     ),
 )
