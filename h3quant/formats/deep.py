@@ -196,7 +196,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
                 out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
                 checked.add(info.name)
         w = t.get("weight")
-        if codec.spec.int8_codes and w is not None and w.dtype == "I8":
+        if codec.spec.relayout.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
         for suffix in codec.spec.verify.deep_whole:
             info = t.get(suffix)

@@ -132,6 +132,27 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
+class RelayoutFacet:
+    """What convert reads to move stored codes instead of quantizing them (a relayout between a
+    format and its layout variant, or a conversion through a format's int8 grid)."""
+
+    int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
+    # the tensor of per-row scales copied beside the codes (a layout variant and its canonical
+    # format both name it)
+    row_scale: str | None = None
+    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
+    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
+    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
+    grid_rows: tuple[str, ...] = ()
+    grid_whole: tuple[str, ...] = ()
+    grid_scale: str | None = None
+    # the plan's note for each way (a relayout: the canonical format's ``relayout_note``; a
+    # conversion through the grid: the source's ``grid_note``)
+    relayout_note: str | None = None
+    grid_note: str | None = None
+
+
+@dataclass(frozen=True)
 class RuntimeFacet:
     """What the runtime and the device tables read: the tensors a runtime linear loads, and how
     ComfyUI runs the format (or, where it does not load it, what does)."""
@@ -169,7 +190,6 @@ class FormatSpec:
     comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
     targets: tuple[Target, ...] = ()
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
-    int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
     # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
@@ -181,12 +201,6 @@ class FormatSpec:
     convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
-    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
-    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
-    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
-    grid_rows: tuple[str, ...] = ()
-    grid_whole: tuple[str, ...] = ()
-    grid_scale: str | None = None
     layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
     canonical: str | None = None  # for a layout variant: the format it re-lays out
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
@@ -198,13 +212,7 @@ class FormatSpec:
     # another name for the format ``alias_of``: read as that format, and a layer kept by
     # convert is written under that format's name (never under this one)
     alias_of: str | None = None
-    # Moving stored codes instead of quantizing (convert's relayout and grid conversions): the
-    # tensor of per-row scales copied beside the codes (a layout variant and its canonical
-    # format both name it), and the plan's note for each way (a relayout: the canonical
-    # format's ``relayout_note``; a conversion through the grid: the source's ``grid_note``).
-    row_scale: str | None = None
-    relayout_note: str | None = None
-    grid_note: str | None = None
+    relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
     runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
     verify: VerifyFacet = field(default_factory=VerifyFacet)
 

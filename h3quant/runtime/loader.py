@@ -82,7 +82,7 @@ class LoadedLayer:
         """An int8 layer in either layout (canonical [N, K] or the NPU's [K, N]): its stored
         codes are the grid the int8 runtime multiplies."""
         codec = registry.get(self.format) if self.format else None
-        return codec is not None and codec.spec.int8_codes
+        return codec is not None and codec.spec.relayout.int8_codes
 
     @property
     def out_features(self) -> int:

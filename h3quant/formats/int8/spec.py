@@ -10,6 +10,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     TensorSpec,
     Target,
+    RelayoutFacet,
     RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
@@ -106,10 +107,7 @@ SPEC = Int8Spec(
         Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
     ),
     marker_defaults={"convrot": False, "convrot_groupsize": 256},
-    int8_codes=True,
     convrot_rules=True,
-    row_scale="weight_scale",
-    relayout_note=RELAYOUT_NOTE,
     verify=VerifyFacet(
         limits=VerifyLimits(rel_err=0.05, block_sqnr_db=20.0),
         deep_scales=("weight_scale", "input_scale"),
@@ -123,5 +121,10 @@ SPEC = Int8Spec(
                                             "unverified"),)),
         tensors=("weight", "weight_scale"),
         required=("weight", "weight_scale"),
+    ),
+    relayout=RelayoutFacet(
+        int8_codes=True,
+        row_scale="weight_scale",
+        relayout_note=RELAYOUT_NOTE,
     ),
 )

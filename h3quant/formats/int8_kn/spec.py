@@ -13,7 +13,7 @@ from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
 from h3quant.formats.int8.spec import SPEC as INT8_SPEC
 from h3quant.formats.int8.spec import Int8Spec
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import RelayoutFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
 from h3quant.findings import Severity, register
 
@@ -88,14 +88,11 @@ SPEC = Int8KnSpec(
     ),
     comfy=False,
     marker_defaults=dict(INT8_SPEC.marker_defaults),
-    int8_codes=True,
     convrot_rules=True,
     transposed_outputs=("weight",),
     column_sources=("weight",),
     layout="npu",
     canonical=CANONICAL_NAME,
-    row_scale=INT8_SPEC.row_scale,
-    relayout_note=INT8_SPEC.relayout_note,
     verify=VerifyFacet(
         limits=INT8_SPEC.verify.limits,
         deep_scales=("weight_scale",),
@@ -108,5 +105,10 @@ SPEC = Int8KnSpec(
                    "layout (convert --to int8-convrot, without --layout npu)"),
         tensors=("weight", "weight_scale"),
         required=("weight", "weight_scale"),
+    ),
+    relayout=RelayoutFacet(
+        int8_codes=True,
+        row_scale=INT8_SPEC.relayout.row_scale,
+        relayout_note=INT8_SPEC.relayout.relayout_note,
     ),
 )

@@ -10,6 +10,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     TensorSpec,
     Target,
+    RelayoutFacet,
     RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
@@ -187,10 +188,6 @@ SPEC = W4A8Spec(
     always_convrot=True,
     convrot_rules=True,
     packed=True,
-    grid_rows=("weight", "weight_s_rel"),
-    grid_whole=("weight_codebook",),
-    grid_scale="weight_s_channel",
-    grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
     verify=VerifyFacet(
         limits=VerifyLimits(rel_err=0.12, block_sqnr_db=8.0),
         deep_scales=("weight_s_rel", "weight_s_channel"),
@@ -202,5 +199,11 @@ SPEC = W4A8Spec(
                              "ComfyUI v0.31.0, reported"),
         tensors=("weight", "weight_s_rel", "weight_s_channel", "weight_codebook"),
         required=("weight", "weight_s_rel", "weight_s_channel"),
+    ),
+    relayout=RelayoutFacet(
+        grid_rows=("weight", "weight_s_rel"),
+        grid_whole=("weight_codebook",),
+        grid_scale="weight_s_channel",
+        grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
     ),
 )
