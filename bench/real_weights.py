@@ -216,7 +216,7 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     cal = stats[key]
     s = None
     if mode == "plain":
-        if codec.spec.write_refusal:
+        if codec.spec.encoding.write_refusal:
             return None, "writes calibrated only"
         tensors = codec.encode(w, marker, "exact")
     elif not codec.calibrates:

@@ -39,7 +39,7 @@ class Codec:
     # activation quantization included) instead of a dequantized weight: the runtime then calls
     # ``emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
     emulation: tuple[str, tuple[str, ...]] | None = None
-    scans = False  # a streamed encoder (``spec.streamed``) needs a first pass (``scan_rows``)
+    scans = False  # a streamed encoder (``spec.encoding.streamed``) needs a first pass (``scan_rows``)
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
@@ -84,7 +84,7 @@ class Codec:
         raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
 
     def scan_rows(self, w: torch.Tensor) -> Any:
-        """A streamed codec's first pass (``spec.streamed``): what rows ``w`` contribute to the
+        """A streamed codec's first pass (``spec.encoding.streamed``): what rows ``w`` contribute to the
         layer-wide value (None: the codec needs none)."""
         return None
 
@@ -94,7 +94,7 @@ class Codec:
 
     def encode_rows(self, w: torch.Tensor, marker: dict | None, method: str,
                     value: Any) -> dict[str, torch.Tensor]:
-        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.chunk_rows`` multiples
+        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.encoding.chunk_rows`` multiples
         starting at such a multiple) encoded with the layer-wide ``value``. Every output but a
         0-dim one holds the chunk's stored rows (the last chunk's padding rows included); the
         bytes equal the same rows of ``encode`` on the whole layer."""

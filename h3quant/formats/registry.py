@@ -43,14 +43,14 @@ def register(spec: FormatSpec, codec: Codec | None = None) -> FormatSpec:
         raise ValueError(f"format name {spec.name!r} is empty or already registered")
     if codec is not None and codec.spec is not spec:
         raise ValueError(f"the codec of {spec.name!r} is built on another spec")
-    for t in spec.targets:
+    for t in spec.encoding.targets:
         if t.name in _TARGETS or t.codec != spec.name or codec is None:
             raise ValueError(f"target {t.name!r} is already registered, names another format "
                              "or has no codec")
     _SPECS[spec.name] = spec
     if codec is not None:
         _CODECS[spec.name] = codec
-    for t in spec.targets:
+    for t in spec.encoding.targets:
         _TARGETS[t.name] = t
     return spec
 

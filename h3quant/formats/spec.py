@@ -132,6 +132,25 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
+class EncodingFacet:
+    """What convert's encoder reads: the ``--to`` choices the format writes, how its layers are
+    cut into work (row chunks, two streamed passes, or the whole layer) and what it refuses."""
+
+    targets: tuple[Target, ...] = ()
+    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
+    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
+    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
+    streamed: bool = False
+    chunk_rows: int = 1
+    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # why convert cannot copy a layer of this format into its output either (a read-only
+    # format: every such layer must be converted to another format); None: it can
+    kept_refusal: str | None = None
+
+
+@dataclass(frozen=True)
 class RelayoutFacet:
     """What convert reads to move stored codes instead of quantizing them (a relayout between a
     format and its layout variant, or a conversion through a format's int8 grid)."""
@@ -188,15 +207,7 @@ class FormatSpec:
     closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
     quantized: bool = True
     comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
-    targets: tuple[Target, ...] = ()
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
-    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
-    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
-    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
-    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
-    streamed: bool = False
-    chunk_rows: int = 1
-    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
     always_convrot: bool = False  # the format rotates whatever its marker says
     convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
@@ -205,13 +216,10 @@ class FormatSpec:
     canonical: str | None = None  # for a layout variant: the format it re-lays out
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
-    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
-    # why convert cannot copy a layer of this format into its output either (a read-only
-    # format: every such layer must be converted to another format); None: it can
-    kept_refusal: str | None = None
     # another name for the format ``alias_of``: read as that format, and a layer kept by
     # convert is written under that format's name (never under this one)
     alias_of: str | None = None
+    encoding: EncodingFacet = field(default_factory=EncodingFacet)
     relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
     runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
     verify: VerifyFacet = field(default_factory=VerifyFacet)

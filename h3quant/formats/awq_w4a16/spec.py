@@ -9,7 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -120,13 +120,8 @@ SPEC = AWQW4A16Spec(
         TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
         BIAS,
     ),
-    targets=(Target("awq-w4a16", NAME, False,
-                    "AWQ W4A16 (needs calibration statistics; refused without them)"),),
     marker_defaults={"group_size": 64},
-    chunked=False,  # written whole: its scales are stored [K/G, N], not by row
-    unrowed_outputs=("weight_scale", "weight_zeros"),
     packed=True,
-    write_refusal=REFUSAL,
     verify=VerifyFacet(
         # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
         # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
@@ -143,5 +138,12 @@ SPEC = AWQW4A16Spec(
                                   "pure-PyTorch path"),)),
         tensors=("weight", "weight_scale", "weight_zeros"),
         required=("weight", "weight_scale", "weight_zeros"),
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("awq-w4a16", NAME, False,
+                        "AWQ W4A16 (needs calibration statistics; refused without them)"),),
+        chunked=False,  # written whole: its scales are stored [K/G, N], not by row
+        unrowed_outputs=("weight_scale", "weight_zeros"),
+        write_refusal=REFUSAL,
     ),
 )

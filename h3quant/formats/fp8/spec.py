@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
@@ -74,11 +74,7 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
             BIAS,
         ),
-        targets=(Target(target, name, False, text),),
         marker_defaults={"full_precision_matrix_mult": False},
-        chunked=False,  # one amax over the whole layer: a first pass, then row chunks
-        streamed=True,
-        unrowed_outputs=("weight_scale",),
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
         verify=VerifyFacet(
             limits=limits,
@@ -90,6 +86,12 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
             tensors=("weight", "weight_scale", "input_scale"),
             required=("weight", "weight_scale"),
+        ),
+        encoding=EncodingFacet(
+            targets=(Target(target, name, False, text),),
+            chunked=False,  # one amax over the whole layer: a first pass, then row chunks
+            streamed=True,
+            unrowed_outputs=("weight_scale",),
         ),
     )
 

@@ -11,7 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -145,8 +145,6 @@ SPEC = ConvRotW4A4Spec(
                    "[N] (one scale per row)"),
         BIAS,
     ),
-    targets=(Target("int4-convrot", NAME, True,
-                    "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
     marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
     always_convrot=True,
     convrot_rules=True,
@@ -169,6 +167,10 @@ SPEC = ConvRotW4A4Spec(
                    ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
         tensors=("weight", "weight_scale"),
         required=("weight", "weight_scale"),
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("int4-convrot", NAME, True,
+                        "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
     ),
 )
 

@@ -11,6 +11,7 @@ from h3quant.formats.spec import (
     TensorSpec,
     Target,
     RelayoutFacet,
+    EncodingFacet,
     RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
@@ -102,10 +103,6 @@ SPEC = Int8Spec(
         BIAS,
         TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
     ),
-    targets=(
-        Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
-        Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
-    ),
     marker_defaults={"convrot": False, "convrot_groupsize": 256},
     convrot_rules=True,
     verify=VerifyFacet(
@@ -126,5 +123,11 @@ SPEC = Int8Spec(
         int8_codes=True,
         row_scale="weight_scale",
         relayout_note=RELAYOUT_NOTE,
+    ),
+    encoding=EncodingFacet(
+        targets=(
+            Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
+            Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
+        ),
     ),
 )

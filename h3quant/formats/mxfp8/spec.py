@@ -19,6 +19,7 @@ from h3quant.formats.spec import (
     FormatSpec,
     Target,
     TensorSpec,
+    EncodingFacet,
     RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
@@ -118,12 +119,7 @@ SPEC = MxSpec(
         TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
         BIAS,
     ),
-    targets=(Target(NAME, NAME, False, TEXT),),
     marker_defaults={"full_precision_matrix_mult": False},
-    chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
-    streamed=True,
-    chunk_rows=128,
-    unrowed_outputs=("weight_scale",),
     verify=VerifyFacet(
         # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
         limits=VerifyLimits(0.06, 16.0),
@@ -134,5 +130,12 @@ SPEC = MxSpec(
         kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
         tensors=("weight", "weight_scale", "input_scale"),
         required=("weight", "weight_scale"),
+    ),
+    encoding=EncodingFacet(
+        targets=(Target(NAME, NAME, False, TEXT),),
+        chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
+        streamed=True,
+        chunk_rows=128,
+        unrowed_outputs=("weight_scale",),
     ),
 )

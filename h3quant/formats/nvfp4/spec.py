@@ -8,7 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
@@ -118,12 +118,6 @@ SPEC = NVFP4Spec(
         TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
         BIAS,
     ),
-    targets=(Target("nvfp4", NAME, False,
-                    "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
-    chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
-    streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
-    chunk_rows=128,
-    unrowed_outputs=("weight_scale", "weight_scale_2"),
     packed=True,
     verify=VerifyFacet(
         # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
@@ -136,5 +130,13 @@ SPEC = NVFP4Spec(
         kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
         tensors=("weight", "weight_scale", "weight_scale_2"),
         required=("weight", "weight_scale", "weight_scale_2"),
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("nvfp4", NAME, False,
+                        "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
+        chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
+        streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
+        chunk_rows=128,
+        unrowed_outputs=("weight_scale", "weight_scale_2"),
     ),
 )

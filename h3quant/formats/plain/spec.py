@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from h3quant.formats.spec import RuntimeFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet
 from h3quant.formats.spec import BIAS, FLOATS, FormatSpec, TensorSpec, Target
 
 NAME = "float"
@@ -19,9 +19,11 @@ SPEC = PlainSpec(
     tensors=(TensorSpec("weight", FLOATS, None, "any"), BIAS),
     closed=False,
     quantized=False,
-    targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
     runtime=RuntimeFacet(
         tensors=("weight",),
         required=("weight",),
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
     ),
 )

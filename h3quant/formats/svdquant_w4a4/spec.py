@@ -13,7 +13,7 @@ loader is an open pull request), so h3quant reads it and never writes it.
 from __future__ import annotations
 
 from h3quant.findings import Severity, register
-from h3quant.formats.spec import RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
 from h3quant.formats.spec import (BIAS, FormatSpec, TensorSpec, VerifyLimits, Violation,
                                   packed_weight, shape_of)
 
@@ -153,10 +153,7 @@ SPEC = SVDQuantW4A4Spec(
     ),
     comfy=False,  # stock ComfyUI does not register it (docs/FORMATS.md)
     marker_defaults={"group_size": GROUP},
-    chunked=False,
     packed=True,
-    write_refusal=READ_ONLY,
-    kept_refusal=READ_ONLY,
     verify=VerifyFacet(
         # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files
         limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
@@ -166,5 +163,10 @@ SPEC = SVDQuantW4A4Spec(
     runtime=RuntimeFacet(
         tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
         required=("weight", "weight_scale"),
+    ),
+    encoding=EncodingFacet(
+        chunked=False,
+        write_refusal=READ_ONLY,
+        kept_refusal=READ_ONLY,
     ),
 )

@@ -11,6 +11,7 @@ from h3quant.formats.spec import (
     TensorSpec,
     Target,
     RelayoutFacet,
+    EncodingFacet,
     RuntimeFacet,
     VerifyFacet,
     VerifyLimits,
@@ -181,10 +182,7 @@ SPEC = W4A8Spec(
         TensorSpec("weight_correction", FLOATS, None, "[K/G, N]", required=False),
         BIAS,
     ),
-    targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
     marker_defaults={"group_size": GROUP, "convrot_groupsize": 256, "convrot": True},
-    chunked=False,  # the codebook is chosen per layer
-    unrowed_outputs=("weight_codebook",),
     always_convrot=True,
     convrot_rules=True,
     packed=True,
@@ -205,5 +203,10 @@ SPEC = W4A8Spec(
         grid_whole=("weight_codebook",),
         grid_scale="weight_s_channel",
         grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
+        chunked=False,  # the codebook is chosen per layer
+        unrowed_outputs=("weight_codebook",),
     ),
 )

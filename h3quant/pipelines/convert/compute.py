@@ -211,7 +211,7 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
                    for sfx in codec.spec.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool, step):
-        _check_planned(lp, out, r1 - r0, codec.spec.unrowed_outputs, codec.spec.transposed_outputs)
+        _check_planned(lp, out, r1 - r0, codec.spec.encoding.unrowed_outputs, codec.spec.transposed_outputs)
         if codec.spec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():
@@ -241,10 +241,10 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
     else:
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
-    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.unrowed_outputs}, 0)
-    _check_planned(lp, out, n, opts.codec.spec.unrowed_outputs)
+    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.encoding.unrowed_outputs}, 0)
+    _check_planned(lp, out, n, opts.codec.spec.encoding.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
-    unrowed = opts.codec.spec.unrowed_outputs
+    unrowed = opts.codec.spec.encoding.unrowed_outputs
     cols = opts.codec.sampled_by_column  # stored [*, N]: sampled as rows
     samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
                              if s not in unrowed or s in cols})
@@ -277,7 +277,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     n, k = lp.n, lp.k
     codec, marker = opts.codec, lp.out_fields
     spec = codec.spec
-    step = _stream_step(k, spec.chunk_rows)
+    step = _stream_step(k, spec.encoding.chunk_rows)
     value = None
     if codec.scans:  # the first pass: the layer-wide value
 
@@ -288,7 +288,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
 
         value = codec.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
     planned = _planned(lp)
-    unrowed = spec.unrowed_outputs
+    unrowed = spec.encoding.unrowed_outputs
     gathered: dict[str, torch.Tensor] = {}
     samples = Samples.for_layer(n, opts.report)
     lock = threading.Lock()
@@ -345,9 +345,9 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
                  workers: int = 1, pool=None, calibration=None) -> Samples:
     """Encode one planned layer with the target's codec (``calibration``: the layer's
     statistics, for a codec that calibrates; None rounds to nearest)."""
-    if opts.codec.spec.chunked:
+    if opts.codec.spec.encoding.chunked:
         return encode_chunked(lp, src, opts, sink, progress, workers, pool, calibration)
-    if opts.codec.spec.streamed and calibration is None:
+    if opts.codec.spec.encoding.streamed and calibration is None:
         return encode_streamed(lp, src, opts, sink, progress, workers, pool)
     return encode_whole(lp, src, opts, sink, progress, workers, pool, calibration)
 
