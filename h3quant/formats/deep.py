@@ -155,10 +155,10 @@ def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
     if not n or not k or w is None:
         return
     row_names, whole_names = codec.source_tensors(f, t)
-    if any(s not in t for s in (*row_names, *whole_names, *codec.spec.column_sources)):
+    if any(s not in t for s in (*row_names, *whole_names, *codec.spec.storage.column_sources)):
         return  # the header rules report what is missing
     whole = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in whole_names}
-    cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.column_sources}
+    cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.storage.column_sources}
     views = codec.row_views(whole, f)
     step = max(1, DECODE_BYTES // (4 * k))
     for r0 in range(0, n, step):

@@ -150,7 +150,7 @@ def kept_marker(code_dtype: str) -> dict | None:
 
 def marker_defaults(name) -> dict:
     s = spec(name)
-    return dict(s.marker_defaults) if s is not None and s.quantized else {}
+    return dict(s.storage.marker_defaults) if s is not None and s.quantized else {}
 
 
 def targets() -> dict[str, Target]:

@@ -132,6 +132,33 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
+class StorageFacet:
+    """What the header engines read (``markers``, ``layers``, ``check``, ``transpose``, the
+    topology): the tensor set and its rules, the marker's defaults, how the weight is packed
+    and laid out."""
+
+    tensors: tuple[TensorSpec, ...] = ()  # the tensor set, declared once
+    closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
+    marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
+    packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
+    opaque: bool = False  # the logical [N, K] cannot be told from the header
+    always_convrot: bool = False  # the format rotates whatever its marker says
+    convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
+    transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
+    column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
+
+    @property
+    def transposed(self) -> bool:
+        """The weight is stored ``[K, N]``."""
+        return bool(self.column_sources)
+
+    @property
+    def suffixes(self) -> frozenset[str]:
+        """Every tensor suffix of the format's layers (the marker tensor included)."""
+        return frozenset(t.suffix for t in self.tensors) | {"comfy_quant"}
+
+
+@dataclass(frozen=True)
 class EncodingFacet:
     """What convert's encoder reads: the ``--to`` choices the format writes, how its layers are
     cut into work (row chunks, two streamed passes, or the whole layer) and what it refuses."""
@@ -199,26 +226,22 @@ class VerifyFacet:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One on-disk layer format, as data (plus the header rules a subclass may override)."""
+    """One on-disk layer format, as data (plus the header rules a subclass may override).
+
+    Its identity is at the top; everything else is grouped by the engine that reads it:
+    ``storage`` (header engines), ``encoding`` (convert's encoder), ``relayout`` (convert's
+    code moves), ``runtime`` (the runtime, device tables) and ``verify`` (verify, validate)."""
 
     name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
     description: str
-    tensors: tuple[TensorSpec, ...] = ()  # the tensor set, declared once
-    closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
     quantized: bool = True
     comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
-    marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
-    always_convrot: bool = False  # the format rotates whatever its marker says
-    convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
-    packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
-    opaque: bool = False  # the logical [N, K] cannot be told from the header
     layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
     canonical: str | None = None  # for a layout variant: the format it re-lays out
-    transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
-    column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
     # another name for the format ``alias_of``: read as that format, and a layer kept by
     # convert is written under that format's name (never under this one)
     alias_of: str | None = None
+    storage: StorageFacet = field(default_factory=StorageFacet)
     encoding: EncodingFacet = field(default_factory=EncodingFacet)
     relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
     runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
@@ -230,34 +253,25 @@ class FormatSpec:
         """The marker's wire name (None for the plain format: it has no marker)."""
         return self.name if self.quantized else None
 
-    @property
-    def transposed(self) -> bool:
-        """The weight is stored ``[K, N]``."""
-        return bool(self.column_sources)
-
-    @property
-    def suffixes(self) -> frozenset[str]:
-        return frozenset(t.suffix for t in self.tensors) | {"comfy_quant"}
-
     # ------------------------------------------------------------------ header facts
     def logical_k(self, cols: int, fields: dict | None) -> int:
         """Logical input width K of a stored weight with ``cols`` columns."""
-        return 2 * cols if self.packed else cols
+        return 2 * cols if self.storage.packed else cols
 
     def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
         """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
-        if self.transposed:
+        if self.storage.transposed:
             return shape[1], shape[0]
         return shape[0], self.logical_k(shape[1], fields)
 
     def header_nk(self, layer) -> tuple[int | None, int | None]:
         """Logical ``(N, K)`` of a layer whose weight is 2-D, from its header entries."""
-        if self.opaque:
+        if self.storage.opaque:
             return None, None
         return self.logical_shape(tuple(layer.weight.shape), layer.fields)
 
     def uses_convrot(self, fields: dict | None) -> bool:
-        return self.always_convrot or bool(fields and fields.get("convrot"))
+        return self.storage.always_convrot or bool(fields and fields.get("convrot"))
 
     def describe(self, fields: dict | None) -> str:
         """Short text for a layer's storage (``int8_tensorwise convrot g=256`` ...)."""
@@ -308,14 +322,14 @@ class FormatSpec:
         w = tensors.get("weight")
         if w is None:
             return [Violation("Q101", f"{fmt} layer has no weight")]
-        wdtypes = self.tensors[0].dtypes if self.tensors else ("I8",)
+        wdtypes = self.storage.tensors[0].dtypes if self.storage.tensors else ("I8",)
         if w.dtype not in wdtypes or len(shape_of(w)) != 2:
             return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
                               f"2-D {'/'.join(wdtypes)} weight")]
         rows, cols = shape_of(w)  # 2-D, checked above
         n, k, out = self.tensor_violations(rows, cols, fields, tensors)
         out.extend(self.combination_violations(fields, tensors))
-        if fields.get("convrot") or self.always_convrot:  # (kn: k is the stored row count)
+        if fields.get("convrot") or self.storage.always_convrot:  # (kn: k is the stored row count)
             g = fields.get("convrot_groupsize", 256)
             if not is_valid_group_size(g) or k % g:
                 out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 "

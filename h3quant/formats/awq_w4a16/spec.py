@@ -9,7 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
-from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -113,23 +113,23 @@ class AWQW4A16Spec(FormatSpec):
 SPEC = AWQW4A16Spec(
     name=NAME,
     description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
-                   "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
-        TensorSpec("weight_scale", SCALE_DTYPES, _grouped, "[K/G, N]"),
-        TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                       "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
+            TensorSpec("weight_scale", SCALE_DTYPES, _grouped, "[K/G, N]"),
+            TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
+            BIAS,
+        ),
+        marker_defaults={"group_size": 64},
+        packed=True,
     ),
-    marker_defaults={"group_size": 64},
-    packed=True,
-    verify=VerifyFacet(
-        # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
-        # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
-        # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
-        # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
-        limits=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
-        deep_scales=("weight_scale",),
-        weight_bits=4,
+    encoding=EncodingFacet(
+        targets=(Target("awq-w4a16", NAME, False,
+                        "AWQ W4A16 (needs calibration statistics; refused without them)"),),
+        chunked=False,  # written whole: its scales are stored [K/G, N], not by row
+        unrowed_outputs=("weight_scale", "weight_zeros"),
+        write_refusal=REFUSAL,
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts(
@@ -139,11 +139,13 @@ SPEC = AWQW4A16Spec(
         tensors=("weight", "weight_scale", "weight_zeros"),
         required=("weight", "weight_scale", "weight_zeros"),
     ),
-    encoding=EncodingFacet(
-        targets=(Target("awq-w4a16", NAME, False,
-                        "AWQ W4A16 (needs calibration statistics; refused without them)"),),
-        chunked=False,  # written whole: its scales are stored [K/G, N], not by row
-        unrowed_outputs=("weight_scale", "weight_zeros"),
-        write_refusal=REFUSAL,
+    verify=VerifyFacet(
+        # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
+        # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
+        # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
+        # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
+        limits=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
     ),
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
-from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
@@ -68,30 +68,32 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
           text: str) -> Fp8Spec:
     return Fp8Spec(
         name=name, description=text,
-        tensors=(
-            TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),
-            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-            BIAS,
-        ),
-        marker_defaults={"full_precision_matrix_mult": False},
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
-        verify=VerifyFacet(
-            limits=limits,
-            deep_scales=("weight_scale", "input_scale"),
-            weight_bits=8,
-            whole_model=True,
-        ),
-        runtime=RuntimeFacet(
-            kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
-            tensors=("weight", "weight_scale", "input_scale"),
-            required=("weight", "weight_scale"),
+        storage=StorageFacet(
+            tensors=(
+                TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
+                TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),
+                TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+                BIAS,
+            ),
+            marker_defaults={"full_precision_matrix_mult": False},
         ),
         encoding=EncodingFacet(
             targets=(Target(target, name, False, text),),
             chunked=False,  # one amax over the whole layer: a first pass, then row chunks
             streamed=True,
             unrowed_outputs=("weight_scale",),
+        ),
+        runtime=RuntimeFacet(
+            kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
+            tensors=("weight", "weight_scale", "input_scale"),
+            required=("weight", "weight_scale"),
+        ),
+        verify=VerifyFacet(
+            limits=limits,
+            deep_scales=("weight_scale", "input_scale"),
+            weight_bits=8,
+            whole_model=True,
         ),
     )
 

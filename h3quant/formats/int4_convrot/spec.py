@@ -11,7 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
-from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -138,24 +138,22 @@ _EAGER = "ComfyUI runs comfy-kitchen's eager W4A4 (activations quantized to int4
 SPEC = ConvRotW4A4Spec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
-                   "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
-        TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,), (n, 1)],
-                   "[N] (one scale per row)"),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                       "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
+            TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,), (n, 1)],
+                       "[N] (one scale per row)"),
+            BIAS,
+        ),
+        marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
+        always_convrot=True,
+        convrot_rules=True,
+        packed=True,
     ),
-    marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
-    always_convrot=True,
-    convrot_rules=True,
-    packed=True,
-    verify=VerifyFacet(
-        # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
-        # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
-        # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
-        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
-        deep_scales=("weight_scale",),
-        weight_bits=4,
+    encoding=EncodingFacet(
+        targets=(Target("int4-convrot", NAME, True,
+                        "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts(
@@ -168,9 +166,13 @@ SPEC = ConvRotW4A4Spec(
         tensors=("weight", "weight_scale"),
         required=("weight", "weight_scale"),
     ),
-    encoding=EncodingFacet(
-        targets=(Target("int4-convrot", NAME, True,
-                        "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
+    verify=VerifyFacet(
+        # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
+        # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
+        # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
+        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
     ),
 )
 
@@ -207,20 +209,22 @@ class AliasSpec(ConvRotW4A4Spec):
 ALIAS_SPEC = AliasSpec(
     name=ALIAS,
     description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
-    tensors=SPEC.tensors,
     comfy=False,
-    marker_defaults=SPEC.marker_defaults,
-    always_convrot=True,
-    convrot_rules=True,
-    packed=True,
     alias_of=NAME,
-    verify=VerifyFacet(
-        limits=SPEC.verify.limits,
-        deep_scales=SPEC.verify.deep_scales,
-        weight_bits=4,
+    storage=StorageFacet(
+        tensors=SPEC.storage.tensors,
+        marker_defaults=SPEC.storage.marker_defaults,
+        always_convrot=True,
+        convrot_rules=True,
+        packed=True,
     ),
     runtime=RuntimeFacet(
         tensors=SPEC.runtime.tensors,
         required=SPEC.runtime.required,
+    ),
+    verify=VerifyFacet(
+        limits=SPEC.verify.limits,
+        deep_scales=SPEC.verify.deep_scales,
+        weight_bits=4,
     ),
 )

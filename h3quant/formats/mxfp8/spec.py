@@ -13,15 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     FormatSpec,
     Target,
     TensorSpec,
-    EncodingFacet,
-    RuntimeFacet,
-    VerifyFacet,
     VerifyLimits,
     Violation,
     scalar,
@@ -111,25 +109,16 @@ class MxSpec(FormatSpec):
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
 SPEC = MxSpec(
     name=NAME, description=TEXT,
-    tensors=(
-        TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
-                   "[N, K], N and K multiples of 32"),
-        TensorSpec("weight_scale", ("F8_E8M0", "U8"), lambda n, k, f: [scale_shape(n, k)],
-                   "[roundup(N, 128), roundup(K/32, 4)] (blocked 128x4 tiles)"),
-        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-        BIAS,
-    ),
-    marker_defaults={"full_precision_matrix_mult": False},
-    verify=VerifyFacet(
-        # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
-        limits=VerifyLimits(0.06, 16.0),
-        deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
-        weight_bits=8,
-    ),
-    runtime=RuntimeFacet(
-        kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
-        tensors=("weight", "weight_scale", "input_scale"),
-        required=("weight", "weight_scale"),
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
+                       "[N, K], N and K multiples of 32"),
+            TensorSpec("weight_scale", ("F8_E8M0", "U8"), lambda n, k, f: [scale_shape(n, k)],
+                       "[roundup(N, 128), roundup(K/32, 4)] (blocked 128x4 tiles)"),
+            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+            BIAS,
+        ),
+        marker_defaults={"full_precision_matrix_mult": False},
     ),
     encoding=EncodingFacet(
         targets=(Target(NAME, NAME, False, TEXT),),
@@ -137,5 +126,16 @@ SPEC = MxSpec(
         streamed=True,
         chunk_rows=128,
         unrowed_outputs=("weight_scale",),
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
+        tensors=("weight", "weight_scale", "input_scale"),
+        required=("weight", "weight_scale"),
+    ),
+    verify=VerifyFacet(
+        # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
+        limits=VerifyLimits(0.06, 16.0),
+        deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
+        weight_bits=8,
     ),
 )

@@ -8,7 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
-from h3quant.formats.spec import EncodingFacet, RuntimeFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
@@ -51,7 +51,7 @@ def rules(fields: dict, tensors: dict) -> list[Violation]:
     np_, kp = logical
     if np_ % BLOCK or kp % BLOCK:
         out.append(Violation("Q120", padded_message(np_, kp)))
-    for ts in SPEC.tensors[1:]:
+    for ts in SPEC.storage.tensors[1:]:
         t = tensors.get(ts.suffix)
         if t is None:
             if ts.required:
@@ -108,28 +108,18 @@ SPEC = NVFP4Spec(
     name=NAME,
     description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
                 "tensor scale",
-    tensors=(
-        TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)],
-                   "[Np, Kp/2] (N, K rounded up to 16; two codes per byte)"),
-        TensorSpec("weight_scale", ("F8_E4M3",), _scale_shapes,
-                   "[roundup(Np, 128), roundup(Kp/16, 4)] (cuBLAS blocked 128 x 4)"),
-        TensorSpec("weight_scale_2", ("F32",), scalar, "[] (fp32 tensor scale)"),
-        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-        TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
-        BIAS,
-    ),
-    packed=True,
-    verify=VerifyFacet(
-        # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
-        # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
-        limits=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
-        deep_scales=("weight_scale_2",),
-        weight_bits=4,
-    ),
-    runtime=RuntimeFacet(
-        kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
-        tensors=("weight", "weight_scale", "weight_scale_2"),
-        required=("weight", "weight_scale", "weight_scale_2"),
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)],
+                       "[Np, Kp/2] (N, K rounded up to 16; two codes per byte)"),
+            TensorSpec("weight_scale", ("F8_E4M3",), _scale_shapes,
+                       "[roundup(Np, 128), roundup(Kp/16, 4)] (cuBLAS blocked 128 x 4)"),
+            TensorSpec("weight_scale_2", ("F32",), scalar, "[] (fp32 tensor scale)"),
+            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+            TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
+            BIAS,
+        ),
+        packed=True,
     ),
     encoding=EncodingFacet(
         targets=(Target("nvfp4", NAME, False,
@@ -138,5 +128,17 @@ SPEC = NVFP4Spec(
         streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
         chunk_rows=128,
         unrowed_outputs=("weight_scale", "weight_scale_2"),
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
+        tensors=("weight", "weight_scale", "weight_scale_2"),
+        required=("weight", "weight_scale", "weight_scale_2"),
+    ),
+    verify=VerifyFacet(
+        # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
+        # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
+        limits=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
+        deep_scales=("weight_scale_2",),
+        weight_bits=4,
     ),
 )

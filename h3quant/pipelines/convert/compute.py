@@ -82,7 +82,7 @@ class SourceRows:
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
-        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.column_sources}
+        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.storage.column_sources}
         # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
         self._views = self.codec.row_views(self._whole, self.f)
 
@@ -209,9 +209,9 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # pre-transposed outputs (the NPU layout): rows are gathered into slabs and written as
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
-                   for sfx in codec.spec.transposed_outputs}
+                   for sfx in codec.spec.storage.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool, step):
-        _check_planned(lp, out, r1 - r0, codec.spec.encoding.unrowed_outputs, codec.spec.transposed_outputs)
+        _check_planned(lp, out, r1 - r0, codec.spec.encoding.unrowed_outputs, codec.spec.storage.transposed_outputs)
         if codec.spec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():

@@ -85,8 +85,8 @@ def _write_scale(lp, reader, sink, info, n: int, suffix: str) -> None:
 def relayout_layer(lp, reader, sink, progress, codec) -> None:
     """Transpose a layer's codes to the target layout; copy its per-row scales."""
     src = registry.codec_for(lp.src_fields, tensor=lp.name).spec
-    variant = codec.spec if codec.spec.transposed_outputs else src  # the side stored [K, N]
-    for suffix in variant.transposed_outputs:
+    variant = codec.spec if codec.spec.storage.transposed_outputs else src  # the side stored [K, N]
+    for suffix in variant.storage.transposed_outputs:
         w = lp.inputs[suffix]
         rows, cols = w.shape  # as stored: [N, K] (to the variant) or [K, N] (to canonical)
         transpose_stream(functools.partial(reader.rows, w), rows, cols,
@@ -107,7 +107,7 @@ def grid_layer(lp, reader, sink, progress, codec) -> None:
     whole = {s: reader.whole(t[s]).clone() for s in spec.relayout.grid_whole if s in t}
     name = f"{lp.name}.weight"
     transposer = (RowTransposer(n, k, functools.partial(sink.write, name))
-                  if "weight" in codec.spec.transposed_outputs else None)
+                  if "weight" in codec.spec.storage.transposed_outputs else None)
     step = max(1, TRANSPOSE_BYTES // max(k, 1))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
