@@ -165,7 +165,7 @@ def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
         r1 = min(n, r0 + step)
         rows: dict = {s: src.rows(t[s], r0, r1) for s in row_names}
         rows.update({s: c[:, r0:r1].t() for s, c in cols.items()})
-        if codec.needs_row0:
+        if codec.spec.runtime.needs_row0:
             rows["_row0"] = r0
         rows.update({s: v[r0:r1] for s, v in views.items()})
         v = rules.weight_violation(codec.decode_rows(rows, whole, f), r0 * k)

@@ -207,7 +207,7 @@ def decoded_limits(name) -> VerifyLimits | None:
     """The ``verify`` limits of a format the runtime runs through its decode (fp8, mxfp8, ...);
     None for the int8-grid formats (int8, W4A8), whose limits ``verify`` options can set."""
     codec = get(name) if name else None
-    if codec is None or not codec.decodes:
+    if codec is None or not codec.spec.runtime.decodes:
         return None
     return codec.spec.verify.limits
 

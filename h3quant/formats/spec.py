@@ -161,7 +161,8 @@ class StorageFacet:
 @dataclass(frozen=True)
 class EncodingFacet:
     """What convert's encoder reads: the ``--to`` choices the format writes, how its layers are
-    cut into work (row chunks, two streamed passes, or the whole layer) and what it refuses."""
+    cut into work (row chunks, two streamed passes, or the whole layer), what it refuses and
+    what its codec's encoder takes (statistics, channel scaling)."""
 
     targets: tuple[Target, ...] = ()
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
@@ -175,6 +176,12 @@ class EncodingFacet:
     # why convert cannot copy a layer of this format into its output either (a read-only
     # format: every such layer must be converted to another format); None: it can
     kept_refusal: str | None = None
+    calibrates: bool = False  # the codec's encode() takes statistics (``calibration``)
+    # the codec's channel_scale() searches per-input-channel scales s (the weight stored as
+    # W diag(s), its input divided by s in the layer before): AWQ's scaling
+    scales_channels: bool = False
+    scans: bool = False  # a streamed encoder needs a first pass (``Codec.scan_rows``)
+    sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
 
 
 @dataclass(frozen=True)
@@ -200,13 +207,21 @@ class RelayoutFacet:
 
 @dataclass(frozen=True)
 class RuntimeFacet:
-    """What the runtime and the device tables read: the tensors a runtime linear loads, and how
-    ComfyUI runs the format (or, where it does not load it, what does)."""
+    """What the runtime and the device tables read: the tensors a runtime linear loads, how
+    ComfyUI runs the format (or, where it does not load it, what does) and how h3quant's
+    runtime follows it (decoded, a kernel, an emulated forward)."""
 
     tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
     required: tuple[str, ...] = ()  # of those, the ones a layer must have
     kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
     load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
+    decodes: bool = False  # the runtime may run the layer through ``Codec.decode_weight`` (float)
+    kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
+    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
+    # activation quantization included) instead of a dequantized weight: the runtime then calls
+    # ``Codec.emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    emulation: tuple[str, tuple[str, ...]] | None = None
+    needs_row0: bool = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class LoadedLayer:
     @property
     def decodes(self) -> bool:
         """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
-        return self.is_quantized and bool(self.codec.decodes)
+        return self.is_quantized and bool(self.codec.spec.runtime.decodes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's

@@ -130,6 +130,9 @@ SPEC = AWQW4A16Spec(
         chunked=False,  # written whole: its scales are stored [K/G, N], not by row
         unrowed_outputs=("weight_scale", "weight_zeros"),
         write_refusal=REFUSAL,
+        calibrates=True,
+        scales_channels=True,  # channel_scale: AWQ's per-input-channel scaling
+        sampled_by_column=("weight_scale", "weight_zeros"),  # report samples: their rows, [n, K/G]
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts(
@@ -138,6 +141,13 @@ SPEC = AWQW4A16Spec(
                                   "pure-PyTorch path"),)),
         tensors=("weight", "weight_scale", "weight_zeros"),
         required=("weight", "weight_scale", "weight_zeros"),
+        decodes=True,  # the runtime runs it through decode_weight (kitchen's W4A16 math)
+        # ComfyUI's linear on an awq_w4a16 weight calls comfy-kitchen's gemv_awq_w4a16, whose
+        # eager path (every device but CUDA / ROCm, where kitchen has AWQ kernels) computes in
+        # the scales' dtype whatever the activations' dtype: the runtime runs the same computation
+        # there (in bf16 activations it equals the dequantized matmul bit for bit).
+        emulation=("comfy-kitchen gemv_awq_w4a16 (eager, in the scales' dtype)",
+                   ("cpu", "mps", "xpu", "npu")),
     ),
     verify=VerifyFacet(
         # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):

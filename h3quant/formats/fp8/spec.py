@@ -45,7 +45,6 @@ class Fp8Spec(FormatSpec):
     code_dtype: str = "F8_E4M3"  # safetensors dtype of the codes
     torch_dtype: str = "float8_e4m3fn"
     max_value: float = 448.0  # the largest finite code
-    kernel: tuple = ("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9))  # ComfyUI, CUDA
 
     def marker(self, target, group_size):
         return {"format": self.name}
@@ -83,11 +82,14 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             chunked=False,  # one amax over the whole layer: a first pass, then row chunks
             streamed=True,
             unrowed_outputs=("weight_scale",),
+            scans=True,
         ),
         runtime=RuntimeFacet(
             kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
             tensors=("weight", "weight_scale", "input_scale"),
             required=("weight", "weight_scale"),
+            decodes=True,  # the runtime runs it through its float decode
+            kernel=("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9)),  # ComfyUI, CUDA
         ),
         verify=VerifyFacet(
             limits=limits,

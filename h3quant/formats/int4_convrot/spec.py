@@ -154,6 +154,7 @@ SPEC = ConvRotW4A4Spec(
     encoding=EncodingFacet(
         targets=(Target("int4-convrot", NAME, True,
                         "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
+        calibrates=True,
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts(
@@ -165,6 +166,12 @@ SPEC = ConvRotW4A4Spec(
                    ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
         tensors=("weight", "weight_scale"),
         required=("weight", "weight_scale"),
+        decodes=True,  # the runtime may run it through decode_weight (dequantizing)
+        kernel=("int4 MMA (comfy-kitchen TensorCoreConvRotW4A4Layout)", (7, 5)),
+        # comfy-kitchen 0.2.40 implements convrot_w4a4_linear on these devices with its eager
+        # backend only (its CUDA kernel needs sm_75, its Ascend one runs on NPUs): ComfyUI's forward
+        # there quantizes the activations to int4 too, and the runtime runs the same computation.
+        emulation=("comfy-kitchen eager W4A4 (activations quantized to int4)", ("cpu", "mps", "xpu")),
     ),
     verify=VerifyFacet(
         # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
@@ -218,9 +225,15 @@ ALIAS_SPEC = AliasSpec(
         convrot_rules=True,
         packed=True,
     ),
+    encoding=EncodingFacet(
+        calibrates=SPEC.encoding.calibrates,
+    ),
     runtime=RuntimeFacet(
         tensors=SPEC.runtime.tensors,
         required=SPEC.runtime.required,
+        decodes=SPEC.runtime.decodes,
+        kernel=SPEC.runtime.kernel,
+        emulation=SPEC.runtime.emulation,
     ),
     verify=VerifyFacet(
         limits=SPEC.verify.limits,

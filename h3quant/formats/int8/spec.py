@@ -109,6 +109,7 @@ SPEC = Int8Spec(
             Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
             Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
         ),
+        calibrates=True,
     ),
     relayout=RelayoutFacet(
         int8_codes=True,

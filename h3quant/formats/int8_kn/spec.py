@@ -13,7 +13,7 @@ from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
 from h3quant.formats.int8.spec import SPEC as INT8_SPEC
 from h3quant.formats.int8.spec import Int8Spec
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
-from h3quant.formats.spec import RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
+from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
 from h3quant.findings import Severity, register
 
@@ -94,6 +94,9 @@ SPEC = Int8KnSpec(
         convrot_rules=True,
         transposed_outputs=("weight",),
         column_sources=("weight",),
+    ),
+    encoding=EncodingFacet(
+        calibrates=INT8_SPEC.encoding.calibrates,
     ),
     relayout=RelayoutFacet(
         int8_codes=True,

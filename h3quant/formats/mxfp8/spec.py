@@ -81,9 +81,6 @@ def mxfp8_violations(tensors: dict) -> list[Violation]:
 
 @dataclass(frozen=True)
 class MxSpec(FormatSpec):
-    needs_row0: bool = True  # decode_rows gets the chunk's first row (blocked scales)
-    kernel: tuple = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
-
     def marker(self, target, group_size):
         return {"format": self.name}
 
@@ -131,6 +128,9 @@ SPEC = MxSpec(
         kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
         tensors=("weight", "weight_scale", "input_scale"),
         required=("weight", "weight_scale"),
+        decodes=True,  # the runtime runs it through its float decode
+        kernel=("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0)),
+        needs_row0=True,  # decode_rows gets the chunk's first row (blocked scales)
     ),
     verify=VerifyFacet(
         # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)

@@ -128,11 +128,16 @@ SPEC = NVFP4Spec(
         streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
         chunk_rows=128,
         unrowed_outputs=("weight_scale", "weight_scale_2"),
+        calibrates=True,
+        scans=True,  # the tensor scale is the layer's amax: a first pass over the rows
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
         tensors=("weight", "weight_scale", "weight_scale_2"),
         required=("weight", "weight_scale", "weight_scale_2"),
+        decodes=True,  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
+        kernel=("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0)),
+        needs_row0=True,  # block scales are laid out by 128-row tile, not by row
     ),
     verify=VerifyFacet(
         # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR

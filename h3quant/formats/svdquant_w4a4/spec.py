@@ -164,6 +164,9 @@ SPEC = SVDQuantW4A4Spec(
     runtime=RuntimeFacet(
         tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
         required=("weight", "weight_scale"),
+        decodes=True,  # the runtime runs it through decode_weight (kitchen's dequantize)
+        # No ComfyUI kernel: stock ComfyUI does not load the format (comfy-kitchen's CUDA kernel
+        # needs sm_80; docs/FORMATS.md), so every device runs the dequantized weight.
     ),
     verify=VerifyFacet(
         # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files

@@ -189,6 +189,7 @@ SPEC = W4A8Spec(
         targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
         chunked=False,  # the codebook is chosen per layer
         unrowed_outputs=("weight_codebook",),
+        calibrates=True,
     ),
     relayout=RelayoutFacet(
         grid_rows=("weight", "weight_s_rel"),

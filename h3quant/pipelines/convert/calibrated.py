@@ -102,7 +102,7 @@ class Calibration:
             raise FormatError(f"the statistics hold K={st.k} for this layer, the weight has "
                               f"K={k}", tensor=name)
         info["rows"] = st.rows
-        if not codec.calibrates:
+        if not codec.spec.encoding.calibrates:
             info["note"] = f"{codec.spec.name} has no calibrated encoder: rounded to nearest"
             return None, info
         if st.rows < st.k and codec.spec.encoding.write_refusal:  # written from statistics only

@@ -106,7 +106,7 @@ class SourceRows:
         rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
-        if self.codec.needs_row0:  # block scales laid out across rows
+        if self.codec.spec.runtime.needs_row0:  # block scales laid out across rows
             rows["_row0"] = r0
         rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
@@ -245,11 +245,11 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
     _check_planned(lp, out, n, opts.codec.spec.encoding.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
     unrowed = opts.codec.spec.encoding.unrowed_outputs
-    cols = opts.codec.sampled_by_column  # stored [*, N]: sampled as rows
+    cols = opts.codec.spec.encoding.sampled_by_column  # stored [*, N]: sampled as rows
     samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
                              if s not in unrowed or s in cols})
     samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
-    if samples.idx is not None and (unrowed or opts.codec.needs_row0):
+    if samples.idx is not None and (unrowed or opts.codec.spec.runtime.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
@@ -279,7 +279,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     spec = codec.spec
     step = _stream_step(k, spec.encoding.chunk_rows)
     value = None
-    if codec.scans:  # the first pass: the layer-wide value
+    if codec.spec.encoding.scans:  # the first pass: the layer-wide value
 
         def scan(r0, r1):
             part = codec.scan_rows(src.rows(r0, r1))
@@ -322,7 +322,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     for suffix, tensor in gathered.items():
         sink.write_tensor(f"{lp.name}.{suffix}", tensor)
     samples.extra = dict(gathered)
-    if samples.idx is not None and (unrowed or codec.needs_row0):
+    if samples.idx is not None and (unrowed or codec.spec.runtime.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     if lp.marker is not None:
         sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
