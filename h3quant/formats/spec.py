@@ -1,5 +1,7 @@
-"""What a format is, as data: its wire name, marker fields and defaults, tensor set, targets,
-verify limits and header-level rules. Torch-free.
+"""What a format is, as data: its identity and, grouped by the engine that reads them, its
+tensor set and header rules (``storage``), how convert writes it (``encoding``) or moves its
+codes (``relayout``), how the runtime runs it (``runtime``) and what verify checks
+(``verify``). Torch-free.
 
 Each format package (``h3quant.formats.int8`` ...) exports one ``SPEC``: a ``FormatSpec`` (or a
 subclass overriding the few header rules that differ, such as W4A8's packed width) and, where
