@@ -128,21 +128,35 @@ def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: 
 
 
 def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
-            on_block=None, on_call=None) -> dict[str, int]:
+            on_block=None, on_call=None, store=None) -> dict[str, int]:
     """Run ``calls`` (tuples ``(video, audio, text, sigma)``) through ``model`` block by block,
     writing the statistics of each block to ``out_path`` as it completes (see the module
     docstring). ``on_block(i)`` after each block, ``on_call()`` after each call in a block
     (progress). ``meta``: the ``h3quant.calibration`` metadata object; ``rows`` is added (every
-    linear sees each call's whole packed sequence). Returns the rows each layer saw."""
+    linear sees each call's whole packed sequence). ``store``: a ``hidden.HiddenStates`` holding
+    the calls' hidden states within a memory budget (None: all in memory). Returns the rows each
+    layer saw."""
     import json
 
+    from h3quant.calibration.hidden import HiddenStates
     from h3quant.calibration.stats import META_KEY, VERSION
 
-    states = []
+    states, xs, dtype = [], [], torch.float32
     with torch.no_grad():
-        for video, audio, text, sigma in calls:
-            states.append(model.start(video, audio, text, sigma))
-    seq = sum(int(st.x.shape[0]) for st in states)
+        for i, (video, audio, text, sigma) in enumerate(calls):
+            st = model.start(video, audio, text, sigma)
+            if store is None:
+                xs.append(st.x)
+            else:  # one call's state at a time: a spilled one goes to disk at once
+                store.put(0, i, st.x)
+            dtype, st.x = st.x.dtype, None
+            states.append(st)
+    if store is None:
+        store = HiddenStates(".", [x.nelement() * x.element_size() for x in xs], None)
+        for i, x in enumerate(xs):
+            store.put(0, i, x)
+        del xs
+    seq = sum(int(st.layout.rows) for st in states)
     planned = {key: seq for key in widths}
     keep = sample_indices(seq)
     meta = {**meta, "version": VERSION, "rows": planned, "sample_rows": len(keep)}
@@ -151,7 +165,8 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     writer = BlockWriter(out_path, layout)
     ok = False
     try:
-        _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep)
+        _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call,
+                    keep)
         ok = True
     finally:
         writer.close(ok)
@@ -160,34 +175,46 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     return rows
 
 
-def _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep) -> None:
+def recording_block(model, index: int, dtype, widths: dict[str, int], keep: list[int]):
+    """Block ``index`` built for the forward with its four linears recording (``Recording``):
+    ``(block, {"blocks.{i}.{linear}": Recording})``."""
+    block = model.load_block(index, dtype)  # float math of its weights (reference), or
+    # the device's runtime path (a model opened with linear="runtime")
+    rec = {}
+    for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
+        key = f"blocks.{index}.{lin}"
+        rec[key] = Recording(getattr(block, attr), widths[key], model.tdev, keep)
+        setattr(block, attr, rec[key])
+    return block, rec
+
+
+def write_recordings(writer, rec: dict) -> None:
+    """A block's recorded statistics, written at their planned places."""
+    for key, r in rec.items():
+        writer.write_tensor(f"{key}.hessian", r.h.cpu())
+        writer.write_tensor(f"{key}.absmean", (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu())
+        writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
+        writer.write_tensor(f"{key}.sample", r.sample)
+
+
+def _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call, keep) -> None:
     dev = model.tdev
     with torch.no_grad():
-        for i in model.blocks:
-            dtype = states[0].x.dtype
-            block = model.load_block(i, dtype)  # float math of its weights (reference), or
-            # the device's runtime path (a model opened with linear="runtime")
-            rec = {}
-            for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
-                key = f"blocks.{i}.{lin}"
-                rec[key] = Recording(getattr(block, attr), widths[key], dev, keep)
-                setattr(block, attr, rec[key])
-            for st in states:
-                st.x = block(st.x, st.cond)
+        for gen, i in enumerate(model.blocks):
+            block, rec = recording_block(model, i, dtype, widths, keep)
+            for c, st in enumerate(states):
+                store.put(gen + 1, c, block(store.get(gen, c, dev, dtype), st.cond))
                 if on_call is not None:
                     on_call()
+            store.drop(gen)
             del block
             model.release_block(i)
-            for key, r in rec.items():
-                writer.write_tensor(f"{key}.hessian", r.h.cpu())
-                absmean = (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu()
-                writer.write_tensor(f"{key}.absmean", absmean)
-                writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
-                writer.write_tensor(f"{key}.sample", r.sample)
-                rows[key] = r.rows
+            write_recordings(writer, rec)
+            rows.update({key: r.rows for key, r in rec.items()})
             del rec
             if on_block is not None:
                 on_block(i)
 
 
-__all__ = ["SAMPLE_ROWS", "Recording", "capture", "layer_widths", "sample_indices", "stats_layout"]
+__all__ = ["SAMPLE_ROWS", "Recording", "capture", "layer_widths", "recording_block",
+           "sample_indices", "stats_layout", "write_recordings"]

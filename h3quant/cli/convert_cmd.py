@@ -17,6 +17,7 @@ from h3quant.cli.common import (
     guard,
     handle_errors,
     log,
+    memory_budget_option,
     mmap_option,
     progress_enabled,
 )
@@ -135,6 +136,7 @@ def _group_size(ctx, param, value):
                    "float block (the statistics 'capture' gives: the same bytes as capture + "
                    "--calibration) or of the block as quantized (what the file will run; "
                    "slower, and no better in docs/calibration.md's measurement).")
+@memory_budget_option
 @click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
               default=None,
               help="Statistics of other inputs (captured on IN too): the report also gives "
@@ -171,7 +173,8 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibrate_on, feedback, calibration_heldout, no_awq_scale, smooth, activation_aware,
+            calibrate_on, feedback, memory_budget, calibration_heldout, no_awq_scale, smooth,
+            activation_aware,
             overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
@@ -257,6 +260,8 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                     f"({target}, group size {group_size}, layout {layout})")
     if feedback != "float" and not calibrate_on:
         raise click.UsageError("--feedback applies to --calibrate-on")
+    if memory_budget is not None and not calibrate_on:
+        raise click.UsageError("--memory-budget applies to --calibrate-on")
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
@@ -269,6 +274,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              calibration=calibration, calibration_heldout=calibration_heldout,
                              awq_scale=not no_awq_scale, smooth=smooth,
                              calibrate_on=tuple(calibrate_on), feedback=feedback,
+                             memory_budget=memory_budget,
                              activation_aware=activation_aware)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)

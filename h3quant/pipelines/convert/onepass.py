@@ -44,12 +44,12 @@ from h3quant.h3 import layouts
 from h3quant.pipelines.capture import sha256_file
 
 WORK_SUFFIX = ".h3q-onepass"
-STATE_VERSION = 1
+STATE_VERSION = 2
 PHASES = ("capture", "factorisation", "feedback", "write")
 ENTRIES_KEY = "h3quant.onepass.entries"
 # options that change no output byte and no report entry: a resumed run may change them
 _FREE = ("workers", "mmap", "overwrite", "calibrate_on", "calibration", "calibration_heldout",
-         "naming", "loras", "lora_skip_unmatched", "lora_warn", "lora_promote")
+         "naming", "loras", "lora_skip_unmatched", "lora_warn", "lora_promote", "memory_budget")
 
 
 def work_dir(dst) -> Path:
@@ -113,10 +113,11 @@ def _check_resume(work: Path, key: dict) -> dict | None:
             raise UsageError(f"--calibrate-on: the saved block file {item['file']} is missing or "
                              "damaged" + hint, path=work)
     if state.get("blocks"):
-        f = work / str(state.get("hidden"))
-        if not f.is_file() or sha256_file(f) != state.get("hidden_sha256"):
-            raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
-                             + hint, path=work)
+        for name, sha in state.get("hidden") or [["(none)", ""]]:
+            f = work / str(name)
+            if not f.is_file() or sha256_file(f) != sha:
+                raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
+                                 + hint, path=work)
     return state
 
 
@@ -179,15 +180,10 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
     blocks were finished in this call (tests of the resume)."""
     import torch
 
-    from h3quant.calibration.capture import (
-        BlockWriter,
-        Recording,
-        layer_widths,
-        sample_indices,
-        stats_layout,
-    )
+    from h3quant.calibration.capture import layer_widths, sample_indices
     from h3quant.calibration.fingerprint import checkpoint_fingerprint
-    from h3quant.calibration.stats import LINEARS, META_KEY, VERSION
+    from h3quant.calibration.hidden import HiddenStates, call_bytes, default_budget
+    from h3quant.calibration.stats import VERSION
     from h3quant.sources import adopt_mapping, open_source
     from h3quant.pipelines.capture import describe_inputs
     from h3quant.pipelines.convert.plan import build_plan
@@ -210,17 +206,6 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
            "inputs": [[d["file"], d["sha256"]] for d in described],
            "options": _options_key(options)}
     work = work_dir(dst)
-    state = _check_resume(work, key)
-    if state is None:
-        if work.exists():
-            shutil.rmtree(work)  # a run killed before its first block: nothing to keep
-        work.mkdir(parents=True)
-        state = {"key": key, "blocks": [], "times": []}
-        _write_json(work / "state.json", state)
-    else:
-        log(f"resuming {work}: {len(state['blocks'])} block(s) already done")
-    done = {b["block"] for b in state["blocks"]}
-
     t_start = time.perf_counter()
     with open_source(src, mmap=options.mmap) as ckpt, \
             H3Model.open(src, "cpu", linear="reference") as model:
@@ -231,97 +216,77 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
         plan = build_plan(ckpt, src, dst, options)
         widths = layer_widths(model)
         blocks = list(model.blocks)
-
-        def calls():
-            for p, item in zip(inputs, described):
-                v, a, t = load_tensors(p, model.video_channels, model.audio_channels,
-                                       model.text_dim)
-                yield model.start(v, a, t, float(item["sigma"]))
-
+        store = HiddenStates(work, call_bytes(described, model.hidden),
+                             default_budget() if options.memory_budget is None
+                             else options.memory_budget, keep_all=True)
+        state = _check_resume(work, key)
+        if state is None:
+            if work.exists():
+                shutil.rmtree(work)  # a run killed before its first block: nothing to keep
+            work.mkdir(parents=True)
+            state = {"key": key, "blocks": [], "times": []}
+            _write_json(work / "state.json", state)
+        else:
+            log(f"resuming {work}: {len(state['blocks'])} block(s) already done")
+        done = {b["block"] for b in state["blocks"]}
+        log(store.summary())
+        gen = len(state["blocks"])  # the saved hidden states: after this many blocks
+        store.clean(keep=lambda g: bool(done) and g == gen)  # a killed run's leftovers
+        states, dtype = [], torch.float32
         with torch.no_grad():
-            states = list(calls())
+            for i, (p, item) in enumerate(zip(inputs, described)):
+                v, a, tx = load_tensors(p, model.video_channels, model.audio_channels,
+                                        model.text_dim)
+                st = model.start(v, a, tx, float(item["sigma"]))
+                if not done:  # one call at a time: a spilled one goes to disk at once
+                    store.put(0, i, st.x)
+                dtype, st.x = st.x.dtype, None
+                states.append(st)
         if done:
-            _load_hidden(work / state["hidden"], states)
-        seq = sum(int(st.x.shape[0]) for st in states)
+            store.adopt(gen, model.tdev, dtype)
+        seq = sum(int(st.layout.rows) for st in states)
         keep = sample_indices(seq)
         times: list[dict] = list(state.get("times", []))
         finished_now = 0
-        for b in blocks:
-            if b in done:
-                continue
-            t: dict[str, float] = {"block": b}
-            t0 = time.perf_counter()
-            # 1. capture: the float block on every call, its linears recording
-            with torch.no_grad():
-                block = model.load_block(b, states[0].x.dtype)
-                rec = {}
-                for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
-                    k = f"blocks.{b}.{lin}"
-                    rec[k] = Recording(getattr(block, attr), widths[k], model.tdev, keep)
-                    setattr(block, attr, rec[k])
-                for st in states:
-                    out = block(st.x, st.cond)
-                    if options.feedback == "float":  # the float outputs are the next states
-                        st.x = out
-                    del out  # else the quantized block gives them (feedback, below)
-                del block
-                model.release_block(b)
-            mine = {k: widths[k] for k in rec}
-            meta = {"version": VERSION, "checkpoint": fp, "blocks": len(blocks),
-                    "inputs": described, "forward": options.feedback, "rows": {k: seq for k in mine},
-                    "sample_rows": len(keep)}
-            stats_path = work / "stats.safetensors"
-            writer = BlockWriter(stats_path, stats_layout(mine, {META_KEY: json.dumps(meta, sort_keys=True)},
-                                                          len(keep)))
-            try:
-                for k, r in rec.items():
-                    writer.write_tensor(f"{k}.hessian", r.h.cpu())
-                    writer.write_tensor(f"{k}.absmean",
-                                        (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu())
-                    writer.write_tensor(f"{k}.absmax", r.abs_max.cpu())
-                    writer.write_tensor(f"{k}.sample", r.sample)
-            finally:
-                writer.close(True)
-            del rec
-            t["capture"] = time.perf_counter() - t0
-            # 2. factorisation: the block's layers encoded with them
-            t1 = time.perf_counter()
-            part = work / f"block_{b:03d}.safetensors"
-            _encode_block(plan, ckpt, b, stats_path, src, part, options.workers)
-            t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
-            stats_path.unlink()
-            t["factorisation"] = time.perf_counter() - t1
-            # 3. feedback: the states move on through the quantized (or the float) block
-            t2 = time.perf_counter()
-            with torch.no_grad():
-                if options.feedback != "float":
-                    qblock = _quantized_block(model, b, part, states[0].x.dtype)
-                    for st in states:
-                        st.x = qblock(st.x, st.cond)
-                    del qblock
-            t["feedback"] = time.perf_counter() - t2
-            # 4. write: the states and the state file, atomically
-            t3 = time.perf_counter()
-            before = state.get("hidden")
-            hidden = work / f"hidden_{b:03d}.safetensors"  # a kill at any point leaves the
-            _save_hidden(hidden, states)  # state file naming a complete, checked set
-            state["blocks"].append({"block": b, "file": part.name, "sha256": sha256_file(part)})
-            state["hidden"], state["hidden_sha256"] = hidden.name, sha256_file(hidden)
-            t["write"] = time.perf_counter() - t3
-            t["total"] = time.perf_counter() - t0
-            t["peak_rss_bytes"] = _peak_rss()
-            times.append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()})
-            state["times"] = times
-            _write_json(work / "state.json", state)
-            if before and before != hidden.name:
-                (work / before).unlink(missing_ok=True)
-            finished_now += 1
-            left = len(blocks) - len(state["blocks"])
-            mean = sum(x["total"] for x in times) / len(times)
-            log(f"block {b + 1}/{len(blocks)}: " + ", ".join(f"{p} {t[p]:.1f} s" for p in PHASES)
-                + f"; ETA {_fmt(mean * left)} for {left} block(s)")
-            if stop_after is not None and finished_now >= stop_after:
-                return None
+        try:
+            for b in blocks:
+                if b in done:
+                    continue
+                t = _run_block(b, gen, model=model, plan=plan, ckpt=ckpt, src=src, work=work,
+                               options=options, states=states, store=store, dtype=dtype,
+                               widths=widths, keep=keep, meta={
+                                   "version": VERSION, "checkpoint": fp, "blocks": len(blocks),
+                                   "inputs": described, "forward": options.feedback,
+                                   "sample_rows": len(keep)})
+                # write: every call's state file and the state file, atomically
+                t3 = time.perf_counter()
+                saved = store.persist(gen + 1)  # a kill at any point leaves the state file
+                part = work / f"block_{b:03d}.safetensors"  # naming a complete, checked set
+                state["blocks"].append({"block": b, "file": part.name,
+                                        "sha256": sha256_file(part)})
+                state["hidden"] = [[f.name, sha256_file(f)] for f in saved]
+                t["write"] = time.perf_counter() - t3
+                t["total"] = time.perf_counter() - t["start"]
+                del t["start"]
+                t["peak_rss_bytes"] = _peak_rss()
+                times.append({k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in t.items()})
+                state["times"] = times
+                _write_json(work / "state.json", state)
+                store.drop(gen)
+                gen += 1
+                finished_now += 1
+                left = len(blocks) - len(state["blocks"])
+                mean = sum(x["total"] for x in times) / len(times)
+                log(f"block {b + 1}/{len(blocks)}: "
+                    + ", ".join(f"{p} {t[p]:.1f} s" for p in PHASES)
+                    + f"; ETA {_fmt(mean * left)} for {left} block(s)")
+                if stop_after is not None and finished_now >= stop_after:
+                    return None
+        except BaseException:  # Ctrl-C, SIGTERM, an error: the unfinished block's states go;
+            store.clean(keep=lambda g: g == gen)  # the last finished one's stay, to resume
+            (work / "stats.safetensors").unlink(missing_ok=True)
+            raise
     # 5. the output, with the block linears copied from the block files
     parts = BlockFiles(work, state["blocks"])
     try:
@@ -335,6 +300,60 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
                                "this_run_s": round(time.perf_counter() - t_start, 3)}
     shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def _run_block(b: int, gen: int, *, model, plan, ckpt, src, work: Path, options, states, store,
+               dtype, widths, keep, meta) -> dict:
+    """Block ``b``'s capture, factorisation and feedback (the module docstring's phases 1-3),
+    the calls' states read from ``store`` after ``gen`` blocks and put back after ``gen + 1``;
+    the phases' times."""
+    import torch
+
+    from h3quant.calibration.capture import BlockWriter, recording_block, stats_layout, \
+        write_recordings
+    from h3quant.calibration.stats import META_KEY
+
+    t: dict = {"block": b, "start": time.perf_counter()}
+    dev = model.tdev
+    # 1. capture: the float block on every call, its linears recording
+    with torch.no_grad():
+        block, rec = recording_block(model, b, dtype, widths, keep)
+        for i, st in enumerate(states):
+            out = block(store.get(gen, i, dev, dtype), st.cond)
+            if options.feedback == "float":  # the float outputs are the next states
+                store.put(gen + 1, i, out)
+            del out  # else the quantized block gives them (feedback, below)
+        del block
+        model.release_block(b)
+    mine = {k: widths[k] for k in rec}
+    seq = next(iter(rec.values())).rows
+    meta = {**meta, "rows": {k: seq for k in mine}}
+    stats_path = work / "stats.safetensors"
+    writer = BlockWriter(stats_path, stats_layout(
+        mine, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep)))
+    try:
+        write_recordings(writer, rec)
+    finally:
+        writer.close(True)
+    del rec
+    t["capture"] = time.perf_counter() - t["start"]
+    # 2. factorisation: the block's layers encoded with them
+    t1 = time.perf_counter()
+    part = work / f"block_{b:03d}.safetensors"
+    _encode_block(plan, ckpt, b, stats_path, src, part, options.workers)
+    t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
+    stats_path.unlink()
+    t["factorisation"] = time.perf_counter() - t1
+    # 3. feedback: the states move on through the quantized (or the float) block
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        if options.feedback != "float":
+            qblock = _quantized_block(model, b, part, dtype)
+            for i, st in enumerate(states):
+                store.put(gen + 1, i, qblock(store.get(gen, i, dev, dtype), st.cond))
+            del qblock
+    t["feedback"] = time.perf_counter() - t2
+    return t
 
 
 class _MemorySink:
@@ -458,26 +477,6 @@ def _peak_rss() -> int:
     from h3quant.formats.container.platform import max_rss_bytes
 
     return max_rss_bytes() or 0
-
-
-def _save_hidden(path: Path, states) -> None:
-    from h3quant.formats.container.writer import save_tensors
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_tensors(tmp, {f"x.{i}": st.x.detach().cpu().contiguous() for i, st in enumerate(states)})
-    os.replace(tmp, path)
-
-
-def _load_hidden(path: Path, states) -> None:
-    from h3quant.formats.container.reader import SafetensorsFile
-
-    with SafetensorsFile(path, mmap=False) as fh:
-        for i, st in enumerate(states):
-            x = fh.read(fh.tensors[f"x.{i}"])
-            if tuple(x.shape) != tuple(st.x.shape):
-                raise UsageError("--calibrate-on: the saved hidden states do not fit the inputs",
-                                 path=path)
-            st.x = x.to(st.x.device, st.x.dtype).clone()
 
 
 __all__ = ["PHASES", "WORK_SUFFIX", "BlockFiles", "onepass_convert", "work_dir"]

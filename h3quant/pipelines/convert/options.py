@@ -70,6 +70,8 @@ class ConvertOptions:
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
     feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     activation_aware: str = "off"  # "auto": feedback models the runtime's input rounding
+    memory_budget: int | None = None  # one pass: bytes for the calls' hidden states (None: half
+    # the memory available); beyond it they are spilled to the work folder
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -94,6 +96,10 @@ class ConvertOptions:
                                "(inputs, one pass), not both")
         if self.feedback not in ("quantized", "float"):
             raise ConvertError(f"--feedback must be quantized or float, got {self.feedback!r}")
+        if self.memory_budget is not None and not self.calibrate_on:
+            raise ConvertError("--memory-budget applies to --calibrate-on")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConvertError(f"--memory-budget must be more than 0 bytes, got {self.memory_budget}")
         if self.calibrate_on and self.smooth != "off":
             raise ConvertError("--smooth with --calibrate-on is not available: run 'h3quant "
                                "capture', then convert --calibration --smooth auto")
