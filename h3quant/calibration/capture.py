@@ -11,7 +11,14 @@ rows alike), and keep a fixed sample of whole rows (``SAMPLE_ROWS`` evenly space
 calls: what smoothing needs to model per-token activation rounding); block 0's statistics
 are written to the output and dropped, then block 1 runs, and so on. Memory holds one block's
 statistics (fqkv, out_proj, fc1, fc2: ``4 * sum K^2`` bytes, about 1.2 GB at H3's full width)
-plus the calls' hidden states (rows x hidden x 4 bytes each), never the whole model's.
+plus the calls' hidden states (rows x hidden x 4 bytes each; within a memory budget, the rest
+on disk: ``calibration.hidden``), never the whole model's.
+
+Where it runs: the forward and ``H``'s float32 accumulation run on the model's device (CPU,
+CUDA, MPS, NPU: fp32 matrix products, TF32 left off); ``sum |x|`` accumulates in float64 on
+the device, or on the host from each call's float32 sums where the device has no float64 (MPS);
+``max |x|`` is float32; the sampled rows go to the host as they are seen. The statistics are
+written from the host.
 
 The forward runs in float math: a float checkpoint's own weights (``linear="reference"``), so the
 statistics are those of the float model's activations. A model built on another checkpoint (an
@@ -24,9 +31,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import os
+
+from h3quant import device_kinds
 from h3quant.calibration.stats import LINEARS
 from h3quant.formats import registry
-import os
 
 from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
 from h3quant.runtime.model.block import swiglu
@@ -73,7 +82,10 @@ class Recording(nn.Module):
         super().__init__()
         self.inner = inner
         self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
-        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
+        # the channel magnitudes' running sum in float64: on the device where it has float64,
+        # else on the host, from each call's float32 sums on the device
+        wide = device_kinds.kind(torch.device(device).type).float64
+        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device if wide else "cpu")
         self.abs_max = torch.zeros(k, dtype=torch.float32, device=device)
         self.keep = torch.tensor(keep or [], dtype=torch.long)
         self.sample = torch.zeros(len(self.keep), k, dtype=torch.float32)
@@ -86,7 +98,10 @@ class Recording(nn.Module):
             return self.inner(x, input_act=input_act)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.h.addmm_(x2.t(), x2)
-        self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
+        if self.abs_sum.device == x2.device:
+            self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
+        else:
+            self.abs_sum += x2.abs().sum(0).cpu().to(torch.float64)
         if x2.shape[0]:
             torch.maximum(self.abs_max, x2.abs().amax(0), out=self.abs_max)
         n = int(x2.shape[0])

@@ -36,8 +36,10 @@ from h3quant.device_kinds import device_help
 @click.option("--sigma", type=finite_float(1e-6, 1.0), default=0.6, show_default=True,
               help="Noise level of inputs files that record none.")
 @click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
-              help=f"Where the forward and the accumulation run: {device_help(auto=False)} "
-                   "(fp32 math everywhere).")
+              help=f"Where the forward and the accumulation run: {device_help(auto=False)}. "
+                   "The forward and H = X^T X run in float32 there (TF32 off); the channel "
+                   "magnitudes' sum in float64 (on the host for a device without float64, "
+                   "MPS).")
 @click.option("--through", type=CHECKPOINT_PATH, default=None,
               help="Run the forward through this checkpoint instead (an uncalibrated "
                    "conversion of CKPT, on the device's runtime path): each block is then "

@@ -208,7 +208,7 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
     work = work_dir(dst)
     t_start = time.perf_counter()
     with open_source(src, mmap=options.mmap) as ckpt, \
-            H3Model.open(src, "cpu", linear="reference") as model:
+            H3Model.open(src, options.device, linear="reference") as model:
         det, mapping = adopt_mapping(ckpt, options.naming)
         if not mapping.trivial:
             raise UsageError("--calibrate-on takes ComfyUI's single file; convert this "

@@ -70,6 +70,7 @@ class ConvertOptions:
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
     feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     activation_aware: str = "off"  # "auto": feedback models the runtime's input rounding
+    device: str = "cpu"  # one pass: where the capture and the feedback run
     memory_budget: int | None = None  # one pass: bytes for the calls' hidden states (None: half
     # the memory available); beyond it they are spilled to the work folder
     _patterns: tuple = field(default=(), compare=False, repr=False)
@@ -96,6 +97,9 @@ class ConvertOptions:
                                "(inputs, one pass), not both")
         if self.feedback not in ("quantized", "float"):
             raise ConvertError(f"--feedback must be quantized or float, got {self.feedback!r}")
+        if self.device != "cpu" and not self.calibrate_on:
+            raise ConvertError("--device applies to --calibrate-on (the layers are encoded on "
+                               "the CPU)")
         if self.memory_budget is not None and not self.calibrate_on:
             raise ConvertError("--memory-budget applies to --calibrate-on")
         if self.memory_budget is not None and self.memory_budget <= 0:
