@@ -155,7 +155,9 @@ def _group_size(ctx, param, value):
                    "scaling (by default out_proj and fc2 are searched for channel scales, "
                    "folded into the v rows of qkv_proj and the up rows of fc1).")
 @click.option("--smooth", type=click.Choice(["auto", "off"]), default="off", show_default=True,
-              help="With --calibration: search per layer for channel factors that move "
+              help="With --calibration or --calibrate-on (float feedback: block by block, "
+                   "from each block's own statistics): search per layer for channel factors "
+                   "that move "
                    "activation outliers into the weights (SmoothQuant class), modelled on the "
                    "target format's activation rounding, and fold them exactly into the "
                    "block's norm weights, adaLN shift rows and the v / up rows (tensors ComfyUI "
@@ -182,8 +184,8 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibrate_on, feedback, device, memory_budget, calibration_heldout, no_awq_scale, smooth,
-            activation_aware,
+            calibrate_on, feedback, device, memory_budget, calibration_heldout, no_awq_scale,
+            smooth, activation_aware,
             overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).

@@ -94,7 +94,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
         if options.smooth != "off":  # after any LoRA is baked: the factors fit the merged weights
             from h3quant.pipelines.convert import smoothing
 
-            smoothed, smooth_report = smoothing.apply(source, options, src, log)
+            if precomputed is not None:  # the one pass chose them block by block
+                smoothed, smooth_report = precomputed.smoothed, precomputed.smoothing
+                smoothing.fold_found(source, smoothed, smooth_report, log)
+            else:
+                smoothed, smooth_report = smoothing.apply(source, options, src, log)
         if not mapping.trivial:
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:

@@ -47,6 +47,8 @@ WORK_SUFFIX = ".h3q-onepass"
 STATE_VERSION = 2
 PHASES = ("capture", "factorisation", "feedback", "write")
 ENTRIES_KEY = "h3quant.onepass.entries"
+SMOOTHING_KEY = "h3quant.onepass.smoothing"  # the block's smoothing search (report entries)
+SMOOTH_PREFIX = "smooth/"  # a block file's smoothing factors: "smooth/" + layer name
 # options that change no output byte and no report entry: a resumed run may change them
 _FREE = ("workers", "mmap", "overwrite", "calibrate_on", "calibration", "calibration_heldout",
          "naming", "loras", "lora_skip_unmatched", "lora_warn", "lora_promote", "memory_budget")
@@ -130,13 +132,19 @@ class BlockFiles:
         self._files = []
         self._where: dict[str, SafetensorsFile] = {}
         self.entries: dict[str, dict] = {}
+        self.smoothed: dict = {}  # layer -> its smoothing factors (smoothing.fold_found)
+        self.smoothing: dict[str, dict] = {}  # layer -> the search's report entry
         for item in blocks:
             fh = SafetensorsFile(work / item["file"], mmap=False)
             self._files.append(fh)
             entries = json.loads(fh.metadata.get(ENTRIES_KEY, "{}"))
             self.entries.update(entries)
-            for name in fh.tensors:
-                self._where[name] = fh
+            self.smoothing.update(json.loads(fh.metadata.get(SMOOTHING_KEY, "{}")))
+            for name, info in fh.tensors.items():
+                if name.startswith(SMOOTH_PREFIX):
+                    self.smoothed[name[len(SMOOTH_PREFIX):]] = fh.read(info).clone()
+                else:
+                    self._where[name] = fh
 
     def __contains__(self, layer: str) -> bool:
         return layer in self.entries
@@ -252,7 +260,8 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
             for b in blocks:
                 if b in done:
                     continue
-                t = _run_block(b, gen, model=model, plan=plan, ckpt=ckpt, src=src, work=work,
+                t = _run_block(b, gen, model=model, plan=plan, ckpt=ckpt, mapping=mapping,
+                               src=src, work=work, log=log,
                                options=options, states=states, store=store, dtype=dtype,
                                widths=widths, keep=keep, meta={
                                    "version": VERSION, "checkpoint": fp, "blocks": len(blocks),
@@ -302,8 +311,8 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
     return report
 
 
-def _run_block(b: int, gen: int, *, model, plan, ckpt, src, work: Path, options, states, store,
-               dtype, widths, keep, meta) -> dict:
+def _run_block(b: int, gen: int, *, model, plan, ckpt, mapping, src, work: Path, log, options,
+               states, store, dtype, widths, keep, meta) -> dict:
     """Block ``b``'s capture, factorisation and feedback (the module docstring's phases 1-3),
     the calls' states read from ``store`` after ``gen`` blocks and put back after ``gen + 1``;
     the phases' times."""
@@ -340,7 +349,19 @@ def _run_block(b: int, gen: int, *, model, plan, ckpt, src, work: Path, options,
     # 2. factorisation: the block's layers encoded with them
     t1 = time.perf_counter()
     part = work / f"block_{b:03d}.safetensors"
-    _encode_block(plan, ckpt, b, stats_path, src, part, options.workers)
+    source, found, report = ckpt, {}, {}
+    if options.smooth != "off":  # block b's factors, from block b's statistics, folded exactly
+        from h3quant.calibration.stats import Statistics  # as convert --calibration does
+        from h3quant.pipelines.convert import _view, smoothing
+
+        source, _ = _view(ckpt, mapping, options)
+        with Statistics(stats_path) as st:
+            found, report = smoothing.search(source, st, options, log)
+        smoothing.fold_into(source, found)
+        from h3quant.pipelines.convert.plan import build_plan
+
+        plan = build_plan(source, src, plan.dst, options)  # the view's own offsets
+    _encode_block(plan, source, b, stats_path, src, part, options.workers, found, report)
     t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
     stats_path.unlink()
     t["factorisation"] = time.perf_counter() - t1
@@ -383,13 +404,16 @@ class _MemorySink:
         pass
 
 
-def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> None:
-    """Block ``b``'s planned layers through convert's layer pass, into the file ``part``."""
+def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int, found: dict,
+                  smoothing: dict) -> None:
+    """Block ``b``'s planned layers through convert's layer pass, into the file ``part``
+    (``ckpt``: the input, or a view of it with the block's smoothing ``found`` folded in;
+    the factors and the search's ``smoothing`` report are kept in the file too)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import torch
 
-    from h3quant.formats.container.writer import plan_layout
+    from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
     from h3quant.pipelines.convert.calibrated import Calibration
     from h3quant.pipelines.convert.folds import ChannelScales
     from h3quant.pipelines.convert.io import OffsetWriter, Reader, by_input_offset
@@ -411,7 +435,7 @@ def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> No
     failures: list[dict] = []
     reader = Reader(ckpt)
     sink = _MemorySink(entries)
-    plan.calibration = Calibration(str(stats_path), src)
+    plan.calibration = Calibration(str(stats_path), src, smoothed=found or None)
     pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
     if workers > 1:
@@ -428,12 +452,18 @@ def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> No
         if failures:
             raise LayerFailures(f"{len(failures)} layer(s) failed to convert; nothing written: "
                                 + "; ".join(f"{f['name']}: {f['error']}" for f in failures))
+        factors = {SMOOTH_PREFIX + name: s.to(torch.float32).contiguous()
+                   for name, s in found.items()}
+        entries += [Entry(name, "F32", tuple(s.shape)) for name, s in factors.items()]
         layout = plan_layout(entries, {**(metadata or {}),
-                                       ENTRIES_KEY: json.dumps(results, sort_keys=True)})
+                                       ENTRIES_KEY: json.dumps(results, sort_keys=True),
+                                       SMOOTHING_KEY: json.dumps(smoothing, sort_keys=True)})
         with OffsetWriter(part, layout) as w:
             for name, buf in sink.bufs.items():
                 if buf:
                     w.write(name, 0, buf)
+            for name, s in factors.items():
+                w.write(name, 0, tensor_bytes(s))
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

@@ -104,9 +104,9 @@ class ConvertOptions:
             raise ConvertError("--memory-budget applies to --calibrate-on")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ConvertError(f"--memory-budget must be more than 0 bytes, got {self.memory_budget}")
-        if self.calibrate_on and self.smooth != "off":
-            raise ConvertError("--smooth with --calibrate-on is not available: run 'h3quant "
-                               "capture', then convert --calibration --smooth auto")
+        if self.calibrate_on and self.smooth != "off" and self.feedback != "float":
+            raise ConvertError("--smooth with --calibrate-on takes --feedback float (the "
+                               "quantized feedback does not run smoothed blocks)")
         refusal = registry.target_codec(self.target).spec.write_refusal
         if refusal and not statistics:  # written from statistics only
             raise ConvertError(f"--to {self.target}: {refusal}")
@@ -124,9 +124,9 @@ class ConvertOptions:
                                "done from statistics)")
         if self.smooth not in ("auto", "off"):
             raise ConvertError(f"--smooth must be auto or off, got {self.smooth!r}")
-        if self.smooth == "auto" and not self.calibration:
-            raise ConvertError("--smooth auto needs --calibration (the factors are chosen from "
-                               "the statistics)")
+        if self.smooth == "auto" and not statistics:
+            raise ConvertError("--smooth auto needs --calibration or --calibrate-on (the factors "
+                               "are chosen from the statistics)")
         if self.activation_aware not in ("auto", "off"):
             raise ConvertError("--activation-aware must be auto or off, got "
                                f"{self.activation_aware!r}")
