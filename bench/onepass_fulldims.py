@@ -3,13 +3,14 @@ per block and phase, the GEMM floor of each phase, and the extrapolation to 50 b
 numbers; synthetic checkpoint (random weights: times and sizes, not quality).
 
     nice python bench/onepass_fulldims.py [--dir /tmp/h3full] [--to int8-convrot] [--calls 8]
-        [--frames 1] [--latent 60x104] [--text 128] [--audio 56]
+        [--blocks 2] [--frames 1] [--latent 60x104] [--text 128] [--audio 56]
 
-1. a child process writes ``h3quant synth --preset full --blocks 2`` (hidden 5376, attention
+1. a child process writes ``h3quant synth --preset full --blocks N`` (hidden 5376, attention
    7168, ffn 14336) and ``--calls`` inputs files: ``--frames`` latent frames of ``--latent``
    (H x W; 60 x 104 is an 832 x 480 frame at 8x spatial compression: 30 x 52 = 1,560 video rows
    per latent frame in 2 x 2 patches), ``--text`` text tokens, ``--audio`` audio frames (2 rows
-   each);
+   each). The defaults make 8 x 1,800 = 14,400 rows, just over fc2's K = 14,336: every
+   layer's H is full rank, so every layer is factorised (fewer rows round layers to nearest);
 2. this process measures ``torch.mm`` throughput (float32, [2048, 5376] x [5376, 5376], the
    best of 5) and runs ``convert --calibrate-on`` on the inputs (float feedback, default
    memory budget), a thread sampling the work folder's size every 0.2 s;
@@ -46,10 +47,10 @@ from h3quant.calibration.recorder import write_inputs
 from h3quant.runtime.model.model import H3Model
 from h3quant.synth import synth_checkpoint
 
-d, calls, frames, h, w, text, audio = Path(sys.argv[1]), *map(int, sys.argv[2:8])
-src = d / "float.safetensors"
+d, calls, frames, h, w, text, audio, blocks = Path(sys.argv[1]), *map(int, sys.argv[2:9])
+src = d / f"float_{blocks}.safetensors"
 if not src.exists():
-    synth_checkpoint(src, preset="full", blocks=2, seed=0)
+    synth_checkpoint(src, preset="full", blocks=blocks, seed=0)
 (d / "A").mkdir(exist_ok=True)
 with H3Model.open(src) as m:
     for s in range(calls):
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/h3full"))
     ap.add_argument("--to", default="int8-convrot")
     ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--frames", type=int, default=1)
     ap.add_argument("--latent", default="60x104")
     ap.add_argument("--text", type=int, default=128)
@@ -113,8 +115,9 @@ def main() -> None:
     load0 = os.getloadavg()
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", _PREPARE, str(d), str(args.calls), str(args.frames),
-                    str(h), str(w), str(args.text), str(args.audio)], check=True)
-    print(f"prepare (synth full, 2 blocks + {args.calls} inputs, child process): "
+                    str(h), str(w), str(args.text), str(args.audio), str(args.blocks)],
+                   check=True)
+    print(f"prepare (synth full, {args.blocks} block(s) + {args.calls} inputs, child process): "
           f"{time.perf_counter() - t:.0f} s")
 
     import torch
@@ -125,12 +128,12 @@ def main() -> None:
     from h3quant.runtime.model.model import H3Model
     from h3quant.sizes import size_text
 
-    src = d / "float.safetensors"
+    src = d / f"float_{args.blocks}.safetensors"
     with H3Model.open(src) as m:
         hidden = m.hidden
     from h3quant.h3.topology import config_for
 
-    cfg = config_for("full", blocks=2)
+    cfg = config_for("full", blocks=args.blocks)
     shapes = {sub: cfg.linear_shape(sub) for sub in
               ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
     rows_one = model_rows(args.frames, h, w, args.audio, args.text)
@@ -145,16 +148,17 @@ def main() -> None:
     out = d / f"out_{args.to}.safetensors"
     peak = FolderPeak(work_dir(out))
     peak.start()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     rep = convert(src, out, ConvertOptions(target=args.to, calibrate_on=(str(d / "A"),),
                                            overwrite=True, report=False),
                   log=lambda msg: print("  " + msg, flush=True))
-    total = time.perf_counter() - t
+    total, cpu = time.perf_counter() - t, time.process_time() - cpu
     peak.stop.set()
     peak.join()
     one = rep.extra["onepass"]
     load1 = os.getloadavg()
-    print(f"\none pass {args.to}: {total:.0f} s in all (assemble {one['assemble_s']:.0f} s); "
+    print(f"\none pass {args.to}: {total:.0f} s in all, {cpu:.0f} s of CPU time (this process, "
+          f"all threads; assemble {one['assemble_s']:.0f} s); "
           f"work folder peak {size_text(peak.peak)}; peak RSS "
           f"{size_text(max(b['peak_rss_bytes'] for b in one['blocks']))}; load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after (2 CPUs shared)")
@@ -175,6 +179,7 @@ def main() -> None:
           f"{H100_TF32 / 1e12:.0f} TFLOP/s TF32: {50 * per_block / H100_TF32:.0f} s (GEMM floor, "
           "no I/O)")
     print(json.dumps({"flops": flops, "mm_flops_per_s": rate, "blocks": one["blocks"],
+                      "wall_s": total, "cpu_s": cpu, "load": [load0, load1],
                       "work_peak_bytes": peak.peak, "rows_per_call": rows_one,
                       "calls": args.calls}))
 
