@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -146,6 +147,7 @@ def main() -> None:
           f"2 x {args.audio}, video {args.frames} x {-(-h // 2)} x {-(-w // 2)}); hidden "
           f"{hidden}; linears [N, K]: " + ", ".join(f"{k} {v}" for k, v in shapes.items()))
     out = d / f"out_{args.to}.safetensors"
+    shutil.rmtree(work_dir(out), ignore_errors=True)  # an earlier bench run's, killed
     peak = FolderPeak(work_dir(out))
     peak.start()
     t, cpu = time.perf_counter(), time.process_time()

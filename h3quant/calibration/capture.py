@@ -164,7 +164,7 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
                 xs.append(st.x)
             else:  # one call's state at a time: a spilled one goes to disk at once
                 store.put(0, i, st.x)
-            dtype, st.x = st.x.dtype, None
+            dtype, st.x = st.x.dtype, st.x.new_empty(0)  # the store holds it
             states.append(st)
     if store is None:
         store = HiddenStates(".", [x.nelement() * x.element_size() for x in xs], None)

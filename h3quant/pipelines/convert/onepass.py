@@ -248,7 +248,7 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
                 st = model.start(v, a, tx, float(item["sigma"]))
                 if not done:  # one call at a time: a spilled one goes to disk at once
                     store.put(0, i, st.x)
-                dtype, st.x = st.x.dtype, None
+                dtype, st.x = st.x.dtype, st.x.new_empty(0)  # the store holds it
                 states.append(st)
         if done:
             store.adopt(gen, model.tdev, dtype)
@@ -349,7 +349,9 @@ def _run_block(b: int, gen: int, *, model, plan, ckpt, mapping, src, work: Path,
     # 2. factorisation: the block's layers encoded with them
     t1 = time.perf_counter()
     part = work / f"block_{b:03d}.safetensors"
-    source, found, report = ckpt, {}, {}
+    found: dict = {}
+    report: dict = {}
+    source = ckpt
     if options.smooth != "off":  # block b's factors, from block b's statistics, folded exactly
         from h3quant.calibration.stats import Statistics  # as convert --calibration does
         from h3quant.pipelines.convert import _view, smoothing
