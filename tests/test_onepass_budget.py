@@ -20,9 +20,7 @@ from h3quant.errors import UsageError
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.convert.onepass import work_dir
-from h3quant.synth import synth_checkpoint
-
-from helpers.inputs import input_dims, seeded_inputs
+from helpers.inputs import synth_world
 
 TARGET = "int8-convrot"
 CALLS = 5
@@ -30,18 +28,15 @@ CALLS = 5
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = tmp_path_factory.mktemp("budget")
-    src = d / "bf16.safetensors"
-    synth_checkpoint(src, preset="tiny", blocks=2, seed=3)
-    (d / "calib").mkdir()
-    ins = seeded_inputs(d / "calib", input_dims(src), range(CALLS))
+    w = synth_world(tmp_path_factory.mktemp("budget"), 3, CALLS)
+    src = w["src"]
     with SafetensorsFile(src, mmap=False) as fh:  # the model width, from the header
         hidden = int(fh.tensors["video_patch_proj.weight"].shape[0])
     # each inputs file: 64 text tokens, 32 audio frames (2 rows each), 2 x 16 x 16 video latents
     # in 2 x 2 patches: 64 + 64 + 2 * 8 * 8 = 256 rows of `hidden` float32 values
     rows = 64 + 2 * 32 + 2 * math.ceil(16 / 2) * math.ceil(16 / 2)
     call = rows * hidden * 4
-    return {"d": d, "src": src, "inputs": ins, "call": call, "calib": str(d / "calib")}
+    return {**w, "call": call}
 
 
 def _tensors(path) -> dict[str, bytes]:

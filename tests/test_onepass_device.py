@@ -9,21 +9,14 @@ from click.testing import CliRunner
 from h3quant.cli import main
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
-from h3quant.synth import synth_checkpoint
-
-from helpers.inputs import input_dims, seeded_inputs
+from helpers.inputs import synth_world
 
 TARGET = "int8-convrot"
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = tmp_path_factory.mktemp("device")
-    src = d / "bf16.safetensors"
-    synth_checkpoint(src, preset="tiny", blocks=2, seed=5)
-    (d / "calib").mkdir()
-    ins = seeded_inputs(d / "calib", input_dims(src), range(3))
-    return {"d": d, "src": src, "inputs": ins, "calib": str(d / "calib")}
+    return synth_world(tmp_path_factory.mktemp("device"), 5, 3)
 
 
 @pytest.fixture

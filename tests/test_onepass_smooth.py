@@ -10,21 +10,14 @@ from h3quant.errors import ConvertError
 from h3quant.formats.container.reader import SafetensorsFile
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.convert.onepass import work_dir
-from h3quant.synth import synth_checkpoint
-
-from helpers.inputs import input_dims, seeded_inputs
+from helpers.inputs import synth_world
 
 TARGET = "int4-convrot"  # 4-bit activations: smoothing pays on the synthetic weights
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = tmp_path_factory.mktemp("onepass_smooth")
-    src = d / "bf16.safetensors"
-    synth_checkpoint(src, preset="tiny", blocks=2, seed=5)
-    (d / "calib").mkdir()
-    ins = seeded_inputs(d / "calib", input_dims(src), range(5))
-    return {"d": d, "src": src, "inputs": ins, "calib": str(d / "calib")}
+    return synth_world(tmp_path_factory.mktemp("onepass_smooth"), 5, 5)
 
 
 def _file(path) -> tuple[dict, dict]:
