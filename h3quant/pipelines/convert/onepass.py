@@ -354,12 +354,13 @@ def _run_block(b: int, gen: int, *, model, plan, ckpt, mapping, src, work: Path,
     source = ckpt
     if options.smooth != "off":  # block b's factors, from block b's statistics, folded exactly
         from h3quant.calibration.stats import Statistics  # as convert --calibration does
-        from h3quant.pipelines.convert import _view, smoothing
+        from h3quant.pipelines.convert.smoothing import fold_into, search
+        from h3quant.pipelines.convert.view import source_view
 
-        source, _ = _view(ckpt, mapping, options)
+        source, _ = source_view(ckpt, mapping, options)
         with Statistics(stats_path) as st:
-            found, report = smoothing.search(source, st, options, log)
-        smoothing.fold_into(source, found)
+            found, report = search(source, st, options, log)
+        fold_into(source, found)
         from h3quant.pipelines.convert.plan import build_plan
 
         plan = build_plan(source, src, plan.dst, options)  # the view's own offsets
