@@ -15,8 +15,15 @@ No statistics file: for each DiT block ``b`` in order,
    bytes); ``feedback="quantized"`` runs them through the block as just quantized (its linears
    on the runtime path, as the device runs the file), so block ``b+1`` is measured on what it
    will really see (slower; no better on the synthetic measurement, docs/calibration.md);
-4. **write**: the hidden states (a new file per block, the previous one removed after) and the
-   state file are saved, each atomically, to the work folder.
+4. **write**: every call's hidden state (a file per call and block, the previous block's
+   removed after) and the state file are saved, each atomically, to the work folder.
+
+The hidden states are held by ``calibration.hidden.HiddenStates`` within
+``options.memory_budget``: beyond it, calls are spilled to the work folder as they are computed
+and read back per call. With ``options.smooth == "auto"`` block ``b``'s smoothing is searched on
+block ``b``'s statistics after its capture and folded into a view of the input before its
+layers are encoded (``convert.smoothing``); the factors are kept in the block file. The capture
+(and a quantized feedback) run on ``options.device``; the encoding on the CPU.
 
 The work folder is ``OUT.h3q-onepass``. Its ``state.json`` holds the checksums of the
 checkpoint (header), of every input file and of the options, and the checksum of each finished
