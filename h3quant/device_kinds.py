@@ -33,6 +33,7 @@ class DeviceKind:
     torch_module: str | None  # torch's per-device module (set_device, synchronize); None: the host
     package: str | None = None  # the package that registers the kind with torch
     auto_rank: int | None = None  # position in ``auto``'s search (lower first); None: fallback
+    float64: bool = True  # tensors of float64 can live on it (MPS has none)
 
     @property
     def spec(self) -> str:
@@ -99,7 +100,7 @@ class DeviceKind:
 KINDS: tuple[DeviceKind, ...] = (
     DeviceKind("cpu", "CPU", False, "gloo", "float32", None),
     DeviceKind("cuda", "CUDA", True, "nccl", "bfloat16", "cuda", auto_rank=0),
-    DeviceKind("mps", "MPS", False, None, "bfloat16", "mps", auto_rank=3),
+    DeviceKind("mps", "MPS", False, None, "bfloat16", "mps", auto_rank=3, float64=False),
     DeviceKind("npu", "Ascend NPU", True, "hccl", "bfloat16", "npu", package="torch_npu",
                auto_rank=1),
     DeviceKind("xpu", "XPU", True, None, "bfloat16", "xpu", auto_rank=2),

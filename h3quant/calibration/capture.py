@@ -11,7 +11,14 @@ rows alike), and keep a fixed sample of whole rows (``SAMPLE_ROWS`` evenly space
 calls: what smoothing needs to model per-token activation rounding); block 0's statistics
 are written to the output and dropped, then block 1 runs, and so on. Memory holds one block's
 statistics (fqkv, out_proj, fc1, fc2: ``4 * sum K^2`` bytes, about 1.2 GB at H3's full width)
-plus the calls' hidden states (rows x hidden x 4 bytes each), never the whole model's.
+plus the calls' hidden states (rows x hidden x 4 bytes each; within a memory budget, the rest
+on disk: ``calibration.hidden``), never the whole model's.
+
+Where it runs: the forward and ``H``'s float32 accumulation run on the model's device (CPU,
+CUDA, MPS, NPU: fp32 matrix products, TF32 left off); ``sum |x|`` accumulates in float64 on
+the device, or on the host from each call's float32 sums where the device has no float64 (MPS);
+``max |x|`` is float32; the sampled rows go to the host as they are seen. The statistics are
+written from the host.
 
 The forward runs in float math: a float checkpoint's own weights (``linear="reference"``), so the
 statistics are those of the float model's activations. A model built on another checkpoint (an
@@ -24,9 +31,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import os
+
+from h3quant import device_kinds
 from h3quant.calibration.stats import LINEARS
 from h3quant.formats import registry
-import os
 
 from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
 from h3quant.runtime.model.block import swiglu
@@ -73,7 +82,10 @@ class Recording(nn.Module):
         super().__init__()
         self.inner = inner
         self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
-        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
+        # the channel magnitudes' running sum in float64: on the device where it has float64,
+        # else on the host, from each call's float32 sums on the device
+        wide = device_kinds.kind(torch.device(device).type).float64
+        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device if wide else "cpu")
         self.abs_max = torch.zeros(k, dtype=torch.float32, device=device)
         self.keep = torch.tensor(keep or [], dtype=torch.long)
         self.sample = torch.zeros(len(self.keep), k, dtype=torch.float32)
@@ -86,7 +98,10 @@ class Recording(nn.Module):
             return self.inner(x, input_act=input_act)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.h.addmm_(x2.t(), x2)
-        self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
+        if self.abs_sum.device == x2.device:
+            self.abs_sum += x2.abs().sum(0, dtype=torch.float64)
+        else:
+            self.abs_sum += x2.abs().sum(0).cpu().to(torch.float64)
         if x2.shape[0]:
             torch.maximum(self.abs_max, x2.abs().amax(0), out=self.abs_max)
         n = int(x2.shape[0])
@@ -128,21 +143,35 @@ def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: 
 
 
 def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
-            on_block=None, on_call=None) -> dict[str, int]:
+            on_block=None, on_call=None, store=None) -> dict[str, int]:
     """Run ``calls`` (tuples ``(video, audio, text, sigma)``) through ``model`` block by block,
     writing the statistics of each block to ``out_path`` as it completes (see the module
     docstring). ``on_block(i)`` after each block, ``on_call()`` after each call in a block
     (progress). ``meta``: the ``h3quant.calibration`` metadata object; ``rows`` is added (every
-    linear sees each call's whole packed sequence). Returns the rows each layer saw."""
+    linear sees each call's whole packed sequence). ``store``: a ``hidden.HiddenStates`` holding
+    the calls' hidden states within a memory budget (None: all in memory). Returns the rows each
+    layer saw."""
     import json
 
+    from h3quant.calibration.hidden import HiddenStates
     from h3quant.calibration.stats import META_KEY, VERSION
 
-    states = []
+    states, xs, dtype = [], [], torch.float32
     with torch.no_grad():
-        for video, audio, text, sigma in calls:
-            states.append(model.start(video, audio, text, sigma))
-    seq = sum(int(st.x.shape[0]) for st in states)
+        for i, (video, audio, text, sigma) in enumerate(calls):
+            st = model.start(video, audio, text, sigma)
+            if store is None:
+                xs.append(st.x)
+            else:  # one call's state at a time: a spilled one goes to disk at once
+                store.put(0, i, st.x)
+            dtype, st.x = st.x.dtype, st.x.new_empty(0)  # the store holds it
+            states.append(st)
+    if store is None:
+        store = HiddenStates(".", [x.nelement() * x.element_size() for x in xs], None)
+        for i, x in enumerate(xs):
+            store.put(0, i, x)
+        del xs
+    seq = sum(int(st.layout.rows) for st in states)
     planned = {key: seq for key in widths}
     keep = sample_indices(seq)
     meta = {**meta, "version": VERSION, "rows": planned, "sample_rows": len(keep)}
@@ -151,7 +180,8 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     writer = BlockWriter(out_path, layout)
     ok = False
     try:
-        _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep)
+        _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call,
+                    keep)
         ok = True
     finally:
         writer.close(ok)
@@ -160,34 +190,46 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     return rows
 
 
-def _run_blocks(model, states, writer, widths, rows, on_block, on_call, keep) -> None:
+def recording_block(model, index: int, dtype, widths: dict[str, int], keep: list[int]):
+    """Block ``index`` built for the forward with its four linears recording (``Recording``):
+    ``(block, {"blocks.{i}.{linear}": Recording})``."""
+    block = model.load_block(index, dtype)  # float math of its weights (reference), or
+    # the device's runtime path (a model opened with linear="runtime")
+    rec = {}
+    for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
+        key = f"blocks.{index}.{lin}"
+        rec[key] = Recording(getattr(block, attr), widths[key], model.tdev, keep)
+        setattr(block, attr, rec[key])
+    return block, rec
+
+
+def write_recordings(writer, rec: dict) -> None:
+    """A block's recorded statistics, written at their planned places."""
+    for key, r in rec.items():
+        writer.write_tensor(f"{key}.hessian", r.h.cpu())
+        writer.write_tensor(f"{key}.absmean", (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu())
+        writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
+        writer.write_tensor(f"{key}.sample", r.sample)
+
+
+def _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call, keep) -> None:
     dev = model.tdev
     with torch.no_grad():
-        for i in model.blocks:
-            dtype = states[0].x.dtype
-            block = model.load_block(i, dtype)  # float math of its weights (reference), or
-            # the device's runtime path (a model opened with linear="runtime")
-            rec = {}
-            for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
-                key = f"blocks.{i}.{lin}"
-                rec[key] = Recording(getattr(block, attr), widths[key], dev, keep)
-                setattr(block, attr, rec[key])
-            for st in states:
-                st.x = block(st.x, st.cond)
+        for gen, i in enumerate(model.blocks):
+            block, rec = recording_block(model, i, dtype, widths, keep)
+            for c, st in enumerate(states):
+                store.put(gen + 1, c, block(store.get(gen, c, dev, dtype), st.cond))
                 if on_call is not None:
                     on_call()
+            store.drop(gen)
             del block
             model.release_block(i)
-            for key, r in rec.items():
-                writer.write_tensor(f"{key}.hessian", r.h.cpu())
-                absmean = (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu()
-                writer.write_tensor(f"{key}.absmean", absmean)
-                writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
-                writer.write_tensor(f"{key}.sample", r.sample)
-                rows[key] = r.rows
+            write_recordings(writer, rec)
+            rows.update({key: r.rows for key, r in rec.items()})
             del rec
             if on_block is not None:
                 on_block(i)
 
 
-__all__ = ["SAMPLE_ROWS", "Recording", "capture", "layer_widths", "sample_indices", "stats_layout"]
+__all__ = ["SAMPLE_ROWS", "Recording", "capture", "layer_widths", "recording_block",
+           "sample_indices", "stats_layout", "write_recordings"]

@@ -15,6 +15,7 @@ from h3quant.cli.common import (
     guard,
     handle_errors,
     log,
+    memory_budget_option,
     progress_enabled,
 )
 from h3quant.cli.inputs_option import inputs_option
@@ -35,8 +36,10 @@ from h3quant.device_kinds import device_help
 @click.option("--sigma", type=finite_float(1e-6, 1.0), default=0.6, show_default=True,
               help="Noise level of inputs files that record none.")
 @click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
-              help=f"Where the forward and the accumulation run: {device_help(auto=False)} "
-                   "(fp32 math everywhere).")
+              help=f"Where the forward and the accumulation run: {device_help(auto=False)}. "
+                   "The forward and H = X^T X run in float32 there (TF32 off); the channel "
+                   "magnitudes' sum in float64 (on the host for a device without float64, "
+                   "MPS).")
 @click.option("--through", type=CHECKPOINT_PATH, default=None,
               help="Run the forward through this checkpoint instead (an uncalibrated "
                    "conversion of CKPT, on the device's runtime path): each block is then "
@@ -46,18 +49,20 @@ from h3quant.device_kinds import device_help
               help="ConvRot group size of the predicted gain's rotated basis.")
 @click.option("--no-predict", is_flag=True,
               help="Skip the predicted gains (a Cholesky factorisation per layer and basis).")
+@memory_budget_option
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no summary table.")
 @handle_errors
-def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, overwrite,
-            as_json, quiet):
+def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, memory_budget,
+            overwrite, as_json, quiet):
     """Measure CKPT's DiT block linears on your own inputs, for 'convert --calibration'.
 
     Runs the H3 forward block by block over every --inputs file and records, for each block
     linear (qkv_proj, out_proj, fc1, fc2), the second moment H = X^T X of its inputs over
     every row it saw (text, audio and video; every step) and each input channel's mean
-    magnitude. Memory holds one block's statistics plus the inputs' hidden states; the file
+    magnitude. Memory holds one block's statistics plus the inputs' hidden states (within
+    --memory-budget, the rest on disk beside OUT in OUT.h3q-spill); the file
     is written one block at a time and appears only when complete. It records CKPT's header
     checksum: convert refuses it for any other checkpoint.
 
@@ -83,7 +88,7 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, o
 
     result = guard("capture", capture_statistics, ckpt, list(inputs), out, sigma=sigma,
                    device=device, through=through, overwrite=overwrite,
-                   predict=not no_predict, group_size=group_size,
+                   predict=not no_predict, group_size=group_size, memory_budget=memory_budget,
                    progress=progress_enabled(quiet), log=log)
     for w in result.warnings:
         log(f"warning: {w}")

@@ -170,6 +170,31 @@ def mmap_option(func):
     )(func)
 
 
+def _memory_budget(ctx, param, value):
+    from h3quant.sizes import parse_size
+
+    if value is None:
+        return None
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if n <= 0:
+        raise click.BadParameter(f"{value!r}: the budget must be more than 0 bytes")
+    return n
+
+
+def memory_budget_option(func):
+    return click.option(
+        "--memory-budget", default=None, callback=_memory_budget, metavar="SIZE",
+        help="Memory for the calls' hidden states (e.g. 8GB, 800MB, 2GiB; default: half the "
+             "memory available at the start, 8 GB where the system does not say). Their size "
+             "and whether they fit is printed before any work; beyond the budget they are "
+             "spilled to disk (one file per call, read back as each block runs, removed at "
+             "the end and on Ctrl-C / SIGTERM). A budget smaller than one call is refused.",
+    )(func)
+
+
 def format_table(headers: list[str], rows: list[list], right: AbstractSet[int] = frozenset()) -> str:
     """A plain text table; columns in ``right`` are right-aligned."""
     cells = [[str(c) for c in headers]] + [["-" if c is None else printable(str(c)) for c in r]

@@ -13,13 +13,16 @@ from h3quant.cli.inputs_option import inputs_option
 from h3quant.cli.common import (
     CHECKPOINT,
     WORKERS,
+    device_callback,
     emit_json,
     guard,
     handle_errors,
     log,
+    memory_budget_option,
     mmap_option,
     progress_enabled,
 )
+from h3quant.device_kinds import device_help
 from h3quant.errors import ConvertError
 from h3quant.formats import registry
 from h3quant.h3 import layouts
@@ -135,6 +138,14 @@ def _group_size(ctx, param, value):
                    "float block (the statistics 'capture' gives: the same bytes as capture + "
                    "--calibration) or of the block as quantized (what the file will run; "
                    "slower, and no better in docs/calibration.md's measurement).")
+@click.option("--device", default="cpu", show_default=True, callback=device_callback(True),
+              help=f"With --calibrate-on: where the capture (the float forward and the "
+                   f"statistics) and the feedback run: {device_help(auto=False)}. The "
+                   "statistics accumulate in float32 (H = X^T X) there, the channel magnitudes "
+                   "in float64 (on the host for a device without float64, MPS); the layers are "
+                   "encoded on the CPU. Another device may round the float forward differently, "
+                   "so the bytes can differ from a CPU run's.")
+@memory_budget_option
 @click.option("--calibration-heldout", type=click.Path(dir_okay=False, path_type=str),
               default=None,
               help="Statistics of other inputs (captured on IN too): the report also gives "
@@ -144,7 +155,9 @@ def _group_size(ctx, param, value):
                    "scaling (by default out_proj and fc2 are searched for channel scales, "
                    "folded into the v rows of qkv_proj and the up rows of fc1).")
 @click.option("--smooth", type=click.Choice(["auto", "off"]), default="off", show_default=True,
-              help="With --calibration: search per layer for channel factors that move "
+              help="With --calibration or --calibrate-on (float feedback: block by block, "
+                   "from each block's own statistics): search per layer for channel factors "
+                   "that move "
                    "activation outliers into the weights (SmoothQuant class), modelled on the "
                    "target format's activation rounding, and fold them exactly into the "
                    "block's norm weights, adaLN shift rows and the v / up rows (tensors ComfyUI "
@@ -171,7 +184,8 @@ def _group_size(ctx, param, value):
 @handle_errors
 def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path, group_size,
             rotation, layout, naming, loras, lora_promote, lora_skip_unmatched, calibration,
-            calibrate_on, feedback, calibration_heldout, no_awq_scale, smooth, activation_aware,
+            calibrate_on, feedback, device, memory_budget, calibration_heldout, no_awq_scale,
+            smooth, activation_aware,
             overwrite, dry_run, as_json,
             quiet, report_path, no_report, workers, no_mmap):
     """Convert checkpoint IN to OUT (a file, or a directory for sharded input).
@@ -257,6 +271,11 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                     f"({target}, group size {group_size}, layout {layout})")
     if feedback != "float" and not calibrate_on:
         raise click.UsageError("--feedback applies to --calibrate-on")
+    if memory_budget is not None and not calibrate_on:
+        raise click.UsageError("--memory-budget applies to --calibrate-on")
+    if device != "cpu" and not calibrate_on:
+        raise click.UsageError("--device applies to --calibrate-on (the layers are encoded on "
+                               "the CPU)")
     rules = tuple(parse_rule(r) for r in layer_rules)
     if recipe_path:
         rules += load_recipe(recipe_path)
@@ -269,6 +288,7 @@ def command(src, dst, target, preset, include, exclude, layer_rules, recipe_path
                              calibration=calibration, calibration_heldout=calibration_heldout,
                              awq_scale=not no_awq_scale, smooth=smooth,
                              calibrate_on=tuple(calibrate_on), feedback=feedback,
+                             memory_budget=memory_budget, device=device,
                              activation_aware=activation_aware)
     if dry_run:
         plan = guard("planning the conversion", plan_convert, src, dst, options)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 
 import click
@@ -12,20 +11,16 @@ import click
 from h3quant.cli.inputs_option import inputs_option, one_input
 from h3quant.cli.common import CHECKPOINT, SEED, emit_json, finite_float, format_table, guard, \
     handle_errors, log, mmap_option, progress_enabled
+from h3quant import sizes
 from h3quant.sizes import mb_number, size_text
 from h3quant.limits import MAX_JSON_BYTES, MAX_SQNR_DB
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
-
-
 def parse_size(text: str) -> int:
-    """``800MB``, ``1.5GB``, ``2GiB``, ``123456`` -> bytes (decimal units; ``i``: binary)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 800MB, 1.5GB, 2GiB, 123456)")
-    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    power = " KMGT".index(unit) if unit else 0
-    return int(value * (1024 if binary else 1000) ** power)
+    """``800MB``, ``1.5GB``, ``2GiB``, ``123456`` -> bytes; click's error for anything else."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _size(ctx, param, value):

@@ -77,16 +77,21 @@ def describe_inputs(paths, sigma: float) -> list[dict]:
 def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, *,
                        sigma: float = 0.6, device: str = "cpu", through=None,
                        overwrite: bool = False, predict: bool = True, group_size: int = 256,
-                       progress: bool = False, log=None) -> CaptureResult:
+                       memory_budget: int | None = None, progress: bool = False,
+                       log=None) -> CaptureResult:
     """Capture the statistics of ``ckpt``'s DiT block linears over ``inputs`` into ``out``.
 
     ``through``: run the forward on this checkpoint instead (an already-quantized conversion of
     ``ckpt``, on the device's runtime path): each block's statistics then come from the inputs
     the quantized blocks before it produce. ``predict``: the predicted gain of calibrated
-    rounding per layer (plain basis and ConvRot ``group_size``), from the statistics alone."""
+    rounding per layer (plain basis and ConvRot ``group_size``), from the statistics alone.
+    ``memory_budget``: bytes for the calls' hidden states (None: half the memory available);
+    beyond it they are spilled to ``OUT.h3q-spill`` (``calibration.hidden``), removed at the end
+    however the run ends."""
     from tqdm import tqdm
 
     from h3quant.calibration.capture import capture, layer_widths
+    from h3quant.calibration.hidden import HiddenStates, call_bytes, default_budget
     from h3quant.calibration.fingerprint import checkpoint_fingerprint
     from h3quant.calibration.stats import VERSION
     from h3quant.formats.container.atomic import Outputs
@@ -112,6 +117,10 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     with H3Model.open(ckpt, "cpu", linear="reference") as own:
         widths = layer_widths(own)
         blocks = len(own.blocks)
+        hidden = own.hidden
+    store = HiddenStates(spill_dir(out), call_bytes(described, hidden),
+                         default_budget() if memory_budget is None else memory_budget)
+    log(store.summary())
     forward = "float" if through is None else checkpoint_fingerprint(through)
     with Outputs(inputs=read, overwrite=overwrite, log=log) as outs, \
             H3Model.open(through or ckpt, device,
@@ -131,10 +140,14 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
                 "forward": forward}
         bar = tqdm(total=blocks * len(described), unit="call", desc="capture", leave=False,
                    disable=not progress)
+        store.clean()  # a killed run's leftovers
         try:
-            rows = capture(model, calls(), staged, meta, widths, on_call=lambda: bar.update(1))
+            rows = capture(model, calls(), staged, meta, widths, on_call=lambda: bar.update(1),
+                           store=store)
         finally:
             bar.close()
+            store.close()
+            remove_empty(store.folder)
     result = CaptureResult(str(out), fp, blocks, described, next(iter(rows.values())), widths,
                            forward, time.perf_counter() - t0)
     small = sorted(k for k, w in widths.items() if result.rows < w)
@@ -146,6 +159,18 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     if predict:
         result.gains = predicted_gains(out, group_size, progress=progress)
     return result
+
+
+def spill_dir(out) -> Path:
+    """Where ``capture`` spills the hidden states beyond its memory budget."""
+    return Path(str(out).rstrip("/\\") + ".h3q-spill")
+
+
+def remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # absent, or holding files that are not the store's
+        pass
 
 
 def predicted_gains(stats_path, group_size: int = 256, *, progress: bool = False
@@ -169,4 +194,5 @@ def predicted_gains(stats_path, group_size: int = 256, *, progress: bool = False
     return gains
 
 
-__all__ = ["CaptureResult", "capture_statistics", "describe_inputs", "predicted_gains"]
+__all__ = ["CaptureResult", "capture_statistics", "describe_inputs", "predicted_gains",
+           "spill_dir"]

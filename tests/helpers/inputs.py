@@ -28,3 +28,15 @@ def seeded_inputs(d: Path, dims: dict[str, int], seeds) -> list[Path]:
                      {"seed": str(s)})
         out.append(p)
     return out
+
+
+def synth_world(d: Path, seed: int, calls: int) -> dict:
+    """A tiny 2-block synthetic checkpoint ``d/bf16.safetensors`` (``seed``) and ``calls``
+    seeded inputs files in ``d/calib``: ``{"d", "src", "inputs", "calib"}``."""
+    from h3quant.synth import synth_checkpoint
+
+    src = d / "bf16.safetensors"
+    synth_checkpoint(src, preset="tiny", blocks=2, seed=seed)
+    (d / "calib").mkdir()
+    ins = seeded_inputs(d / "calib", input_dims(src), range(calls))
+    return {"d": d, "src": src, "inputs": ins, "calib": str(d / "calib")}

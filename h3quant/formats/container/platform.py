@@ -16,6 +16,7 @@ no-clobber rename      ``renameat2(RENAME_NOREPLACE)``, else          ``os.renam
 raw file descriptors   ``O_CLOEXEC``, ``O_NONBLOCK`` on inputs        ``O_BINARY`` (no newline
                                                                       translation)
 peak memory            ``resource.getrusage``                         not measured (None)
+available memory       ``/proc/meminfo``, else ``sysconf`` free pages  ``GlobalMemoryStatusEx``
 read-ahead advice      ``posix_fadvise(WILLNEED)``                    none (the mapping faults)
 =====================  =============================================  ==========================
 
@@ -132,6 +133,44 @@ def max_rss_bytes() -> int | None:
         return None
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib if sys.platform == "darwin" else kib * 1024  # bytes on macOS, KiB on Linux
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the machine has free for a new allocation now (Linux: ``MemAvailable``;
+    Windows: ``GlobalMemoryStatusEx``; other POSIX: free pages), or None where it does not say."""
+    if IS_WINDOWS:
+        windll = getattr(ctypes, "windll", None)
+        if windll is None:
+            return None
+
+        class _Status(ctypes.Structure):
+            _fields_ = [("dwLength", ctypes.c_ulong), ("dwMemoryLoad", ctypes.c_ulong),
+                        ("ullTotalPhys", ctypes.c_ulonglong), ("ullAvailPhys", ctypes.c_ulonglong),
+                        ("ullTotalPageFile", ctypes.c_ulonglong),
+                        ("ullAvailPageFile", ctypes.c_ulonglong),
+                        ("ullTotalVirtual", ctypes.c_ulonglong),
+                        ("ullAvailVirtual", ctypes.c_ulonglong),
+                        ("ullAvailExtendedVirtual", ctypes.c_ulonglong)]
+
+        status = _Status()
+        status.dwLength = ctypes.sizeof(_Status)
+        if not windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+            return None
+        return int(status.ullAvailPhys)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    sysconf = getattr(os, "sysconf", None)
+    if sysconf is None:
+        return None
+    try:
+        return int(sysconf("SC_AVPHYS_PAGES")) * int(sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------

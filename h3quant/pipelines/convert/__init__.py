@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import cast
 
 from h3quant.formats.container.atomic import Outputs, resolve_stale, write_bytes, write_file
-from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.sources import SourceView, adopt_mapping, input_paths, open_source
 from h3quant.pipelines.convert.options import TARGETS, ConvertOptions
 from h3quant.pipelines.convert import survival
 from h3quant.pipelines.convert.plan import ConvertPlan, build_plan
 from h3quant.pipelines.convert.result import ConvertReport, LayerFailures
 from h3quant.pipelines.convert.stream import run_plan
+from h3quant.pipelines.convert.view import source_view
 
 __all__ = ["TARGETS", "ConvertOptions", "ConvertPlan", "ConvertReport", "LayerFailures", "convert",
            "native_target", "plan_convert", "write_report"]
@@ -44,7 +43,7 @@ def plan_convert(src: str | os.PathLike, dst: str | os.PathLike,
         det, mapping = adopt_mapping(ckpt, options.naming)
         if mapping.trivial and not options.loras and options.smooth == "off":
             return build_plan(ckpt, src, dst, options, dry_run=dry_run)
-        source, loras = _view(ckpt, mapping, options)
+        source, loras = source_view(ckpt, mapping, options)
         options = _promoted(options, loras)
         plan = build_plan(source, src, dst, options, dry_run=dry_run)
         plan.warnings += getattr(source, "notes", [])
@@ -89,12 +88,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, options: ConvertOpti
         source, loras = ckpt, None
         smoothed, smooth_report = None, None
         if not mapping.trivial or options.loras or options.smooth != "off":
-            source, loras = _view(ckpt, mapping, options)
+            source, loras = source_view(ckpt, mapping, options)
             options = _promoted(options, loras)
         if options.smooth != "off":  # after any LoRA is baked: the factors fit the merged weights
             from h3quant.pipelines.convert import smoothing
 
-            smoothed, smooth_report = smoothing.apply(source, options, src, log)
+            if precomputed is not None:  # the one pass chose them block by block
+                smoothed, smooth_report = precomputed.smoothed, precomputed.smoothing
+                smoothing.fold_found(source, smoothed, smooth_report, log)
+            else:
+                smoothed, smooth_report = smoothing.apply(source, options, src, log)
         if not mapping.trivial:
             log(f"input naming: {det.naming} ({det.evidence}); written as ComfyUI's single file")
             for name in mapping.unused:
@@ -177,55 +180,6 @@ def native_target(src: str | os.PathLike, naming: str = "auto", *, mmap: bool = 
     with open_source(Path(src), mmap=mmap) as ckpt:
         _, mapping = adopt_mapping(ckpt, naming)
         return bake.native_target(SourceView(ckpt, mapping, True))
-
-
-def _view(ckpt: Checkpoint, mapping, options: ConvertOptions):
-    """(``ckpt`` seen as ComfyUI's single file, the LoRAs baked into it or None)."""
-    view = SourceView(ckpt, mapping, options.codec.spec.quantized,
-                            _untouched_fp8(mapping, options) if options.codec.spec.quantized
-                            else frozenset())
-    loras = None
-    if options.loras:  # read once, resolved against the logical ComfyUI shapes
-        from h3quant.pipelines.convert import bake, lora
-
-        quantized = bake.quantized_layers(view)
-        loras = lora.load(options.loras, bake.logical_shapes(view, quantized),
-                          options.lora_skip_unmatched)
-        if view.kept & loras.layers:  # merged in float from the fp8 decode, then written BF16
-            view.unkeep(loras.layers)
-            quantized = bake.quantized_layers(view)
-        bake.apply(view, loras, quantized)
-    return cast(Checkpoint, view), loras
-
-
-def _untouched_fp8(mapping, options: ConvertOptions) -> frozenset[str]:
-    """The fp8 weights this conversion copies rather than re-encodes (no preset, filter or
-    rule picks their layer): kept as float8 layers (codes and scale unchanged) where their
-    stored form allows, else shown as BF16 (rounded once, as ComfyUI computes with them);
-    never widened to F32, so an fp8 -> int8 file is never larger than its BF16 equivalent."""
-    from h3quant.pipelines.convert.options import is_h3, preset_selects, wide_rules
-
-    from types import SimpleNamespace
-
-    from h3quant.h3.naming import staged_entries
-
-    headers = {n: SimpleNamespace(name=n, dtype=d, shape=s)
-               for n, (d, s) in staged_entries(mapping, True).items()}
-    preset = options.preset or ("h3" if is_h3(headers) else "all-linears")
-    wide = wide_rules(options, preset, {n[: -len(".weight")]: h.shape for n, h in headers.items()
-                                        if n.endswith(".weight")}) if options.layers else ()
-    out = set()
-    for t in mapping.targets:
-        if not (t.fp8 and t.name.endswith(".weight")):
-            continue
-        layer = t.name[: -len(".weight")]
-        rule, sub = options.for_layer(layer)
-        if rule in wide and sub is not None:
-            continue  # a rule picks it
-        if preset_selects(preset, layer, "F32", 2, False) and options.filtered(layer):
-            continue
-        out.add(t.name)
-    return frozenset(out)
 
 
 def _promoted(options: ConvertOptions, loras) -> ConvertOptions:

@@ -15,8 +15,15 @@ No statistics file: for each DiT block ``b`` in order,
    bytes); ``feedback="quantized"`` runs them through the block as just quantized (its linears
    on the runtime path, as the device runs the file), so block ``b+1`` is measured on what it
    will really see (slower; no better on the synthetic measurement, docs/calibration.md);
-4. **write**: the hidden states (a new file per block, the previous one removed after) and the
-   state file are saved, each atomically, to the work folder.
+4. **write**: every call's hidden state (a file per call and block, the previous block's
+   removed after) and the state file are saved, each atomically, to the work folder.
+
+The hidden states are held by ``calibration.hidden.HiddenStates`` within
+``options.memory_budget``: beyond it, calls are spilled to the work folder as they are computed
+and read back per call. With ``options.smooth == "auto"`` block ``b``'s smoothing is searched on
+block ``b``'s statistics after its capture and folded into a view of the input before its
+layers are encoded (``convert.smoothing``); the factors are kept in the block file. The capture
+(and a quantized feedback) run on ``options.device``; the encoding on the CPU.
 
 The work folder is ``OUT.h3q-onepass``. Its ``state.json`` holds the checksums of the
 checkpoint (header), of every input file and of the options, and the checksum of each finished
@@ -44,12 +51,14 @@ from h3quant.h3 import layouts
 from h3quant.pipelines.capture import sha256_file
 
 WORK_SUFFIX = ".h3q-onepass"
-STATE_VERSION = 1
+STATE_VERSION = 2
 PHASES = ("capture", "factorisation", "feedback", "write")
 ENTRIES_KEY = "h3quant.onepass.entries"
+SMOOTHING_KEY = "h3quant.onepass.smoothing"  # the block's smoothing search (report entries)
+SMOOTH_PREFIX = "smooth/"  # a block file's smoothing factors: "smooth/" + layer name
 # options that change no output byte and no report entry: a resumed run may change them
 _FREE = ("workers", "mmap", "overwrite", "calibrate_on", "calibration", "calibration_heldout",
-         "naming", "loras", "lora_skip_unmatched", "lora_warn", "lora_promote")
+         "naming", "loras", "lora_skip_unmatched", "lora_warn", "lora_promote", "memory_budget")
 
 
 def work_dir(dst) -> Path:
@@ -113,10 +122,11 @@ def _check_resume(work: Path, key: dict) -> dict | None:
             raise UsageError(f"--calibrate-on: the saved block file {item['file']} is missing or "
                              "damaged" + hint, path=work)
     if state.get("blocks"):
-        f = work / str(state.get("hidden"))
-        if not f.is_file() or sha256_file(f) != state.get("hidden_sha256"):
-            raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
-                             + hint, path=work)
+        for name, sha in state.get("hidden") or [["(none)", ""]]:
+            f = work / str(name)
+            if not f.is_file() or sha256_file(f) != sha:
+                raise UsageError("--calibrate-on: the saved hidden states are missing or damaged"
+                                 + hint, path=work)
     return state
 
 
@@ -129,13 +139,19 @@ class BlockFiles:
         self._files = []
         self._where: dict[str, SafetensorsFile] = {}
         self.entries: dict[str, dict] = {}
+        self.smoothed: dict = {}  # layer -> its smoothing factors (smoothing.fold_found)
+        self.smoothing: dict[str, dict] = {}  # layer -> the search's report entry
         for item in blocks:
             fh = SafetensorsFile(work / item["file"], mmap=False)
             self._files.append(fh)
             entries = json.loads(fh.metadata.get(ENTRIES_KEY, "{}"))
             self.entries.update(entries)
-            for name in fh.tensors:
-                self._where[name] = fh
+            self.smoothing.update(json.loads(fh.metadata.get(SMOOTHING_KEY, "{}")))
+            for name, info in fh.tensors.items():
+                if name.startswith(SMOOTH_PREFIX):
+                    self.smoothed[name[len(SMOOTH_PREFIX):]] = fh.read(info).clone()
+                else:
+                    self._where[name] = fh
 
     def __contains__(self, layer: str) -> bool:
         return layer in self.entries
@@ -179,15 +195,10 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
     blocks were finished in this call (tests of the resume)."""
     import torch
 
-    from h3quant.calibration.capture import (
-        BlockWriter,
-        Recording,
-        layer_widths,
-        sample_indices,
-        stats_layout,
-    )
+    from h3quant.calibration.capture import layer_widths, sample_indices
     from h3quant.calibration.fingerprint import checkpoint_fingerprint
-    from h3quant.calibration.stats import LINEARS, META_KEY, VERSION
+    from h3quant.calibration.hidden import HiddenStates, call_bytes, default_budget
+    from h3quant.calibration.stats import VERSION
     from h3quant.sources import adopt_mapping, open_source
     from h3quant.pipelines.capture import describe_inputs
     from h3quant.pipelines.convert.plan import build_plan
@@ -210,20 +221,9 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
            "inputs": [[d["file"], d["sha256"]] for d in described],
            "options": _options_key(options)}
     work = work_dir(dst)
-    state = _check_resume(work, key)
-    if state is None:
-        if work.exists():
-            shutil.rmtree(work)  # a run killed before its first block: nothing to keep
-        work.mkdir(parents=True)
-        state = {"key": key, "blocks": [], "times": []}
-        _write_json(work / "state.json", state)
-    else:
-        log(f"resuming {work}: {len(state['blocks'])} block(s) already done")
-    done = {b["block"] for b in state["blocks"]}
-
     t_start = time.perf_counter()
     with open_source(src, mmap=options.mmap) as ckpt, \
-            H3Model.open(src, "cpu", linear="reference") as model:
+            H3Model.open(src, options.device, linear="reference") as model:
         det, mapping = adopt_mapping(ckpt, options.naming)
         if not mapping.trivial:
             raise UsageError("--calibrate-on takes ComfyUI's single file; convert this "
@@ -231,97 +231,78 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
         plan = build_plan(ckpt, src, dst, options)
         widths = layer_widths(model)
         blocks = list(model.blocks)
-
-        def calls():
-            for p, item in zip(inputs, described):
-                v, a, t = load_tensors(p, model.video_channels, model.audio_channels,
-                                       model.text_dim)
-                yield model.start(v, a, t, float(item["sigma"]))
-
+        store = HiddenStates(work, call_bytes(described, model.hidden),
+                             default_budget() if options.memory_budget is None
+                             else options.memory_budget, keep_all=True)
+        state = _check_resume(work, key)
+        if state is None:
+            if work.exists():
+                shutil.rmtree(work)  # a run killed before its first block: nothing to keep
+            work.mkdir(parents=True)
+            state = {"key": key, "blocks": [], "times": []}
+            _write_json(work / "state.json", state)
+        else:
+            log(f"resuming {work}: {len(state['blocks'])} block(s) already done")
+        done = {b["block"] for b in state["blocks"]}
+        log(store.summary())
+        gen = len(state["blocks"])  # the saved hidden states: after this many blocks
+        store.clean(keep=lambda g: bool(done) and g == gen)  # a killed run's leftovers
+        states, dtype = [], torch.float32
         with torch.no_grad():
-            states = list(calls())
+            for i, (p, item) in enumerate(zip(inputs, described)):
+                v, a, tx = load_tensors(p, model.video_channels, model.audio_channels,
+                                        model.text_dim)
+                st = model.start(v, a, tx, float(item["sigma"]))
+                if not done:  # one call at a time: a spilled one goes to disk at once
+                    store.put(0, i, st.x)
+                dtype, st.x = st.x.dtype, st.x.new_empty(0)  # the store holds it
+                states.append(st)
         if done:
-            _load_hidden(work / state["hidden"], states)
-        seq = sum(int(st.x.shape[0]) for st in states)
+            store.adopt(gen, model.tdev, dtype)
+        seq = sum(int(st.layout.rows) for st in states)
         keep = sample_indices(seq)
         times: list[dict] = list(state.get("times", []))
         finished_now = 0
-        for b in blocks:
-            if b in done:
-                continue
-            t: dict[str, float] = {"block": b}
-            t0 = time.perf_counter()
-            # 1. capture: the float block on every call, its linears recording
-            with torch.no_grad():
-                block = model.load_block(b, states[0].x.dtype)
-                rec = {}
-                for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
-                    k = f"blocks.{b}.{lin}"
-                    rec[k] = Recording(getattr(block, attr), widths[k], model.tdev, keep)
-                    setattr(block, attr, rec[k])
-                for st in states:
-                    out = block(st.x, st.cond)
-                    if options.feedback == "float":  # the float outputs are the next states
-                        st.x = out
-                    del out  # else the quantized block gives them (feedback, below)
-                del block
-                model.release_block(b)
-            mine = {k: widths[k] for k in rec}
-            meta = {"version": VERSION, "checkpoint": fp, "blocks": len(blocks),
-                    "inputs": described, "forward": options.feedback, "rows": {k: seq for k in mine},
-                    "sample_rows": len(keep)}
-            stats_path = work / "stats.safetensors"
-            writer = BlockWriter(stats_path, stats_layout(mine, {META_KEY: json.dumps(meta, sort_keys=True)},
-                                                          len(keep)))
-            try:
-                for k, r in rec.items():
-                    writer.write_tensor(f"{k}.hessian", r.h.cpu())
-                    writer.write_tensor(f"{k}.absmean",
-                                        (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu())
-                    writer.write_tensor(f"{k}.absmax", r.abs_max.cpu())
-                    writer.write_tensor(f"{k}.sample", r.sample)
-            finally:
-                writer.close(True)
-            del rec
-            t["capture"] = time.perf_counter() - t0
-            # 2. factorisation: the block's layers encoded with them
-            t1 = time.perf_counter()
-            part = work / f"block_{b:03d}.safetensors"
-            _encode_block(plan, ckpt, b, stats_path, src, part, options.workers)
-            t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
-            stats_path.unlink()
-            t["factorisation"] = time.perf_counter() - t1
-            # 3. feedback: the states move on through the quantized (or the float) block
-            t2 = time.perf_counter()
-            with torch.no_grad():
-                if options.feedback != "float":
-                    qblock = _quantized_block(model, b, part, states[0].x.dtype)
-                    for st in states:
-                        st.x = qblock(st.x, st.cond)
-                    del qblock
-            t["feedback"] = time.perf_counter() - t2
-            # 4. write: the states and the state file, atomically
-            t3 = time.perf_counter()
-            before = state.get("hidden")
-            hidden = work / f"hidden_{b:03d}.safetensors"  # a kill at any point leaves the
-            _save_hidden(hidden, states)  # state file naming a complete, checked set
-            state["blocks"].append({"block": b, "file": part.name, "sha256": sha256_file(part)})
-            state["hidden"], state["hidden_sha256"] = hidden.name, sha256_file(hidden)
-            t["write"] = time.perf_counter() - t3
-            t["total"] = time.perf_counter() - t0
-            t["peak_rss_bytes"] = _peak_rss()
-            times.append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()})
-            state["times"] = times
-            _write_json(work / "state.json", state)
-            if before and before != hidden.name:
-                (work / before).unlink(missing_ok=True)
-            finished_now += 1
-            left = len(blocks) - len(state["blocks"])
-            mean = sum(x["total"] for x in times) / len(times)
-            log(f"block {b + 1}/{len(blocks)}: " + ", ".join(f"{p} {t[p]:.1f} s" for p in PHASES)
-                + f"; ETA {_fmt(mean * left)} for {left} block(s)")
-            if stop_after is not None and finished_now >= stop_after:
-                return None
+        try:
+            for b in blocks:
+                if b in done:
+                    continue
+                t = _run_block(b, gen, model=model, plan=plan, ckpt=ckpt, mapping=mapping,
+                               src=src, work=work, log=log,
+                               options=options, states=states, store=store, dtype=dtype,
+                               widths=widths, keep=keep, meta={
+                                   "version": VERSION, "checkpoint": fp, "blocks": len(blocks),
+                                   "inputs": described, "forward": options.feedback,
+                                   "sample_rows": len(keep)})
+                # write: every call's state file and the state file, atomically
+                t3 = time.perf_counter()
+                saved = store.persist(gen + 1)  # a kill at any point leaves the state file
+                part = work / f"block_{b:03d}.safetensors"  # naming a complete, checked set
+                state["blocks"].append({"block": b, "file": part.name,
+                                        "sha256": sha256_file(part)})
+                state["hidden"] = [[f.name, sha256_file(f)] for f in saved]
+                t["write"] = time.perf_counter() - t3
+                t["total"] = time.perf_counter() - t["start"]
+                del t["start"]
+                t["peak_rss_bytes"] = _peak_rss()
+                times.append({k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in t.items()})
+                state["times"] = times
+                _write_json(work / "state.json", state)
+                store.drop(gen)
+                gen += 1
+                finished_now += 1
+                left = len(blocks) - len(state["blocks"])
+                mean = sum(x["total"] for x in times) / len(times)
+                log(f"block {b + 1}/{len(blocks)}: "
+                    + ", ".join(f"{p} {t[p]:.1f} s" for p in PHASES)
+                    + f"; ETA {_fmt(mean * left)} for {left} block(s)")
+                if stop_after is not None and finished_now >= stop_after:
+                    return None
+        except BaseException:  # Ctrl-C, SIGTERM, an error: the unfinished block's states go;
+            store.clean(keep=lambda g: g == gen)  # the last finished one's stay, to resume
+            (work / "stats.safetensors").unlink(missing_ok=True)
+            raise
     # 5. the output, with the block linears copied from the block files
     parts = BlockFiles(work, state["blocks"])
     try:
@@ -335,6 +316,75 @@ def onepass_convert(src, dst, options, *, progress: bool = False, log=None, repo
                                "this_run_s": round(time.perf_counter() - t_start, 3)}
     shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def _run_block(b: int, gen: int, *, model, plan, ckpt, mapping, src, work: Path, log, options,
+               states, store, dtype, widths, keep, meta) -> dict:
+    """Block ``b``'s capture, factorisation and feedback (the module docstring's phases 1-3),
+    the calls' states read from ``store`` after ``gen`` blocks and put back after ``gen + 1``;
+    the phases' times."""
+    import torch
+
+    from h3quant.calibration.capture import BlockWriter, recording_block, stats_layout, \
+        write_recordings
+    from h3quant.calibration.stats import META_KEY
+
+    t: dict = {"block": b, "start": time.perf_counter()}
+    dev = model.tdev
+    # 1. capture: the float block on every call, its linears recording
+    with torch.no_grad():
+        block, rec = recording_block(model, b, dtype, widths, keep)
+        for i, st in enumerate(states):
+            out = block(store.get(gen, i, dev, dtype), st.cond)
+            if options.feedback == "float":  # the float outputs are the next states
+                store.put(gen + 1, i, out)
+            del out  # else the quantized block gives them (feedback, below)
+        del block
+        model.release_block(b)
+    mine = {k: widths[k] for k in rec}
+    seq = next(iter(rec.values())).rows
+    meta = {**meta, "rows": {k: seq for k in mine}}
+    stats_path = work / "stats.safetensors"
+    writer = BlockWriter(stats_path, stats_layout(
+        mine, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep)))
+    try:
+        write_recordings(writer, rec)
+    finally:
+        writer.close(True)
+    del rec
+    t["capture"] = time.perf_counter() - t["start"]
+    # 2. factorisation: the block's layers encoded with them
+    t1 = time.perf_counter()
+    part = work / f"block_{b:03d}.safetensors"
+    found: dict = {}
+    report: dict = {}
+    source = ckpt
+    if options.smooth != "off":  # block b's factors, from block b's statistics, folded exactly
+        from h3quant.calibration.stats import Statistics  # as convert --calibration does
+        from h3quant.pipelines.convert.smoothing import fold_into, search
+        from h3quant.pipelines.convert.view import source_view
+
+        source, _ = source_view(ckpt, mapping, options)
+        with Statistics(stats_path) as st:
+            found, report = search(source, st, options, log)
+        fold_into(source, found)
+        from h3quant.pipelines.convert.plan import build_plan
+
+        plan = build_plan(source, src, plan.dst, options)  # the view's own offsets
+    _encode_block(plan, source, b, stats_path, src, part, options.workers, found, report)
+    t["work_bytes"] = _folder_bytes(work)  # its peak: the block's statistics still there
+    stats_path.unlink()
+    t["factorisation"] = time.perf_counter() - t1
+    # 3. feedback: the states move on through the quantized (or the float) block
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        if options.feedback != "float":
+            qblock = _quantized_block(model, b, part, dtype)
+            for i, st in enumerate(states):
+                store.put(gen + 1, i, qblock(store.get(gen, i, dev, dtype), st.cond))
+            del qblock
+    t["feedback"] = time.perf_counter() - t2
+    return t
 
 
 class _MemorySink:
@@ -364,13 +414,16 @@ class _MemorySink:
         pass
 
 
-def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> None:
-    """Block ``b``'s planned layers through convert's layer pass, into the file ``part``."""
+def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int, found: dict,
+                  smoothing: dict) -> None:
+    """Block ``b``'s planned layers through convert's layer pass, into the file ``part``
+    (``ckpt``: the input, or a view of it with the block's smoothing ``found`` folded in;
+    the factors and the search's ``smoothing`` report are kept in the file too)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import torch
 
-    from h3quant.formats.container.writer import plan_layout
+    from h3quant.formats.container.writer import Entry, plan_layout, tensor_bytes
     from h3quant.pipelines.convert.calibrated import Calibration
     from h3quant.pipelines.convert.folds import ChannelScales
     from h3quant.pipelines.convert.io import OffsetWriter, Reader, by_input_offset
@@ -392,7 +445,7 @@ def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> No
     failures: list[dict] = []
     reader = Reader(ckpt)
     sink = _MemorySink(entries)
-    plan.calibration = Calibration(str(stats_path), src)
+    plan.calibration = Calibration(str(stats_path), src, smoothed=found or None)
     pool = ThreadPoolExecutor(workers) if workers > 1 else None
     threads = torch.get_num_threads()
     if workers > 1:
@@ -409,12 +462,18 @@ def _encode_block(plan, ckpt, b: int, stats_path, src, part, workers: int) -> No
         if failures:
             raise LayerFailures(f"{len(failures)} layer(s) failed to convert; nothing written: "
                                 + "; ".join(f"{f['name']}: {f['error']}" for f in failures))
+        factors = {SMOOTH_PREFIX + name: s.to(torch.float32).contiguous()
+                   for name, s in found.items()}
+        entries += [Entry(name, "F32", tuple(s.shape)) for name, s in factors.items()]
         layout = plan_layout(entries, {**(metadata or {}),
-                                       ENTRIES_KEY: json.dumps(results, sort_keys=True)})
+                                       ENTRIES_KEY: json.dumps(results, sort_keys=True),
+                                       SMOOTHING_KEY: json.dumps(smoothing, sort_keys=True)})
         with OffsetWriter(part, layout) as w:
             for name, buf in sink.bufs.items():
                 if buf:
                     w.write(name, 0, buf)
+            for name, s in factors.items():
+                w.write(name, 0, tensor_bytes(s))
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
@@ -458,26 +517,6 @@ def _peak_rss() -> int:
     from h3quant.formats.container.platform import max_rss_bytes
 
     return max_rss_bytes() or 0
-
-
-def _save_hidden(path: Path, states) -> None:
-    from h3quant.formats.container.writer import save_tensors
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_tensors(tmp, {f"x.{i}": st.x.detach().cpu().contiguous() for i, st in enumerate(states)})
-    os.replace(tmp, path)
-
-
-def _load_hidden(path: Path, states) -> None:
-    from h3quant.formats.container.reader import SafetensorsFile
-
-    with SafetensorsFile(path, mmap=False) as fh:
-        for i, st in enumerate(states):
-            x = fh.read(fh.tensors[f"x.{i}"])
-            if tuple(x.shape) != tuple(st.x.shape):
-                raise UsageError("--calibrate-on: the saved hidden states do not fit the inputs",
-                                 path=path)
-            st.x = x.to(st.x.device, st.x.dtype).clone()
 
 
 __all__ = ["PHASES", "WORK_SUFFIX", "BlockFiles", "onepass_convert", "work_dir"]

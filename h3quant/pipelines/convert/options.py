@@ -70,6 +70,9 @@ class ConvertOptions:
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
     feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     activation_aware: str = "off"  # "auto": feedback models the runtime's input rounding
+    device: str = "cpu"  # one pass: where the capture and the feedback run
+    memory_budget: int | None = None  # one pass: bytes for the calls' hidden states (None: half
+    # the memory available); beyond it they are spilled to the work folder
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -94,9 +97,16 @@ class ConvertOptions:
                                "(inputs, one pass), not both")
         if self.feedback not in ("quantized", "float"):
             raise ConvertError(f"--feedback must be quantized or float, got {self.feedback!r}")
-        if self.calibrate_on and self.smooth != "off":
-            raise ConvertError("--smooth with --calibrate-on is not available: run 'h3quant "
-                               "capture', then convert --calibration --smooth auto")
+        if self.device != "cpu" and not self.calibrate_on:
+            raise ConvertError("--device applies to --calibrate-on (the layers are encoded on "
+                               "the CPU)")
+        if self.memory_budget is not None and not self.calibrate_on:
+            raise ConvertError("--memory-budget applies to --calibrate-on")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConvertError(f"--memory-budget must be more than 0 bytes, got {self.memory_budget}")
+        if self.calibrate_on and self.smooth != "off" and self.feedback != "float":
+            raise ConvertError("--smooth with --calibrate-on takes --feedback float (the "
+                               "quantized feedback does not run smoothed blocks)")
         refusal = registry.target_codec(self.target).spec.encoding.write_refusal
         if refusal and not statistics:  # written from statistics only
             raise ConvertError(f"--to {self.target}: {refusal}")
@@ -114,9 +124,9 @@ class ConvertOptions:
                                "done from statistics)")
         if self.smooth not in ("auto", "off"):
             raise ConvertError(f"--smooth must be auto or off, got {self.smooth!r}")
-        if self.smooth == "auto" and not self.calibration:
-            raise ConvertError("--smooth auto needs --calibration (the factors are chosen from "
-                               "the statistics)")
+        if self.smooth == "auto" and not statistics:
+            raise ConvertError("--smooth auto needs --calibration or --calibrate-on (the factors "
+                               "are chosen from the statistics)")
         if self.activation_aware not in ("auto", "off"):
             raise ConvertError("--activation-aware must be auto or off, got "
                                f"{self.activation_aware!r}")

@@ -194,12 +194,18 @@ def apply(view, options, src, log) -> tuple[dict, dict]:
     with Statistics(options.calibration) as stats:
         stats.check_checkpoint(checkpoint_fingerprint(src))
         found, report = search(view, stats, options, log)
+    fold_found(view, found, report, log)
+    return found, report
+
+
+def fold_found(view, found: dict, report: dict, log) -> None:
+    """Fold the factors ``found`` (``search``'s, or the one pass's block by block) into ``view``
+    and name the smoothed layers in its header."""
     fold_into(view, found)
     if found:  # the smoothed layers, for tools reading the output (the report has the details)
         view.extra_metadata[HEADER_KEY] = json.dumps(sorted(found), separators=(",", ":"))
     log(f"smoothing: {len(found)} of {len(report)} searched layers smoothed")
-    return found, report
 
 
-__all__ = ["HEADER_KEY", "apply", "eligible", "fold_into", "layer_choice", "search",
-           "touched"]
+__all__ = ["HEADER_KEY", "apply", "eligible", "fold_found", "fold_into", "layer_choice",
+           "search", "touched"]
