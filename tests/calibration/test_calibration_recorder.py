@@ -194,7 +194,7 @@ def test_node_package_through_the_one_line_shim(tmp_path, monkeypatch):
     from h3quant.formats.container.reader import SafetensorsFile
 
     _comfy_modules(monkeypatch, tmp_path)
-    shim = Path(__file__).resolve().parents[1] / "docs" / "examples" / "h3quant_recorder_node.py"
+    shim = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h3quant_recorder_node.py"
     assert len(shim.read_text().strip().splitlines()) == 1  # the one-line shim
     mappings = _load_custom_node(shim)
     node = mappings["H3QuantRecordInputs"]()

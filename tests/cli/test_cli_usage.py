@@ -13,7 +13,7 @@ from helpers.h3files import write
 
 from h3quant.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args, env=None):

@@ -15,7 +15,7 @@ from h3quant.cli import main
 from h3quant.errors import UsageError
 from h3quant.pipelines.inputs_file import expand_inputs, single_input
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _touch(d: Path, *names) -> list[Path]:

@@ -119,7 +119,7 @@ def test_several_loras_in_order(tmp_path):
 
 def test_bf16_bake_is_bit_exact_to_independent_merge(tmp_path):
     """ComfyUI's arithmetic (fp32 up @ down, scaled, added to the fp32 weight, rounded once);
-    tests/test_lora_comfy_merge.py covers several adapters, alphas and row blocks."""
+    tests/pipelines/convert/test_lora_comfy_merge.py covers several adapters, alphas and row blocks."""
     rng = np.random.default_rng(4)
     a, b = _pair(rng, CFG.hidden, CFG.ffn, 4)
     path = _write(tmp_path / "c.safetensors", {"diffusion_model.blocks.0.mlp.fc2.lora_down.weight": a,

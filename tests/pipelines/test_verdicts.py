@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import KITCHEN, _edit_gguf, _edit_safetensors, kitchen_file  # noqa: E402

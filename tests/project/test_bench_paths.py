@@ -23,7 +23,7 @@ from h3quant.convrot import hadamard
 from h3quant.formats import registry
 from h3quant.runtime.paths import group_size_for, layer_path, path_for, runtime_layer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 QUALITY = re.compile(r"sqnr|cosine", re.I)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "device_check.sh"
 NAMES = {"tests-cuda", "model-int8", "model-w4a8", "model-kn", "model-w4a8-as-int8",
          "model-int8-kitchen", "model-fp8", "model-fp8-e5m2", "model-mxfp8", "model-nvfp4",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "h3quant"
 SOURCES = sorted(PKG.rglob("*.py"))
 
@@ -301,7 +301,7 @@ def test_suite_started_with_sigint_ignored_still_interrupts_its_children(tmp_pat
     import signal
 
     res = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
-               "tests/test_convert_safety.py::test_sigint_mid_run_leaves_nothing[1-60]",
+               "tests/pipelines/convert/test_convert_safety.py::test_sigint_mid_run_leaves_nothing[1-60]",
                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 

@@ -12,7 +12,7 @@ from h3quant.h3 import layouts
 from h3quant import device_kinds
 from h3quant.errors import TpError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "h3quant"
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import h3quant
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib")
 
 

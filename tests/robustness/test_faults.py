@@ -23,7 +23,7 @@ from h3quant.formats.container import atomic
 from h3quant.formats.container.checkpoint import Checkpoint
 from h3quant.pipelines.convert import ConvertOptions, convert
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

@@ -19,7 +19,7 @@ from h3quant.formats.container import atomic
 
 pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

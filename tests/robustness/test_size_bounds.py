@@ -17,7 +17,7 @@ from helpers.h3files import small_h3, write
 from h3quant import limits
 from h3quant.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 AS_LIMIT = 6 << 30  # bytes of address space for a child (torch alone maps about 1.5 GB)
 

@@ -13,7 +13,7 @@ import torch
 from helpers.forge import cli, codes, expect_error, float_layer, layout, raw_file, save, simple, validate
 from h3quant.formats.container.writer import save_tensors
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 # ----------------------------------------------------------------------------- header

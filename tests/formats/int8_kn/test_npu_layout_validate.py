@@ -157,6 +157,6 @@ def test_header_only_commands_on_a_kn_file_do_not_import_torch(tmp_path):
             "assert 'Q110' in {f.code for f in v.findings}; "
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1], check=False)
+                         cwd=Path(__file__).resolve().parents[3], check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"

@@ -106,7 +106,7 @@ def test_the_copies_start_before_torch_is_imported(src, tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
     dst = tmp_path / "out" / "o.safetensors"
     dst.parent.mkdir()
@@ -127,7 +127,7 @@ def test_the_planning_and_copying_modules_do_not_import_torch():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     code = ("import sys\n"
             "import h3quant.cli.convert_cmd, h3quant.cli.render, h3quant.pipelines.convert\n"
             "import h3quant.pipelines.convert.stream, h3quant.pipelines.convert.io\n"
@@ -184,7 +184,7 @@ def test_a_finished_convert_process_exits_without_the_interpreter_teardown(src, 
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
 
     def child(*args):
         return subprocess.run([sys.executable, "-c", _EXIT_CHILD, *map(str, args)],

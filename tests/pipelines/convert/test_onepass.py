@@ -85,7 +85,7 @@ convert(sys.argv[1], sys.argv[2], ConvertOptions(target=sys.argv[3], calibrate_o
 
 
 def _killed_run(world, out: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     r = subprocess.run([sys.executable, "-c", _KILLER, str(world["src"]), str(out), TARGET,
                         str(world["d"] / "calib")], env=env, capture_output=True, text=True,
                        timeout=900)

@@ -32,7 +32,7 @@ def test_fp8_untouched_linears_are_not_widened(files, tmp_path):
     refiner = [n for n in src if n.startswith("token_refiner.") and n.endswith(".weight")
                and src[n].dtype == torch.float8_e4m3fn]
     assert refiner
-    for n in refiner:  # kept as float8: the same codes (tests/test_convert_fp8_kept.py)
+    for n in refiner:  # kept as float8: the same codes (tests/pipelines/convert/test_convert_fp8_kept.py)
         assert got[n].dtype == torch.float8_e4m3fn
         assert torch.equal(got[n].view(torch.uint8), src[n].view(torch.uint8)), n
     widened = [n for n in got if n in src and src[n].dtype == torch.float8_e4m3fn

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 5  # --tp-timeout of every case
 BOUND = 30  # seconds a case may take in all (start-up of torch included)
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",

@@ -23,7 +23,7 @@ from h3quant.runtime.tp.plan import TpError
 
 pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow subset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
