@@ -20,11 +20,6 @@ LAYER_KEYS = ["name", "format", "N", "K", "dtypes", "bits_per_weight", "source",
 
 
 @pytest.fixture(scope="module")
-def h3(tmp_path_factory):
-    return quantized_synth(tmp_path_factory.mktemp("h3") / "h3_int8.safetensors")
-
-
-@pytest.fixture(scope="module")
 def h3_markers_only(tmp_path_factory):
     return quantized_synth(tmp_path_factory.mktemp("h3m") / "h3_int8_t.safetensors", header=False)
 

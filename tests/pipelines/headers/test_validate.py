@@ -13,7 +13,6 @@ from helpers.forge import (
     expect_error,
     float_layer,
     int8_layer,
-    quantized_synth,
     save,
     validate,
     w4a8_layer,
@@ -24,11 +23,6 @@ from h3quant.pipelines.headers.validate import validate_checkpoint
 from h3quant.synth import synth_checkpoint
 
 KEYS = ["path", "ok", "deep", "counts", "checked", "findings", "loads", "loader"]
-
-
-@pytest.fixture(scope="module")
-def h3(tmp_path_factory):
-    return quantized_synth(tmp_path_factory.mktemp("h3") / "h3_int8.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MAS
                  "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
-@pytest.fixture(scope="module")
-def files(tp_files):
-    return tp_files
-
-
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env.update(PYTHONPATH=str(ROOT), **extra)

@@ -109,11 +109,6 @@ def test_shared_quantizer_equals_the_codec_on_one_rank():
 # ------------------------------------------------------------------------- per-rank reads
 
 
-@pytest.fixture(scope="module")
-def files(tp_files):
-    return tp_files
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "w4a8", "kn"])
 @pytest.mark.parametrize("mmap", [True, False])

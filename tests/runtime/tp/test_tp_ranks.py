@@ -26,11 +26,6 @@ pytestmark = pytest.mark.slow  # processes / tensor-parallel ranks: the slow sub
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def files(tp_files):
-    return tp_files
-
-
 def _run(path, tp, mode="shared", **kw):
     return verify_tp(path, tp=tp, scale_mode=mode, device="cpu", blocks=1, tokens=8,
                      start_method="fork", timeout_s=60, **kw)
