@@ -185,13 +185,18 @@ def _decoded(tensors, name):
 
 
 def test_scaling_lowers_heldout_output_error(world):
-    """The layers as written (the scaled file's divided back by the searched ``s``, the plain
-    file's, which test_no_awq_scale_writes_the_unscaled_encoder_output ties to the encoder)
-    against the float weights, weighted by the statistics of held-out inputs."""
+    """The layers as written (the scaled file's divided back by its ``s``, the plain file's, which
+    test_no_awq_scale_writes_the_unscaled_encoder_output ties to the encoder) against the float
+    weights, weighted by the statistics of held-out inputs. ``s`` is recomputed here from the
+    reported alpha and the statistics' channel magnitudes."""
     from h3quant.calibration.gptq import output_sqnr_db
     from h3quant.calibration.stats import Statistics
-    from h3quant.formats.awq_w4a16.scaling import search_channel_scale
+    from h3quant.formats.awq_w4a16.scaling import ALPHAS, channel_magnitude, scale_for
 
+    grid = torch.linspace(0.0, 1.0, ALPHAS).tolist()  # the search's alphas
+    alphas = {e["name"]: e["calibration"]["channel_scaling"]["alpha"]
+              for e in _entries(world["scaled_report"]) if "channel_scaling" in e.get("calibration", {})}
+    assert len(alphas) == 2 * BLOCKS
     cal, held = Statistics(world["stats"]), Statistics(world["held"])
     written = {key: _layers(world[key])[0] for key in ("plain", "scaled")}
     lines, err = 0, {"plain": 0.0, "scaled": 0.0}
@@ -200,19 +205,19 @@ def test_scaling_lowers_heldout_output_error(world):
             for sub in ("attn.out_proj", "mlp.fc2"):
                 name = f"blocks.{i}.{sub}"
                 w = _float(world["src"], f"{name}.weight")
-                st, h = cal.layer(name), held.layer(name).hessian().double()
-                s, _, info = search_channel_scale(w, st)
+                h = held.layer(name).hessian().double()
                 plain, scaled = (_decoded(written[key], name) for key in ("plain", "scaled"))
-                if s is None:
+                if alphas[name] == 0.0:
                     assert torch.equal(scaled, plain), name  # not scaled: the plain bytes
                 else:
-                    scaled = scaled / s
+                    alpha = min(grid, key=lambda g: abs(g - alphas[name]))  # reported to 4 decimals
+                    assert abs(alpha - alphas[name]) < 1e-4, alphas[name]
+                    scaled = scaled / scale_for(channel_magnitude(cal.layer(name)), alpha)
                 for key, w_hat in (("plain", plain), ("scaled", scaled)):
                     e = (w_hat.double() - w.double())
                     err[key] += float(((e @ h) * e).sum())
                 LOG.info("%s: alpha %s, held-out output SQNR %.2f dB unscaled, %.2f dB scaled",
-                         name, info["alpha"], output_sqnr_db(w, plain, h),
-                         output_sqnr_db(w, scaled, h))
+                         name, alphas[name], output_sqnr_db(w, plain, h), output_sqnr_db(w, scaled, h))
                 lines += 1
     finally:
         cal.close()
