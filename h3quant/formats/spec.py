@@ -163,6 +163,7 @@ class FormatSpec:
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
     weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    linear_dtype_cost: str = ""  # what asking for int8 activations costs (``with_linear_dtype``)
     # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
     # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
     # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
@@ -242,6 +243,11 @@ class FormatSpec:
 
     def skip_reason(self, k: int, marker: dict | None) -> str | None:
         """Why a layer of input width ``k`` cannot be written with ``marker`` (None: it can)."""
+        return None
+
+    def with_linear_dtype(self, marker: dict, dtype: str) -> dict | None:
+        """``marker`` asking ComfyUI's kernel to multiply with ``dtype`` activations (INT4
+        ConvRot's ``linear_dtype``), or None where the format has no such choice."""
         return None
 
     def planned(self, n: int, k: int, marker: dict | None) -> dict[str, tuple[str, tuple]]:

@@ -70,6 +70,7 @@ class ConvertOptions:
     calibrate_on: tuple[str, ...] = ()  # inputs files/folders/globs: one-pass calibration
     feedback: str = "float"  # one pass: block b+1 sees float or quantized block b outputs
     activation_aware: str = "off"  # "auto": feedback models the runtime's input rounding
+    linear_dtype: str | None = None  # a rule's linear=: INT4 ConvRot's activation dtype
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -157,6 +158,7 @@ class ConvertOptions:
                 try:
                     sub = replace(self, target=rule.target, layers=(),
                                   group_size=rule.group_size or self.group_size,
+                                  linear_dtype=rule.linear_dtype,
                                   layout=rule.layout or ("canonical" if registry.with_layout(
                                       registry.target_codec(rule.target), self.layout) is None
                                       else self.layout))
@@ -188,7 +190,10 @@ class ConvertOptions:
 
     def marker(self) -> dict | None:
         """The canonical marker object the target writes (None for a plain float target)."""
-        return self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        marker = self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        if marker is not None and self.linear_dtype is not None:
+            marker = self.codec.spec.with_linear_dtype(marker, self.linear_dtype) or marker
+        return marker
 
     def filtered(self, layer: str) -> bool:
         """True when ``--include``/``--exclude`` keep ``layer`` (``re.search`` on the name)."""
