@@ -283,6 +283,16 @@ def end_to_end(model, tok, texts, max_len, ref):
 A8 = {"linear_dtype": "int8"}
 
 
+def set_damping(damp: float) -> None:
+    """Every GPTQ-class feedback of this process damps ``H`` by ``damp`` (the defaults of
+    ``h3quant.calibration.gptq``'s functions that take it)."""
+    from h3quant.calibration import gptq
+
+    for fn in (gptq.damped, gptq.inverse_factor, gptq.aware_target, gptq.aware_system,
+               gptq.predicted_gain_db):
+        fn.__defaults__ = (damp,)
+
+
 def nsr(module, lin, x: torch.Tensor) -> float:
     """Output error energy over output energy of ``module`` against the float layer on ``x``."""
     with torch.no_grad():
@@ -358,7 +368,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default="8.9",
                     help="compute capability whose comfy-kitchen route --a8 emulates (8.9: the "
                          "int4 MMA for int4 layers; 9.0 and newer run every layer a8)")
+    ap.add_argument("--damp", type=float, default=None,
+                    help="GPTQ damping (share of the mean Hessian diagonal added to it) for this "
+                         "run, instead of h3quant.calibration.gptq.DAMP (a sweep of the setting)")
     args = ap.parse_args(argv)
+    if args.damp is not None:
+        set_damping(args.damp)
     try:
         d = model_dir(args.model)
         model, tok, _ = load_model(d)
@@ -377,7 +392,8 @@ def main(argv=None) -> int:
     smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
     _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
     cal_rows = next(iter(acc.values()))[2]
-    print(f"model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
+    damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
+    print(f"{damp}model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
           f"{model.cfg.hidden}, FFN {model.cfg.intermediate}), fp32 activations; text: "
           f"{len(cal_texts)} calibration passages from {n_cal_docs} documents ({cal_rows} rows "
           f"per layer), {len(held_texts)} held-out passages from {n_held_docs} other documents "

@@ -71,10 +71,10 @@ A8_ROUTE = (8, 0)
 def on_kernel_route(module: torch.nn.Module, capability: tuple[int, int]) -> torch.nn.Module:
     """``module`` (a runtime module of a format whose codec has ``kernel_route``) switched to
     the arithmetic of comfy-kitchen's kernels on a GPU of ``capability``, emulated."""
-    codec = getattr(module, "codec", None)
-    if not hasattr(codec, "kernel_route"):
-        raise ValueError(f"{getattr(codec, 'spec', None) and codec.spec.name} layers have no "
-                         "emulated GPU kernel route")
+    from h3quant.runtime.decoded import DecodedLinear
+
+    if not isinstance(module, DecodedLinear) or not hasattr(module.codec, "kernel_route"):
+        raise ValueError(f"{module!r} has no emulated GPU kernel route")
     module.emulated, module.backend_name = True, "emulated"
     module.kernel_capability = (int(capability[0]), int(capability[1]))
     return module

@@ -252,8 +252,9 @@ def _speed_note(fmt: str) -> str:
     from h3quant.pipelines.convert.recipe import parse_format
 
     target, opts = parse_format(split_calibrated(fmt)[0])
-    dtype = opts.get("linear_dtype")
-    note = registry.target_codec(target).spec.linear_dtype_cost if dtype == "int8" else ""
+    if target is None or opts.get("linear_dtype") != "int8":
+        return ""
+    note = registry.target_codec(target).spec.linear_dtype_cost
     return f" ({note})" if note else ""
 
 
