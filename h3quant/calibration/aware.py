@@ -51,10 +51,10 @@ def input_rounding(codec, marker: dict | None,
         capability = (8, 0)
     if capability is not None and hasattr(codec, "kernel_route"):
         return lambda x: codec.rounded_inputs(x.to(torch.float32), fields, capability)
-    emulation = getattr(codec, "emulation", None)
+    emulation = codec.spec.runtime.emulation
     if emulation is not None and "cpu" in emulation[1] and hasattr(codec, "rounded_inputs"):
         return lambda x: codec.rounded_inputs(x.to(torch.float32), fields)
-    if codec.decodes and hasattr(codec, "decode_weight"):
+    if codec.spec.runtime.decodes and hasattr(codec, "decode_weight"):
         return None
     from h3quant.runtime.int8_math import quantize_activation, rotate_activation
 

@@ -111,9 +111,9 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool]:
         layers = {n: dict(lay.fields or {}) for n, lay in scan.quantized.items()}
     w4a8 = registry.spec(origin.W4A8)
     for n in from_w4a8 & set(layers):  # int8 converted from W4A8 carries W4A8's error
-        if w4a8 is not None and w4a8.targets:
+        if w4a8 is not None and w4a8.encoding.targets:
             rot = int(layers[n].get("convrot_groupsize", 256))
-            layers[n] = dict(w4a8.marker(w4a8.targets[0], rot) or {})  # ConvRot group as stored
+            layers[n] = dict(w4a8.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
     return layers, False
 
 
@@ -183,8 +183,8 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
                 # encode that one, which the runtime runs with the same arithmetic
                 fields = {**fields, "format": codec.spec.canonical}
                 codec = registry.codec_for(fields, tensor=wname)
-            if codec.spec.write_refusal:
-                result.skipped[layer] = f"{fields['format']}: {codec.spec.write_refusal}"
+            if codec.spec.encoding.write_refusal:
+                result.skipped[layer] = f"{fields['format']}: {codec.spec.encoding.write_refusal}"
                 continue
             dropped.add(wname)
             for suffix, value in codec.encode(w, fields, "exact").items():

@@ -96,7 +96,7 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
             return LayerPath(fmt, f"sm_{cap[0]}{cap[1]} kernel arithmetic (emulated)",
                              f"int{bits} per token (rotated; {runs})")
         if module.emulated:
-            return LayerPath(fmt, "emulated", module.codec.emulation[0])
+            return LayerPath(fmt, "emulated", module.codec.spec.runtime.emulation[0])
         return LayerPath(fmt, "dequant", f"float ({dt}, the weight decoded to it)")
     if isinstance(module, QuantizedLinear):
         fmt = format_name or ("int8 ConvRot grid" if module.convrot else "int8 grid")

@@ -254,7 +254,7 @@ def _speed_note(fmt: str) -> str:
     target, opts = parse_format(split_calibrated(fmt)[0])
     if target is None or opts.get("linear_dtype") != "int8":
         return ""
-    note = registry.target_codec(target).spec.linear_dtype_cost
+    note = registry.target_codec(target).spec.encoding.linear_dtype_cost
     return f" ({note})" if note else ""
 
 

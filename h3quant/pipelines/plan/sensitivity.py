@@ -134,7 +134,7 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
                             "the unquantized choice)")
         if opts.get("layout", "canonical") != "canonical":
             raise PlanError("--formats: the planner measures the canonical layout only")
-        if calibrated and not registry.target_codec(target).calibrates:
+        if calibrated and not registry.target_codec(target).spec.encoding.calibrates:
             raise PlanError(f"--formats: {target} has no calibrated encoder ({item!r})")
         if smoothed and not _smoothable(target):
             raise PlanError(f"--formats: {target} is not smoothed ({item!r})")
@@ -226,7 +226,7 @@ def _smoothable(target: str) -> bool:
     from h3quant.pipelines.convert.smoothing import eligible
 
     codec = registry.target_codec(target)
-    return codec.calibrates and eligible(codec)
+    return codec.spec.encoding.calibrates and eligible(codec)
 
 
 def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Candidate, ...]:
@@ -250,7 +250,7 @@ def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Can
         raise PlanError(f"--formats {bad[0]}: smoothed candidates need --smooth auto")
     out: list[Candidate] = []
     for c in cands:
-        cal = registry.target_codec(c.target).calibrates
+        cal = registry.target_codec(c.target).spec.encoding.calibrates
         c = Candidate(c.target, c.group_size, cal, smooth and _smoothable(c.target),
                       c.linear_dtype)
         if c in out:
@@ -301,7 +301,7 @@ def _candidate_linear(layer, device, compute_dtype, runtime: bool = False):
     from h3quant.runtime.paths import A8_ROUTE, on_kernel_route
 
     codec = layer.codec
-    if runtime or not codec.decodes:
+    if runtime or not codec.spec.runtime.decodes:
         mod = quantized_linear(layer, device=device, compute_dtype=compute_dtype)
         if (layer.fields or {}).get("linear_dtype") == "int8":
             mod = on_kernel_route(mod, A8_ROUTE)
