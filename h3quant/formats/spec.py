@@ -184,6 +184,7 @@ class EncodingFacet:
     scales_channels: bool = False
     scans: bool = False  # a streamed encoder needs a first pass (``Codec.scan_rows``)
     sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
+    linear_dtype_cost: str = ""  # what asking for int8 activations costs (``with_linear_dtype``)
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,11 @@ class FormatSpec:
 
     def skip_reason(self, k: int, marker: dict | None) -> str | None:
         """Why a layer of input width ``k`` cannot be written with ``marker`` (None: it can)."""
+        return None
+
+    def with_linear_dtype(self, marker: dict, dtype: str) -> dict | None:
+        """``marker`` asking ComfyUI's kernel to multiply with ``dtype`` activations (INT4
+        ConvRot's ``linear_dtype``), or None where the format has no such choice."""
         return None
 
     def planned(self, n: int, k: int, marker: dict | None) -> dict[str, tuple[str, tuple]]:

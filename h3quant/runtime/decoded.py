@@ -89,6 +89,7 @@ class DecodedLinear(torch.nn.Module):
         self.codec, self.fields, self.device = codec, fields, device
         self.fallback_reason = reason
         self.emulated = emulated
+        self.kernel_capability: tuple[int, int] | None = None
         self.backend_name = "emulated" if emulated else "dequant"
         tdev = device.torch_device
         self._tensors = {s: t.to(tdev) for s, t in tensors.items() if s != "bias"}
@@ -142,6 +143,9 @@ class DecodedLinear(torch.nn.Module):
         x = apply_input_act(x, input_act)
         bias = None if self.bias is None else torch.as_tensor(self.bias).to(x.dtype)
         if self.emulated:
+            if self.kernel_capability is not None:  # a GPU kernel's arithmetic (paths.kernel_layer)
+                return self.codec.emulated_linear(x, self._tensors, self.fields, bias,
+                                                  capability=self.kernel_capability)
             return self.codec.emulated_linear(x, self._tensors, self.fields, bias)
         return F.linear(x, self.weight_for(x.dtype), bias)
 

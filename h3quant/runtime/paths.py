@@ -52,6 +52,34 @@ def runtime_layer(tensors: dict[str, torch.Tensor], marker: dict | None, *,
     return quantized_linear(layer, device=device, probe=probe, compute_dtype=compute_dtype)
 
 
+def kernel_layer(tensors: dict[str, torch.Tensor], marker: dict, *, capability: tuple[int, int],
+                 bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                 name: str = "layer") -> torch.nn.Module:
+    """The layer as comfy-kitchen's CUDA kernels compute it on a GPU of compute ``capability``,
+    emulated on the CPU, for a format whose codec routes by the GPU (``kernel_route``: INT4
+    ConvRot, whose ``linear_dtype`` picks int4 or int8 activations there, while the CPU's eager
+    path always rounds them to int4). ``layer_path`` names the route."""
+    module = runtime_layer(tensors, marker, bias=bias, compute_dtype=compute_dtype, name=name)
+    return on_kernel_route(module, capability)
+
+
+# A GPU whose route runs a linear_dtype int8 INT4 ConvRot layer as every CUDA GPU does (int8
+# activations) and an int4 one with int4 activations (sm_80: the int4 MMA).
+A8_ROUTE = (8, 0)
+
+
+def on_kernel_route(module: torch.nn.Module, capability: tuple[int, int]) -> torch.nn.Module:
+    """``module`` (a runtime module of a format whose codec has ``kernel_route``) switched to
+    the arithmetic of comfy-kitchen's kernels on a GPU of ``capability``, emulated."""
+    from h3quant.runtime.decoded import DecodedLinear
+
+    if not isinstance(module, DecodedLinear) or not hasattr(module.codec, "kernel_route"):
+        raise ValueError(f"{module!r} has no emulated GPU kernel route")
+    module.emulated, module.backend_name = True, "emulated"
+    module.kernel_capability = (int(capability[0]), int(capability[1]))
+    return module
+
+
 def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloat16,
                format_name: str | None = None) -> LayerPath:
     """The path ``module`` (from ``runtime_layer`` or the runtime's own loader) runs;
@@ -62,6 +90,11 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
     dt = str(compute_dtype).replace("torch.", "")
     if isinstance(module, DecodedLinear):
         fmt = module.codec.spec.name
+        cap = module.kernel_capability
+        if cap is not None:
+            bits, runs = module.codec.kernel_route(module.fields, cap)
+            return LayerPath(fmt, f"sm_{cap[0]}{cap[1]} kernel arithmetic (emulated)",
+                             f"int{bits} per token (rotated; {runs})")
         if module.emulated:
             return LayerPath(fmt, "emulated", module.codec.spec.runtime.emulation[0])
         return LayerPath(fmt, "dequant", f"float ({dt}, the weight decoded to it)")
@@ -100,4 +133,5 @@ def group_size_for(k: int, largest: int = 256) -> int:
     return g
 
 
-__all__ = ["LayerPath", "group_size_for", "layer_path", "path_for", "runtime_layer"]
+__all__ = ["A8_ROUTE", "LayerPath", "group_size_for", "kernel_layer", "layer_path",
+           "on_kernel_route", "path_for", "runtime_layer"]

@@ -32,23 +32,43 @@ class ConvRotW4A4Codec(Codec):
         return decode_int4_convrot(tensors["weight"].view(torch.int8),
                                    tensors["weight_scale"].reshape(-1), _g(fields), dtype=dtype)
 
-    def emulated_linear(self, x, tensors, fields, bias=None):
+    def kernel_route(self, fields, capability):
+        """(activation bits, what runs) for a layer under ``fields`` in comfy-kitchen 0.2.40's
+        CUDA ``convrot_w4a4_linear`` on a GPU of compute ``capability`` (major, minor), for
+        inputs of more than 8 tokens: ``linear_dtype: int8`` always takes the int8-activation
+        GEMM (per-token int8, rotated; int4 weight codes); ``int4`` takes the int4 MMA on sm_8x
+        and Turing's int4 kernel on sm_75, and the same int8-activation GEMM on every other GPU
+        (Hopper and newer: the marker does not matter there)."""
+        major, minor = (int(c) for c in capability)
+        if (fields or {}).get("linear_dtype", "int4") == "int8":
+            return 8, "int4-weight int8-activation GEMM (linear_dtype int8)"
+        if major == 8:
+            return 4, "int4 MMA"
+        if (major, minor) == (7, 5):
+            return 4, "Turing int4 kernel"
+        return 8, f"int4-weight int8-activation GEMM (no int4 MMA route on sm_{major}{minor})"
+
+    def emulated_linear(self, x, tensors, fields, bias=None, capability=None):
         """``x W^T + b`` as ComfyUI computes it without the int4 kernel (comfy-kitchen's eager
-        W4A4 path): x rotated and quantized per token to int4, a matmul of the codes in
-        ``x.dtype``, both scales."""
+        W4A4 path, which ignores ``linear_dtype``): x rotated and quantized per token to int4, a
+        matmul of the codes in ``x.dtype``, both scales. With ``capability``: as kitchen's CUDA
+        kernels compute it on that GPU (``kernel_route``; its int4 route is the same arithmetic
+        as the eager path)."""
         import torch
 
-        from h3quant.formats.int4_convrot.tensors import w4a4_linear
+        from h3quant.formats.int4_convrot.tensors import w4a4_linear, w4a8_linear
 
-        return w4a4_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
-                           _g(fields), bias)
+        bits = 4 if capability is None else self.kernel_route(fields, capability)[0]
+        run = w4a4_linear if bits == 4 else w4a8_linear
+        return run(x, tensors["weight"].view(torch.int8), tensors["weight_scale"], _g(fields), bias)
 
-    def rounded_inputs(self, x, fields):
-        """(``x`` in the ConvRot basis, the same rounded to int4 per token), fp32: what
-        ``emulated_linear`` multiplies the codes with."""
+    def rounded_inputs(self, x, fields, capability=None):
+        """(``x`` in the ConvRot basis, the same rounded per token), fp32: what
+        ``emulated_linear`` (with the same ``capability``) multiplies the codes with."""
         from h3quant.formats.int4_convrot.tensors import rounded_activations
 
-        return rounded_activations(x, _g(fields))
+        bits = 4 if capability is None else self.kernel_route(fields, capability)[0]
+        return rounded_activations(x, _g(fields), bits)
 
     def int8_grid(self, tensors, fields):
         """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""

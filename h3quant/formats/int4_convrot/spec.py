@@ -110,6 +110,12 @@ class ConvRotW4A4Spec(FormatSpec):
                 and fields.get("convrot_groupsize") == marker["convrot_groupsize"]
                 and fields.get("linear_dtype", "int4") == marker.get("linear_dtype", "int4"))
 
+    def with_linear_dtype(self, marker, dtype):
+        if dtype not in LINEAR_DTYPES:
+            return None
+        out = {key: v for key, v in marker.items() if key != "linear_dtype"}
+        return out if dtype == "int4" else {**out, "linear_dtype": dtype}  # int4: the default
+
     def skip_reason(self, k, marker):
         why = k_error(k, marker["convrot_groupsize"])
         if why is None and k % QUANT_GROUP:
@@ -135,6 +141,13 @@ class ConvRotW4A4Spec(FormatSpec):
 
 _EAGER = "ComfyUI runs comfy-kitchen's eager W4A4 (activations quantized to int4 too)"
 
+# Sources: comfy-kitchen 0.2.40 backends/cuda convrot_w4a4_linear (the routes); NVIDIA's
+# Ampere and Ada datasheets (dense int8 tensor-core rate half the int4 rate).
+_A8_COST = ("int8 activations: the same bytes; on sm_80-sm_89 GPUs comfy-kitchen runs the "
+            "int4-weight int8-activation GEMM instead of the int4 MMA (tensor cores at half the "
+            "int4 rate, int8 activations read twice the bytes); Hopper and newer GPUs already "
+            "run every INT4 ConvRot layer that way, and the CPU path ignores the field")
+
 SPEC = ConvRotW4A4Spec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
@@ -155,6 +168,7 @@ SPEC = ConvRotW4A4Spec(
         targets=(Target("int4-convrot", NAME, True,
                         "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
         calibrates=True,
+        linear_dtype_cost=_A8_COST,
     ),
     runtime=RuntimeFacet(
         kitchen=KitchenFacts(

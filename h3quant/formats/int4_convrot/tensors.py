@@ -22,6 +22,7 @@ from h3quant.convrot import check_group_size, hadamard
 from h3quant.errors import FormatError
 
 INT4_MAX = 7
+INT8_MAX = 127
 QUANT_GROUP = 64  # the int4 kernel's group size: K must be a multiple of it
 AMAX_MIN = 1e-10
 CHUNK_ELEMS = 1 << 21
@@ -125,16 +126,44 @@ def _quantize_rows_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.reshape(-1).to(torch.float32)
 
 
-def rounded_activations(x: torch.Tensor, group_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x`` rotated, the same rounded to per-token int4), both fp32 ``[M, K]``: the inputs
-    ``w4a4_linear`` multiplies, as values (codes times their token's scale), rotated and
-    rounded in ``x``'s dtype as it does."""
+def _quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 in fp32 (comfy-kitchen's activation quantizer):
+    ``s = max(amax|row| / 127, 1e-30)``, codes ``clamp(round(x / s), -128, 127)``."""
+    xf = x.to(torch.float32)
+    s = (xf.abs().amax(1, keepdim=True) / INT8_MAX).clamp_(min=1e-30)
+    q = (xf / s).round_().clamp_(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    return q, s.reshape(-1)
+
+
+def _rotate_tokens(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``x`` flattened to ``[M, K]`` and rotated by ``H_g`` in its own dtype."""
     k = x.shape[-1]
-    g = group_size
-    x2 = x.reshape(-1, k)
-    x_rot = torch.matmul(x2.reshape(-1, k // g, g), _h_t(g, x.dtype, x.device).t()).reshape(-1, k)
-    qa, sa = _quantize_rows_int4(x_rot)
-    return x_rot.to(torch.float32), qa.to(torch.float32) * sa.reshape(-1, 1)
+    return torch.matmul(x.reshape(-1, k // g, g), _h_t(g, x.dtype, x.device).t()).reshape(-1, k)
+
+
+def rounded_activations(x: torch.Tensor, group_size: int = 256,
+                        bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` rotated, the same rounded to per-token int4 or int8 codes), both fp32 ``[M, K]``:
+    the inputs ``w4a4_linear`` (``bits=4``) or ``w4a8_linear`` (``bits=8``) multiplies, as
+    values (codes times their token's scale), rotated in ``x``'s dtype as they do."""
+    x_rot = _rotate_tokens(x, group_size)
+    qa, sa = (_quantize_rows_int4 if bits == 4 else _quantize_rows_int8)(x_rot)
+    return x_rot.to(torch.float32), qa.to(torch.float32) * sa.reshape(-1, 1).to(torch.float32)
+
+
+def w4a8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int = 256,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` the way comfy-kitchen's GPU kernels compute a convrot_w4a4 layer with int8
+    activations (``linear_dtype: int8``, or any layer on a GPU without the int4 MMA route):
+    ``x`` rotated by ``H_g``, per-token int8 codes and fp32 scales, the exact integer product of
+    those codes with the int4 weight codes, then both scales in fp32, the bias, ``x.dtype``."""
+    x_rot = _rotate_tokens(x, group_size)
+    qa, sa = _quantize_rows_int8(x_rot)
+    acc = qa.to(torch.float64) @ unpack_int4(q).to(torch.float64).t()  # exact: |acc| < 2^53
+    out = acc.to(torch.float32) * sa.reshape(-1, 1) * s.reshape(1, -1).to(torch.float32)
+    if bias is not None:
+        out = out + bias.to(torch.float32).reshape(1, -1)
+    return out.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
 def w4a4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int = 256,

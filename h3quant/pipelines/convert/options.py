@@ -73,6 +73,7 @@ class ConvertOptions:
     device: str = "cpu"  # one pass: where the capture and the feedback run
     memory_budget: int | None = None  # one pass: bytes for the calls' hidden states (None: half
     # the memory available); beyond it they are spilled to the work folder
+    linear_dtype: str | None = None  # a rule's linear=: INT4 ConvRot's activation dtype
     _patterns: tuple = field(default=(), compare=False, repr=False)
     _rules: tuple = field(default=(), compare=False, repr=False)  # (compiled, options or None)
 
@@ -167,6 +168,7 @@ class ConvertOptions:
                 try:
                     sub = replace(self, target=rule.target, layers=(),
                                   group_size=rule.group_size or self.group_size,
+                                  linear_dtype=rule.linear_dtype,
                                   layout=rule.layout or ("canonical" if registry.with_layout(
                                       registry.target_codec(rule.target), self.layout) is None
                                       else self.layout))
@@ -198,7 +200,10 @@ class ConvertOptions:
 
     def marker(self) -> dict | None:
         """The canonical marker object the target writes (None for a plain float target)."""
-        return self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        marker = self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        if marker is not None and self.linear_dtype is not None:
+            marker = self.codec.spec.with_linear_dtype(marker, self.linear_dtype) or marker
+        return marker
 
     def filtered(self, layer: str) -> bool:
         """True when ``--include``/``--exclude`` keep ``layer`` (``re.search`` on the name)."""

@@ -29,8 +29,10 @@ from h3quant.formats import registry
 
 KEEP = "keep"
 LAYOUT_CHOICES = ("canonical", "npu")
-_OPTION_NAMES = {"g": "group_size", "group_size": "group_size", "layout": "layout"}
-RULE_KEYS = frozenset({"layer", "format", "g", "group_size", "layout"})
+_OPTION_NAMES = {"g": "group_size", "group_size": "group_size", "layout": "layout",
+                 "linear": "linear_dtype", "linear_dtype": "linear_dtype"}
+RULE_KEYS = frozenset({"layer", "format", "g", "group_size", "layout", "linear", "linear_dtype"})
+LINEAR_DTYPES = ("int4", "int8")
 
 
 def format_names() -> tuple[str, ...]:
@@ -46,6 +48,7 @@ class Rule:
     target: str | None
     group_size: int | None = None  # None: the command's --group-size
     layout: str | None = None  # None: the command's --layout
+    linear_dtype: str | None = None  # INT4 ConvRot: the activations ComfyUI's kernel multiplies
     # built by h3quant itself (--lora-promote's list of layer names): matched by ``re``
     internal: bool = field(default=False, compare=False)
 
@@ -57,6 +60,8 @@ class Rule:
             opts.append(f"g={self.group_size}")
         if self.layout is not None:
             opts.append(f"layout={self.layout}")
+        if self.linear_dtype is not None:
+            opts.append(f"linear={self.linear_dtype}")
         return (self.target or KEEP) + (":" + ",".join(opts) if opts else "")
 
     @property
@@ -69,6 +74,8 @@ class Rule:
             d["g"] = self.group_size
         if self.layout is not None:
             d["layout"] = self.layout
+        if self.linear_dtype is not None:
+            d["linear"] = self.linear_dtype
         return d
 
 
@@ -89,6 +96,11 @@ def _option_value(key: str, value, where: str):
             raise ConvertError(f"{where}: group size must be a power of 4 in 4..1024 "
                                f"(4, 16, 64, 256, 1024), got {value!r}")
         return value
+    if key == "linear_dtype":
+        if value not in LINEAR_DTYPES:
+            raise ConvertError(f"{where}: linear must be int4 or int8 (the activations INT4 "
+                               f"ConvRot's kernel multiplies), got {value!r}")
+        return value
     if value not in LAYOUT_CHOICES:
         raise ConvertError(f"{where}: layout must be one of {', '.join(LAYOUT_CHOICES)}, "
                            f"got {value!r}")
@@ -106,7 +118,7 @@ def parse_format(text: str, where: str = "format") -> tuple[str | None, dict]:
         key, eq, value = item.partition("=")
         if not eq or key not in _OPTION_NAMES:
             raise ConvertError(f"{where}: unknown format option {item!r} (options: g=N, "
-                               f"layout={'|'.join(LAYOUT_CHOICES)})")
+                               f"layout={'|'.join(LAYOUT_CHOICES)}, linear=int4|int8)")
         opts[_OPTION_NAMES[key]] = _option_value(_OPTION_NAMES[key], value, where)
     if name == KEEP and opts:
         raise ConvertError(f"{where}: keep takes no options, got {rest!r}")
@@ -115,9 +127,14 @@ def parse_format(text: str, where: str = "format") -> tuple[str | None, dict]:
 
 def make_rule(pattern: str, target: str | None, opts: dict, where: str) -> Rule:
     _check_pattern(pattern, where)
-    rule = Rule(pattern, target, opts.get("group_size"), opts.get("layout"))
+    rule = Rule(pattern, target, opts.get("group_size"), opts.get("layout"),
+                opts.get("linear_dtype"))
     if target is not None:
         codec = registry.target_codec(target)
+        if rule.linear_dtype is not None and codec.spec.with_linear_dtype(
+                {"format": codec.spec.name}, rule.linear_dtype) is None:
+            raise ConvertError(f"{where}: {target} has no activation choice; linear= applies "
+                               "to int4-convrot only")
         if rule.layout is not None and registry.with_layout(codec, rule.layout) is None:
             raise ConvertError(f"{where}: layout {rule.layout} is not available for {target} "
                                f"(it has {', '.join(registry.layouts_of(codec))})")
@@ -164,7 +181,7 @@ def rules_from_data(data, source: str) -> tuple[Rule, ...]:
         if not isinstance(item["format"], str):
             raise ConvertError(f"{where}: \"format\" must be a string")
         target, opts = parse_format(item["format"], where)
-        for key in ("g", "group_size", "layout"):
+        for key in ("g", "group_size", "layout", "linear", "linear_dtype"):
             if key in item:
                 name = _OPTION_NAMES[key]
                 if name in opts:

@@ -240,8 +240,22 @@ def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
         out[unit] = {"format": fmt, "options": options,
                      "why": f"{fmt} ({here}, {size_text(mine['bytes'])}); file "
                             f"{pred.min_sqnr_db:.2f} dB, {size_text(pred.bytes)}; "
-                            + "; ".join(alts)}
+                            + "; ".join(alts) + _speed_note(fmt)}
     return out
+
+
+def _speed_note(fmt: str) -> str:
+    """What a format option that changes speed, not size, costs (INT4 ConvRot linear=int8)."""
+    if fmt == FLOAT:
+        return ""
+    from h3quant.formats import registry
+    from h3quant.pipelines.convert.recipe import parse_format
+
+    target, opts = parse_format(split_calibrated(fmt)[0])
+    if target is None or opts.get("linear_dtype") != "int8":
+        return ""
+    note = registry.target_codec(target).spec.encoding.linear_dtype_cost
+    return f" ({note})" if note else ""
 
 
 def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
@@ -262,7 +276,8 @@ def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
             rules.append(Rule(pattern, None))
         else:
             target, opts = parse_format(split_calibrated(fmt)[0])
-            rules.append(Rule(pattern, target, opts.get("group_size")))
+            rules.append(Rule(pattern, target, opts.get("group_size"), None,
+                              opts.get("linear_dtype")))
     return tuple(rules)
 
 

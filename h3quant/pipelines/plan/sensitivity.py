@@ -61,12 +61,26 @@ class Candidate:
     group_size: int = 256
     calibrated: bool = False
     smoothed: bool = False  # with calibrated: folded as convert --smooth auto folds
+    linear_dtype: str | None = None  # INT4 ConvRot's linear=int8: int8 activations on GPUs
 
     @property
     def format(self) -> str:
-        base = self.target if self.group_size == 256 else f"{self.target}:g={self.group_size}"
+        opts = ([f"g={self.group_size}"] if self.group_size != 256 else []) + (
+            [f"linear={self.linear_dtype}"] if self.linear_dtype else [])
+        base = self.target + (":" + ",".join(opts) if opts else "")
         return base + (CALIBRATED if self.calibrated else "") + (SMOOTHED if self.smoothed
                                                                  else "")
+
+    def marker(self) -> dict:
+        """The marker ``convert`` writes for this candidate."""
+        from h3quant.formats import registry
+
+        codec = registry.target_codec(self.target)
+        marker = codec.spec.marker(registry.target(self.target), self.group_size)
+        assert marker is not None  # candidates are quantized formats
+        if self.linear_dtype:
+            marker = codec.spec.with_linear_dtype(marker, self.linear_dtype) or marker
+        return marker
 
 
 def split_calibrated(fmt: str) -> tuple[str, bool]:
@@ -84,6 +98,19 @@ def is_smoothed(fmt: str) -> bool:
     return fmt.endswith(CALIBRATED + SMOOTHED)
 
 
+def _items(text: str) -> list[str]:
+    """The comma-separated candidates of ``text``; an item that is a format option
+    (``int4-convrot:g=64,linear=int8``) continues the one before it."""
+    items: list[str] = []
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        key = part.partition("=")[0]
+        if items and ":" in items[-1] and "=" in part and ":" not in part and "-" not in key:
+            items[-1] += "," + part
+        else:
+            items.append(part)
+    return items
+
+
 def parse_candidates(text: str) -> tuple[Candidate, ...]:
     """``int8-convrot,w4a8,int8-convrot:g=64,w4a8+gptq`` -> candidates (PlanError on a bad
     one; ``+gptq``: calibrated codes, for formats with a calibrated encoder)."""
@@ -92,7 +119,7 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
     from h3quant.pipelines.convert.recipe import parse_format
 
     out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    for item in _items(text):
         base, calibrated = split_calibrated(item)
         smoothed = is_smoothed(item)
         if item.endswith(SMOOTHED) and not smoothed:
@@ -111,7 +138,13 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
             raise PlanError(f"--formats: {target} has no calibrated encoder ({item!r})")
         if smoothed and not _smoothable(target):
             raise PlanError(f"--formats: {target} is not smoothed ({item!r})")
-        cand = Candidate(target, opts.get("group_size") or 256, calibrated, smoothed)
+        linear = opts.get("linear_dtype")
+        if linear is not None and registry.target_codec(target).spec.with_linear_dtype(
+                {}, linear) is None:
+            raise PlanError(f"--formats: {target} has no activation choice ({item!r}: linear= "
+                            "applies to int4-convrot)")
+        cand = Candidate(target, opts.get("group_size") or 256, calibrated, smoothed,
+                         None if linear == "int4" else linear)
         if cand in out:
             raise PlanError(f"--formats: {item!r} is given twice")
         out.append(cand)
@@ -218,7 +251,8 @@ def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Can
     out: list[Candidate] = []
     for c in cands:
         cal = registry.target_codec(c.target).spec.encoding.calibrates
-        c = Candidate(c.target, c.group_size, cal, smooth and _smoothable(c.target))
+        c = Candidate(c.target, c.group_size, cal, smooth and _smoothable(c.target),
+                      c.linear_dtype)
         if c in out:
             raise PlanError(f"--formats: {c.format} is given twice (with --calibration every "
                             "format that calibrates is measured calibrated)")
@@ -234,8 +268,7 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
-    assert marker is not None  # candidates are quantized formats
+    marker = cand.marker()
     k = int(layer.weight.shape[1])
     why = codec.spec.skip_reason(k, marker)
     if why:
@@ -259,14 +292,20 @@ def _candidate_linear(layer, device, compute_dtype, runtime: bool = False):
     runtime multiplies the format's int8 grid (int8, W4A8), else the float linear of the
     format's decoded weight (nvfp4, INT4 ConvRot: the dequantizing path, weight error only).
     ``runtime``: always the runtime's default module for the format (INT4 ConvRot with its
-    int4 activations), what ``verify --model`` runs."""
+    int4 activations), what ``verify --model`` runs; a layer whose marker asks for int8
+    activations (INT4 ConvRot ``linear=int8``) runs as GPUs run it (``paths.on_kernel_route``:
+    its marker changes nothing on the CPU path)."""
     import torch
 
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
+    from h3quant.runtime.paths import A8_ROUTE, on_kernel_route
 
     codec = layer.codec
     if runtime or not codec.spec.runtime.decodes:
-        return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
+        mod = quantized_linear(layer, device=device, compute_dtype=compute_dtype)
+        if (layer.fields or {}).get("linear_dtype") == "int8":
+            mod = on_kernel_route(mod, A8_ROUTE)
+        return mod
     rows, whole = codec.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}
     local = {s: layer.tensors[s] for s in rows}
@@ -285,8 +324,7 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
-    assert marker is not None  # candidates are quantized formats
+    marker = cand.marker()
     total = len(marker_bytes(marker))
     for dtype, shape in codec.spec.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
@@ -430,7 +468,7 @@ def _smoothed_block(loaded, cand: Candidate, calib, ckpt):
     from h3quant.pipelines.convert.smoothing import FLOATS, layer_choice, touched
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
+    marker = cand.marker()
     prefix = loaded.prefix + "."
     factors_of: dict = {}
     found: dict = {}
