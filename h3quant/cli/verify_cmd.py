@@ -226,7 +226,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     try:
         res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
                     blocks=blocks, tokens=tokens, seed=seed, sigma=sigma, mmap=not no_mmap,
-                    thresholds=th, on_block=on_block, expected=expected)
+                    thresholds=th, on_block=on_block, expected=expected, log=log)
     finally:
         bar.close()
     if as_json:
@@ -302,7 +302,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     try:
         res = guard("verifying the model", verify_model, ckpt, reference=reference,
                     device=device, inputs=inputs, depth=depth, mmap=not no_mmap,
-                    on_block=on_block, sigmas=schedule, expected=expected)
+                    on_block=on_block, sigmas=schedule, expected=expected, log=log)
     finally:
         bar.close()
     if plot:
