@@ -49,7 +49,7 @@ def _in_memory_encode(file: Path, ref: Path, out: Path) -> None:
     from h3quant.formats import registry
     from h3quant.formats.markers import HEADER_KEY, header_metadata_value, marker_tensor
 
-    layers, _ = fe.file_layers(str(file))
+    layers = fe.file_layers(str(file))[0]
     tensors = load_file(str(ref))
     header = {}
     for layer, fields in layers.items():

@@ -54,6 +54,7 @@ class FreshEncode:
     # layer -> the stored dtype whose arithmetic (comfy-kitchen's from such weights) gave the
     # larger error, which the layer is held to
     in_dtype: dict[str, str] = field(default_factory=dict)
+    as_w4a8: dict[str, str] = field(default_factory=dict)  # int8 layer -> why encoded as W4A8
 
     @property
     def complete(self) -> bool:
@@ -71,6 +72,10 @@ class FreshEncode:
                     + "): judged by the fixed per-format limits only")
         kinds = sorted(set(self.encoded.values()))
         text = "the reference encoded afresh as " + ", ".join(kinds)
+        w4a8 = sorted({why for n, why in self.as_w4a8.items() if n in self.encoded})
+        if w4a8:
+            text += (f" ({sum(n in self.encoded for n in self.as_w4a8)} int8 layers as W4A8, "
+                     "the error they carry: " + "; ".join(w4a8) + ")")
         if self.in_dtype:
             text += (f" ({len(self.in_dtype)} layers as comfy-kitchen encodes "
                      + "/".join(sorted(set(self.in_dtype.values())))
@@ -118,27 +123,43 @@ def _gguf_can_quantize(qtype: str) -> bool:
     return True
 
 
-def file_layers(path: str) -> tuple[dict[str, dict], bool]:
-    """(``{layer: effective marker fields}`` of the file's quantized layers, is it GGUF)."""
+def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
+    """(``{layer: effective marker fields}`` of the file's quantized layers, is it GGUF,
+    ``{layer: why}`` of the int8 layers encoded as W4A8 instead). An int8 layer made from W4A8
+    carries W4A8's error, so it is encoded as W4A8 when the header records it as converted from
+    W4A8 or, without that note, when its ConvRot rows lie on W4A8's decoded grid (verify's
+    provenance rule, docs/verify.md)."""
     from h3quant.formats.gguf.reader import is_gguf
 
     if is_gguf(path):
-        return {n[:-len(".weight")]: {"gguf": q} for n, q in _gguf_layers(path).items()}, True
+        return ({n[:-len(".weight")]: {"gguf": q} for n, q in _gguf_layers(path).items()},
+                True, {})
     from h3quant.formats.layers import scan_checkpoint
     from h3quant.sources import open_as_comfy
 
     from h3quant.h3 import provenance as origin
+    from h3quant.pipelines.verify import provenance as rule
 
     with open_as_comfy(path) as ck:
         scan = scan_checkpoint(ck)
         from_w4a8 = set().union(*(origin.read(sf.metadata) for sf in ck.files))
         layers = {n: dict(lay.fields or {}) for n, lay in scan.quantized.items()}
+        why = {n: rule.REASON_HEADER for n in from_w4a8 & set(layers)}
+        for n, f in layers.items():
+            if n in why or not origin.is_int8(f.get("format")) or not f.get("convrot"):
+                continue
+            tensors = {s: ck.read(f"{n}.{s}") for s in ("weight", "weight_scale")}
+            q, _ = registry.codec_for(f, tensor=n + ".weight").int8_grid(tensors, f)  # [N, K]
+            grid = rule.sampled_grid_origin(q)
+            if grid is not None:
+                why[n] = f"{rule.REASON_GRID} ({grid})"
     w4a8 = registry.spec(origin.W4A8)
-    for n in from_w4a8 & set(layers):  # int8 converted from W4A8 carries W4A8's error
-        if w4a8 is not None and w4a8.targets:
-            rot = int(layers[n].get("convrot_groupsize", 256))
-            layers[n] = dict(w4a8.marker(w4a8.targets[0], rot) or {})  # ConvRot group as stored
-    return layers, False
+    if w4a8 is None or not w4a8.targets:
+        return layers, False, {}
+    for n in why:  # int8 converted from W4A8 carries W4A8's error
+        rot = int(layers[n].get("convrot_groupsize", 256))
+        layers[n] = dict(w4a8.marker(w4a8.targets[0], rot) or {})  # ConvRot group as stored
+    return layers, False, why
 
 
 def judged_encode(file: str, reference: str, run_on, *, mmap: bool = True, log=None):
@@ -257,7 +278,7 @@ def _rel_err(codec, made: dict, fields: dict, w) -> float:
 
 
 def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True,
-                       scanned: tuple[dict[str, dict], bool] | None = None,
+                       scanned: tuple[dict[str, dict], bool, dict[str, str]] | None = None,
                        log=None) -> FreshEncode:
     """Write to ``out`` the reference with every layer ``file`` quantizes re-encoded plainly in
     that layer's format (module docstring). The file is planned from headers, then streamed:
@@ -273,8 +294,8 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
     from h3quant.formats.markers import HEADER_KEY, header_metadata_value
     from h3quant.sources import open_as_comfy
 
-    layers, gguf = scanned if scanned is not None else file_layers(file)
-    result = FreshEncode(None)
+    layers, gguf, as_w4a8 = scanned if scanned is not None else file_layers(file)
+    result = FreshEncode(None, as_w4a8=dict(as_w4a8))
     with open_as_comfy(reference, mmap=mmap) as ref:
         jobs = _plan_jobs(ref, layers, gguf, result)
         if not jobs:
