@@ -25,11 +25,13 @@ def cli(*args):
     return res
 
 
-def bare(src, dst, edit=None):
-    """``src`` without the header's from-W4A8 note (a file another tool made), after ``edit``."""
+def rewrite(src, dst, edit=None, *, drop_note=False):
+    """``src`` copied after ``edit(tensors)``; ``drop_note``: without the header's from-W4A8
+    note (a file another tool made)."""
     with safe_open(str(src), "pt") as f:
         meta = dict(f.metadata() or {})
-    meta.pop(KEY)
+    if drop_note:
+        meta.pop(KEY)
     t = load_file(str(src))
     if edit is not None:
         edit(t)
@@ -47,7 +49,7 @@ def files(tmp_path_factory):
         noted = d / f"{name}-noted.safetensors"
         assert cli("convert", out["w4a8"], noted, "--to", "int8-convrot", *opts,
                    "-q").exit_code == 0
-        out[name] = bare(noted, d / f"{name}.safetensors")
+        out[name] = rewrite(noted, d / f"{name}.safetensors", drop_note=True)
     out["direct"] = d / "direct.safetensors"
     assert cli("convert", out["bf16"], out["direct"], "--to", "int8-convrot", "-q").exit_code == 0
     return out
@@ -104,16 +106,8 @@ def test_a_defect_on_the_w4a8_grid_is_still_flagged(files, tmp_path):
         for s in ("weight", "weight_scale"):
             t[f"{name}.{s}"] = torch.roll(t[f"{name}.{s}"], 1, 0).contiguous()
 
-    bad = _edit(files["int8"], tmp_path / "bad.safetensors", swap_rows)
+    bad = rewrite(files["int8"], tmp_path / "bad.safetensors", swap_rows)
     code, doc = verify(bad, files["bf16"], "--tokens", "16")
     assert code == 1 and any("blocks.0.mlp.fc1" in f for f in doc["failures"]), doc["failures"]
     assert GRID in _notes(doc)
 
-
-def _edit(src, dst, edit):
-    with safe_open(str(src), "pt") as f:
-        meta = dict(f.metadata() or {})
-    t = load_file(str(src))
-    edit(t)
-    save_file(t, str(dst), metadata=meta)
-    return dst
