@@ -7,7 +7,12 @@ calibrated file is) is ok; one clearly worse is flagged (docs/verify.md, relativ
 
 - safetensors files: each quantized layer of the file is re-encoded from the reference's float
   weight by its format's codec (the registry's; the codecs reproduce comfy-kitchen's
-  quantizers), with the file's own marker fields (group sizes, ConvRot).
+  quantizers from float32 weights), with the file's own marker fields (group sizes, ConvRot).
+  Where comfy-kitchen quantizes weights in their stored dtype (int8 from bf16 / f16: the
+  codec's ``encode_in_dtype``), that encode is made too and the layer is held to the worse of
+  the two by its weight error (``FreshEncode.in_dtype``). int8 layers made from W4A8 (the
+  header's note, or their ConvRot rows on W4A8's grid: verify's provenance rule) are encoded as
+  W4A8, the error they carry (``FreshEncode.as_w4a8``).
 - GGUF files: each quantized tensor is re-encoded by the ``gguf`` package's own quantizer for
   its type and stored dequantized (the path GGUF layers run on). Types the package cannot
   quantize (the k-quants) are not re-encoded: the file is then judged by the fixed limits only,
@@ -39,7 +44,8 @@ OUTPUT_MARGIN_DB = 5.0  # the model's video / audio output (one forward)
 # (keyed by the wire name of the format --to w4a8 writes)
 FORMAT_MARGIN_DB = {registry.target_codec("w4a8").spec.name: 12.0}
 # Stored dtypes comfy-kitchen quantizes in (it does not upcast them): a format whose codec has
-# ``encode_in_dtype`` is then encoded both ways and held to the worse (module docstring).
+# ``encode_in_dtype`` is then encoded both ways and held to the worse (module docstring). Other
+# formats kitchen makes from bf16 differ in a few scales only and stayed within the margin.
 NATIVE_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 
