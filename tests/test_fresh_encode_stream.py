@@ -27,6 +27,7 @@ from bench_verdicts import kitchen_file  # noqa: E402
 
 from h3quant.cli import main  # noqa: E402
 from h3quant.pipelines import fresh_encode as fe  # noqa: E402
+from h3quant.sizes import size_text  # noqa: E402
 
 SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
          "--text-tokens", "4", "--device", "cpu"]
@@ -133,14 +134,14 @@ def test_the_size_is_said_first_and_a_small_temporary_folder_falls_back_by_name(
     enc = fe.write_fresh_encode(str(files["nvfp4"]), str(files["ref"]), str(out),
                                 log=said.append)
     size = out.stat().st_size
-    assert len(said) == 1 and f"{size / (1 << 20):.1f} MiB" in said[0], said
+    assert len(said) == 1 and size_text(size) in said[0], said
     out.unlink()
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(size, size - 1000, 1000))
     enc = fe.write_fresh_encode(str(files["nvfp4"]), str(files["ref"]), str(out))
     assert enc.path is None and not out.exists() and len(enc.skipped) == 8
     why = enc.describe()
-    assert str(tmp_path) in why and f"{size / (1 << 20):.1f} MiB" in why and "TMPDIR" in why
+    assert str(tmp_path) in why and size_text(size) in why and "TMPDIR" in why
     assert "fixed per-format limits" in why
     r = CliRunner().invoke(main, ["verify", str(files["nvfp4"]), "--reference",
                                   str(files["ref"]), "--model", *SMALL, "--json"])

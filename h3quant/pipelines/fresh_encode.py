@@ -196,10 +196,6 @@ class _Job:
     in_dtype: str | None = None  # encoded as comfy-kitchen does in this stored dtype
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) -> list[_Job]:
     """The layers that can be re-encoded, each with the tensors it will write (names, dtypes
     and shapes from the format's own plan, before any weight is read); the others go to
@@ -297,6 +293,7 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
     import shutil
 
     from h3quant.formats.container.writer import Entry, StreamingWriter, plan_layout
+    from h3quant.sizes import size_text
     from h3quant.formats.markers import HEADER_KEY, header_metadata_value
     from h3quant.sources import open_as_comfy
 
@@ -316,12 +313,12 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
         folder = os.path.dirname(os.path.abspath(out))
         need, free = layout.file_bytes, shutil.disk_usage(folder).free
         if free < need:
-            why = (f"the temporary folder {folder} has {_gib(free)} free and the fresh encode "
-                   f"needs {_gib(need)} (set TMPDIR to a folder with more space)")
+            why = (f"the temporary folder {folder} has {size_text(free)} free and the fresh encode "
+                   f"needs {size_text(need)} (set TMPDIR to a folder with more space)")
             result.skipped.update({job.layer: why for job in jobs})
             return result
         if log is not None:
-            log(f"writing the fresh encode of the reference ({_gib(need)}, {len(jobs)} layers "
+            log(f"writing the fresh encode of the reference ({size_text(need)}, {len(jobs)} layers "
                 f"re-encoded) to the temporary folder {folder}; removed when done")
         with StreamingWriter(out, layout) as sink:
             for entry in kept:
