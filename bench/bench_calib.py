@@ -66,8 +66,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", default="int8-convrot",
                     choices=[t for t in registry.targets()
-                             if registry.target_codec(t).calibrates
-                             and not registry.target_codec(t).spec.write_refusal])
+                             if registry.target_codec(t).spec.encoding.calibrates
+                             and not registry.target_codec(t).spec.encoding.write_refusal])
     ap.add_argument("--linears", nargs="*", default=list(BLOCK_LINEARS))
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()

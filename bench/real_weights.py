@@ -162,7 +162,7 @@ def smoothing_hook():
 
     def pick(w, stats, codec, marker, x_max, sample):
         share = 1.0
-        if codec.calibrates and stats.rows >= stats.k:
+        if codec.spec.encoding.calibrates and stats.rows >= stats.k:
             g = int((marker or {}).get("convrot_groupsize", 256))
             gain = stats.predicted_gain_db(codec.spec.uses_convrot(marker), g)
             share = 10.0 ** (-max(0.0, gain) / 10.0)
@@ -216,10 +216,10 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     cal = stats[key]
     s = None
     if mode == "plain":
-        if codec.spec.write_refusal:
+        if codec.spec.encoding.write_refusal:
             return None, "writes calibrated only"
         tensors = codec.encode(w, marker, "exact")
-    elif not codec.calibrates:
+    elif not codec.spec.encoding.calibrates:
         return None, "no calibrated encoder"
     else:
         if mode.startswith("smoothed"):

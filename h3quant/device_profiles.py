@@ -2,7 +2,7 @@
 
 A class is what a user names (``ada``, ``apple``, ``ascend``), not a device string: an 8 GB RTX
 3070 is ``ampere``, a 4080 ``ada``, a 5090 ``blackwell``. What a format needs lives in its spec
-(``FormatSpec.kitchen``: comfy-kitchen's layout and its ``MIN_SM_VERSION``); this module holds
+(``FormatSpec.runtime.kitchen``: comfy-kitchen's layout and its ``MIN_SM_VERSION``); this module holds
 the devices and the one rule that joins the two, which is ComfyUI's (``comfy/ops.py`` asks the
 layout's ``supports_fast_matmul()``: a CUDA capability of at least the layout's minimum, always
 true for a layout without one, false without a CUDA device). Sources: docs/FORMATS.md 26.
@@ -87,9 +87,14 @@ def for_device(kind: str, capability) -> DeviceClass | None:
     return for_kind(kind)
 
 
+def _kitchen(spec):
+    """The format's ``KitchenFacts`` (None: ComfyUI does not load it, or no format)."""
+    return spec.runtime.kitchen if spec is not None else None
+
+
 def native(spec, cls: DeviceClass) -> bool:
     """Whether ComfyUI runs layers of ``spec`` on a kernel on ``cls`` (the layout's rule)."""
-    kit = getattr(spec, "kitchen", None)
+    kit = _kitchen(spec)
     if kit is None:
         return False
     if kit.min_sm is None:
@@ -98,7 +103,7 @@ def native(spec, cls: DeviceClass) -> bool:
 
 
 def _note(spec, cls: DeviceClass) -> tuple[str, str] | None:
-    kit = getattr(spec, "kitchen", None)
+    kit = _kitchen(spec)
     for where, kind, text in (kit.notes if kit is not None else ()):
         at = _BY_NAME.get(where)
         if at is None:
@@ -117,7 +122,7 @@ def note(spec, cls: DeviceClass) -> str | None:
 
 def cell(spec, cls: DeviceClass) -> str:
     """One table cell: ``native``, ``dequant``, ``emulated``, ``unverified`` or ``refused``."""
-    if getattr(spec, "kitchen", None) is None:
+    if _kitchen(spec) is None:
         return "refused"
     if native(spec, cls):
         return "native"
@@ -150,9 +155,9 @@ def _span(classes: list[DeviceClass]) -> str:
 def load_line(spec) -> str:
     """Will it load, and where does it run fast: one line for ``spec`` (inspect, validate,
     convert)."""
-    kit = getattr(spec, "kitchen", None)
+    kit = _kitchen(spec)
     if kit is None:
-        return spec.load_note or "ComfyUI does not load this format"
+        return spec.runtime.load_note or "ComfyUI does not load this format"
     fast = native_classes(spec)
     where = _span(fast) if fast else "no device"
     tail = "" if kit.min_sm is None else "; elsewhere dequantized: slower, more memory"

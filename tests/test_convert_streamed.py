@@ -69,10 +69,10 @@ def test_chunks_with_a_partial_last_tile_give_kitchens_bytes(target):
     w[200] *= 40  # the amax lies in the last chunk
     codec = registry.target_codec(target)
     spec = codec.spec
-    assert spec.streamed and not spec.chunked
-    step = max(spec.chunk_rows, 128)
+    assert spec.encoding.streamed and not spec.encoding.chunked
+    step = max(spec.encoding.chunk_rows, 128)
     spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    value = codec.layer_value([codec.scan_rows(w[a:b]) for a, b in spans]) if codec.scans else None
+    value = codec.layer_value([codec.scan_rows(w[a:b]) for a, b in spans]) if codec.spec.encoding.scans else None
     layout, kw = LAYOUTS[target]
     want = kitchen_state(w, layout, "x", **kw)
     got: dict[str, torch.Tensor] = {}

@@ -83,11 +83,11 @@ _DEVICE_WORD_EXCEPTIONS = {
     ("pipelines/convert/options.py", "npu"), ("pipelines/convert/recipe.py", "npu"),
     ("cli/convert_cmd.py", "npu"),
     # a format states where ComfyUI runs comfy-kitchen's eager INT4 path (formats know no runtime)
-    ("formats/int4_convrot/codec.py", "mps"), ("formats/int4_convrot/codec.py", "xpu"),
+    ("formats/int4_convrot/spec.py", "mps"), ("formats/int4_convrot/spec.py", "xpu"),
     # ... and where its eager AWQ W4A16 linear runs (kitchen's AWQ kernels are CUDA / ROCm only)
-    ("formats/awq_w4a16/codec.py", "mps"), ("formats/awq_w4a16/codec.py", "xpu"),
-    ("formats/awq_w4a16/codec.py", "npu"),
-    # a codec's kernel is a CUDA kernel with a minimum sm capability
+    ("formats/awq_w4a16/spec.py", "mps"), ("formats/awq_w4a16/spec.py", "xpu"),
+    ("formats/awq_w4a16/spec.py", "npu"),
+    # a format's kernel (spec.runtime.kernel) is a CUDA kernel with a minimum sm capability
     ("runtime/decoded.py", "cuda"),
 }
 

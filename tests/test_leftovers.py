@@ -19,7 +19,7 @@ from h3quant.formats.container import atomic
 # every target convert can write without calibration data (a format that needs it refuses
 # with its own usage error before reading any weight)
 TARGETS = sorted(t for t in registry.targets()
-                 if not getattr(registry.target_codec(t).spec, "write_refusal", None))
+                 if not registry.target_codec(t).spec.encoding.write_refusal)
 SQUARE = "blocks.0.attn.out_proj.weight"  # [512, 512] in the tiny preset
 
 

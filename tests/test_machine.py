@@ -32,11 +32,11 @@ def test_profiles_agree_with_kitchen_min_sm_version():
     layouts = _kitchen_layouts()
     checked = 0
     for spec in registry.specs():
-        if spec.kitchen is None:
+        if spec.runtime.kitchen is None:
             continue
-        cls = layouts[spec.kitchen.layout]
+        cls = layouts[spec.runtime.kitchen.layout]
         kitchen_min = tuple(cls.MIN_SM_VERSION) if cls.MIN_SM_VERSION is not None else None
-        assert kitchen_min == spec.kitchen.min_sm, spec.name
+        assert kitchen_min == spec.runtime.kitchen.min_sm, spec.name
         checked += 1
     assert checked >= 7
 
@@ -50,9 +50,9 @@ def test_profiles_follow_kitchens_fast_matmul_rule(monkeypatch):
     for c in device_profiles.CLASSES:
         monkeypatch.setattr(base, "get_cuda_capability", lambda sm=c.sm: sm)
         for spec in registry.specs():
-            if spec.kitchen is None:
+            if spec.runtime.kitchen is None:
                 continue
-            layout = layouts[spec.kitchen.layout]
+            layout = layouts[spec.runtime.kitchen.layout]
             if "get_cuda_capability" in layout.supports_fast_matmul.__func__.__code__.co_names:
                 # a layout overriding the rule reads the name through its own module
                 mod = __import__(layout.__module__, fromlist=["x"])

@@ -22,7 +22,7 @@ S = "blocks.0.attn.qkv_proj.scale_weight"
 # every target convert can write without calibration data (a format that needs it refuses
 # with its own usage error before reading any weight)
 TARGETS = sorted(t for t in registry.targets()
-                 if not getattr(registry.target_codec(t).spec, "write_refusal", None))
+                 if not registry.target_codec(t).spec.encoding.write_refusal)
 
 
 def _fp8(t: dict, code: int, dtype=torch.float8_e4m3fn) -> dict:

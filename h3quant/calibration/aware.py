@@ -41,10 +41,10 @@ def input_rounding(codec, marker: dict | None) -> Rounding | None:
     ``smooth.runtime_output``'s: comfy-kitchen's emulated forward where ComfyUI runs one on the
     CPU (INT4 ConvRot), the float decode, else the int8 grid with per-token int8 inputs."""
     fields = marker or {}
-    emulation = getattr(codec, "emulation", None)
+    emulation = codec.spec.runtime.emulation
     if emulation is not None and "cpu" in emulation[1] and hasattr(codec, "rounded_inputs"):
         return lambda x: codec.rounded_inputs(x.to(torch.float32), fields)
-    if codec.decodes and hasattr(codec, "decode_weight"):
+    if codec.spec.runtime.decodes and hasattr(codec, "decode_weight"):
         return None
     from h3quant.runtime.int8_math import quantize_activation, rotate_activation
 

@@ -97,10 +97,10 @@ def runtime_output(codec, marker: dict | None, tensors: dict, x: torch.Tensor) -
     comfy-kitchen's emulated forward where ComfyUI runs one on the CPU (INT4 ConvRot: int4
     activations), the float decode for formats run dequantized, else the int8 grid with
     per-token int8 activations (ConvRot-rotated where the marker says)."""
-    emulation = getattr(codec, "emulation", None)
+    emulation = codec.spec.runtime.emulation
     if emulation is not None and "cpu" in emulation[1]:
         return codec.emulated_linear(x, tensors, marker or {}).float()
-    if codec.decodes and hasattr(codec, "decode_weight"):
+    if codec.spec.runtime.decodes and hasattr(codec, "decode_weight"):
         return x @ codec.decode_weight(tensors, marker or {}, torch.float32).t()
     from h3quant.runtime.int8_math import quantize_activation
 

@@ -99,11 +99,11 @@ def check_layer(layer) -> list[Finding]:
         add("Q101", f"layer has a {spec.name} marker but no weight tensor")
         return out
     n, k = logical_shape(layer)
-    if len(layer.weight.shape) != 2 and spec.tensors[0].shapes is not None:
+    if len(layer.weight.shape) != 2 and spec.storage.tensors[0].shapes is not None:
         add("Q103", f"weight is {_fmt_shape(layer.weight.shape)}, expected a 2-D "
-            f"{spec.tensors[0].describe()}")
+            f"{spec.storage.tensors[0].describe()}")
     out.extend(spec.header_findings(layer, n, k, add) or ())
-    for ts in spec.tensors:
+    for ts in spec.storage.tensors:
         info = layer.tensors.get(ts.suffix)
         if info is None:
             if ts.required:
@@ -119,13 +119,13 @@ def check_layer(layer) -> list[Finding]:
             want = " or ".join(_fmt_shape(a) for a in allowed)
             add("Q103", f"is {_fmt_shape(info.shape)}, expected {ts.shape_text} = {want} "
                 f"for N={n}, K={k}", ts.suffix)
-    if spec.closed:
-        for suffix in sorted(set(layer.tensors) - spec.suffixes):
-            known = ", ".join(sorted(spec.suffixes - {"comfy_quant"}))
+    if spec.storage.closed:
+        for suffix in sorted(set(layer.tensors) - spec.storage.suffixes):
+            known = ", ".join(sorted(spec.storage.suffixes - {"comfy_quant"}))
             add("Q106", f"{spec.name} defines no '{suffix}' tensor (expected only {known}); "
                 "loaders ignore or reject it", suffix)
     spec.extra_findings(layer, add)
-    if k is not None and spec.convrot_rules:
+    if k is not None and spec.storage.convrot_rules:
         _constraints(spec, layer, k, add)
     if supported:  # rules across fields and tensors
         seen = {(f.code, f.tensor) for f in out}
@@ -137,7 +137,7 @@ def check_layer(layer) -> list[Finding]:
 
 def _constraints(spec: FormatSpec, layer, k: int, add) -> None:
     f = layer.fields
-    if f.get("convrot", False) or spec.always_convrot:
+    if f.get("convrot", False) or spec.storage.always_convrot:
         g = f.get("convrot_groupsize", 256)
         if not is_valid_group_size(g):
             add("Q104", f"convrot_groupsize {g!r} is not a power of 4 (4, 16, 64, 256, 1024); "

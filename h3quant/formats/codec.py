@@ -3,11 +3,12 @@
 A codec is built from its format's ``FormatSpec`` and only adds what needs tensors: which
 stored tensors to read to decode rows, decoding them, encoding float rows (with an optional
 calibration object, for encoders that use one), the grid the int8 runtime multiplies, and the
-checks on tensor values, plus the few switches about that work (``calibrates``, ``decodes``,
-``kernel``, ``needs_row0``, ``sampled_by_column``). Header facts (name, targets, limits,
-planned tensors, the tensors to transpose or to read for a grid ...) are the spec's alone:
-callers read them as ``codec.spec.<field>``; a codec does not forward them. Importing a codec
-never imports torch; its methods do, on first use.
+checks on tensor values. Every switch about that work is the spec's, in the facet of the
+engine that reads it (``spec.encoding.calibrates``, ``spec.runtime.decodes``, ``kernel``,
+``emulation``, ``needs_row0`` ...), as are the header facts (name, targets, limits, planned
+tensors, the tensors to transpose or to read for a grid ...): callers read them as
+``codec.spec.<facet>.<field>``; a codec does not forward them. Importing a codec never imports
+torch; its methods do, on first use.
 """
 
 from __future__ import annotations
@@ -23,23 +24,9 @@ if TYPE_CHECKING:
 class Codec:
     """Tensor work of one format; the defaults are a plain float layer's."""
 
-    calibrates = False  # encode() takes statistics (``calibration``) to choose its codes
-    # channel_scale() searches per-input-channel scales s (the weight stored as W diag(s), its
-    # input divided by s in the layer before): AWQ's scaling
-    scales_channels = False
-    decodes = False  # the runtime may run the layer through ``decode_weight`` (float math)
-    kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
-    needs_row0 = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
-    sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
-
     if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
         def decode_weight(self, tensors: dict, fields: dict | None,
                           dtype: torch.dtype) -> torch.Tensor: ...
-    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
-    # activation quantization included) instead of a dequantized weight: the runtime then calls
-    # ``emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
-    emulation: tuple[str, tuple[str, ...]] | None = None
-    scans = False  # a streamed encoder (``spec.streamed``) needs a first pass (``scan_rows``)
 
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
@@ -64,14 +51,14 @@ class Codec:
                       ) -> tuple[torch.Tensor | None, Any, dict]:
         """(``s`` fp32 [K] or None for no scaling, the statistics of the scaled inputs ``x / s``
         to encode ``W diag(s)`` with (None with no scaling), a report entry) for the float
-        weight ``w`` with the layer's statistics; only called when ``scales_channels``."""
+        weight ``w`` with the layer's statistics; only called when ``spec.encoding.scales_channels``."""
         return None, None, {}
 
     def encode(self, w: torch.Tensor, marker: dict | None, method: str, pool=None,
                calibration=None) -> dict[str, torch.Tensor]:
         """Encode float rows ``w`` [n, K] into this format's tensors (marker tensor aside).
 
-        ``pool``: an executor a whole-layer codec (``chunked = False``) may spread its row
+        ``pool``: an executor a whole-layer codec (``spec.encoding.chunked`` false) may spread its row
         chunks over; row-chunked codecs are called per chunk and ignore it. ``calibration``: an
         object an encoder that uses activation statistics is handed (None: none given)."""
         import torch
@@ -80,11 +67,11 @@ class Codec:
 
     def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T + b`` as ComfyUI computes it on the devices ``emulation`` names."""
+        """``x W^T + b`` as ComfyUI computes it on the devices ``spec.runtime.emulation`` names."""
         raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
 
     def scan_rows(self, w: torch.Tensor) -> Any:
-        """A streamed codec's first pass (``spec.streamed``): what rows ``w`` contribute to the
+        """A streamed codec's first pass (``spec.encoding.streamed``): what rows ``w`` contribute to the
         layer-wide value (None: the codec needs none)."""
         return None
 
@@ -94,7 +81,7 @@ class Codec:
 
     def encode_rows(self, w: torch.Tensor, marker: dict | None, method: str,
                     value: Any) -> dict[str, torch.Tensor]:
-        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.chunk_rows`` multiples
+        """A streamed codec's second pass: rows ``w`` (a chunk of ``spec.encoding.chunk_rows`` multiples
         starting at such a multiple) encoded with the layer-wide ``value``. Every output but a
         0-dim one holds the chunk's stored rows (the last chunk's padding rows included); the
         bytes equal the same rows of ``encode`` on the whole layer."""
@@ -127,7 +114,7 @@ class Codec:
         return RowRange(per_tensor=False, low=127, high=127, no_min128=True, text="max|q| = 127 per row")
 
     def data_violation(self, suffix: str, values: torch.Tensor) -> Violation | None:
-        """The rule on the values of a ``spec.deep_whole`` tensor (None: they pass)."""
+        """The rule on the values of a ``spec.verify.deep_whole`` tensor (None: they pass)."""
         return None
 
     def layer_data_violations(self, tensors: dict, read, fields: dict) -> list[Violation]:

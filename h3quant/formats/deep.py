@@ -155,17 +155,17 @@ def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
     if not n or not k or w is None:
         return
     row_names, whole_names = codec.source_tensors(f, t)
-    if any(s not in t for s in (*row_names, *whole_names, *codec.spec.column_sources)):
+    if any(s not in t for s in (*row_names, *whole_names, *codec.spec.storage.column_sources)):
         return  # the header rules report what is missing
     whole = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in whole_names}
-    cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.column_sources}
+    cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.storage.column_sources}
     views = codec.row_views(whole, f)
     step = max(1, DECODE_BYTES // (4 * k))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         rows: dict = {s: src.rows(t[s], r0, r1) for s in row_names}
         rows.update({s: c[:, r0:r1].t() for s, c in cols.items()})
-        if codec.needs_row0:
+        if codec.spec.runtime.needs_row0:
             rows["_row0"] = r0
         rows.update({s: v[r0:r1] for s, v in views.items()})
         v = rules.weight_violation(codec.decode_rows(rows, whole, f), r0 * k)
@@ -182,7 +182,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
     t = layer.tensors
     codec = registry.get(fmt) if fmt is not None else None
     if codec is not None:  # supported formats: their scale tensors must be finite and > 0
-        for suffix in codec.spec.deep_scales:
+        for suffix in codec.spec.verify.deep_scales:
             info = t.get(suffix)
             if info is None or info.dtype not in FLOAT_DTYPES | {"F8_E4M3", "U8"}:
                 continue
@@ -196,9 +196,9 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
                 out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
                 checked.add(info.name)
         w = t.get("weight")
-        if codec.spec.int8_codes and w is not None and w.dtype == "I8":
+        if codec.spec.relayout.int8_codes and w is not None and w.dtype == "I8":
             _check_int8_codes(src, w, out)
-        for suffix in codec.spec.deep_whole:
+        for suffix in codec.spec.verify.deep_whole:
             info = t.get(suffix)
             if info is not None and (info.dtype in FLOAT_DTYPES or info.dtype == "I8"):
                 _check_whole(src, codec, suffix, info, out)

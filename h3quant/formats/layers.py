@@ -30,7 +30,7 @@ LAYER_SUFFIXES = frozenset({
     "weight", "bias", "comfy_quant", "weight_scale", "weight_scale_2", "input_scale",
     "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction",
     "weight_zero", "weight_zeros", "qweight", "qzeros", "scales",
-}) | frozenset().union(*(s.suffixes for s in registry.specs()))  # every format's tensor set
+}) | frozenset().union(*(s.storage.suffixes for s in registry.specs()))  # every format's tensor set
 
 
 @dataclass

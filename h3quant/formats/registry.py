@@ -43,14 +43,14 @@ def register(spec: FormatSpec, codec: Codec | None = None) -> FormatSpec:
         raise ValueError(f"format name {spec.name!r} is empty or already registered")
     if codec is not None and codec.spec is not spec:
         raise ValueError(f"the codec of {spec.name!r} is built on another spec")
-    for t in spec.targets:
+    for t in spec.encoding.targets:
         if t.name in _TARGETS or t.codec != spec.name or codec is None:
             raise ValueError(f"target {t.name!r} is already registered, names another format "
                              "or has no codec")
     _SPECS[spec.name] = spec
     if codec is not None:
         _CODECS[spec.name] = codec
-    for t in spec.targets:
+    for t in spec.encoding.targets:
         _TARGETS[t.name] = t
     return spec
 
@@ -150,7 +150,7 @@ def kept_marker(code_dtype: str) -> dict | None:
 
 def marker_defaults(name) -> dict:
     s = spec(name)
-    return dict(s.marker_defaults) if s is not None and s.quantized else {}
+    return dict(s.storage.marker_defaults) if s is not None and s.quantized else {}
 
 
 def targets() -> dict[str, Target]:
@@ -197,9 +197,9 @@ def layouts_of(codec: Codec) -> tuple[str, ...]:
 def verify_limits(name: str | None) -> VerifyLimits:
     """``verify`` limits of a format (a float layer uses the tightest of the formats)."""
     codec = get(name) if name else None
-    if codec is not None and codec.spec.verify is not None:
-        return codec.spec.verify
-    return min((c.spec.verify for c in quantized_codecs() if c.spec.verify is not None),
+    if codec is not None and codec.spec.verify.limits is not None:
+        return codec.spec.verify.limits
+    return min((c.spec.verify.limits for c in quantized_codecs() if c.spec.verify.limits is not None),
                key=lambda v: v.rel_err)
 
 
@@ -207,16 +207,16 @@ def decoded_limits(name) -> VerifyLimits | None:
     """The ``verify`` limits of a format the runtime runs through its decode (fp8, mxfp8, ...);
     None for the int8-grid formats (int8, W4A8), whose limits ``verify`` options can set."""
     codec = get(name) if name else None
-    if codec is None or not codec.decodes:
+    if codec is None or not codec.spec.runtime.decodes:
         return None
-    return codec.spec.verify
+    return codec.spec.verify.limits
 
 
 def class_limits(bits: int) -> VerifyLimits:
     """``verify`` limits of a weight class (8: int8 formats, 4: 4-bit ones): the tightest of
     the formats with a codec whose weights have that many bits."""
-    found = [c.spec.verify for c in quantized_codecs()
-             if c.spec.weight_bits == bits and c.spec.verify is not None]
+    found = [c.spec.verify.limits for c in quantized_codecs()
+             if c.spec.verify.weight_bits == bits and c.spec.verify.limits is not None]
     if not found:
         raise KeyError(f"no format with {bits}-bit weights has verify limits")
     return min(found, key=lambda v: v.rel_err)
@@ -224,7 +224,7 @@ def class_limits(bits: int) -> VerifyLimits:
 
 def low_bit(names) -> bool:
     """Whether any of these formats stores weights in fewer than 8 bits (looser verify limits)."""
-    return any((c := get(n)) is not None and c.spec.weight_bits < 8 for n in names)
+    return any((c := get(n)) is not None and c.spec.verify.weight_bits < 8 for n in names)
 
 
 __all__ = ["PLAIN", "Codec", "FormatSpec", "RowRange", "Target", "VerifyLimits", "class_limits",

@@ -1,5 +1,7 @@
-"""What a format is, as data: its wire name, marker fields and defaults, tensor set, targets,
-verify limits and header-level rules. Torch-free.
+"""What a format is, as data: its identity and, grouped by the engine that reads them, its
+tensor set and header rules (``storage``), how convert writes it (``encoding``) or moves its
+codes (``relayout``), how the runtime runs it (``runtime``) and what verify checks
+(``verify``). Torch-free.
 
 Each format package (``h3quant.formats.int8`` ...) exports one ``SPEC``: a ``FormatSpec`` (or a
 subclass overriding the few header rules that differ, such as W4A8's packed width) and, where
@@ -132,71 +134,20 @@ class KitchenFacts:
 
 
 @dataclass(frozen=True)
-class FormatSpec:
-    """One on-disk layer format, as data (plus the header rules a subclass may override)."""
+class StorageFacet:
+    """What the header engines read (``markers``, ``layers``, ``check``, ``transpose``, the
+    topology): the tensor set and its rules, the marker's defaults, how the weight is packed
+    and laid out."""
 
-    name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
-    description: str
     tensors: tuple[TensorSpec, ...] = ()  # the tensor set, declared once
     closed: bool = True  # tensors outside ``tensors`` are flagged (Q106)
-    quantized: bool = True
-    comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
-    kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
-    load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
-    targets: tuple[Target, ...] = ()
-    verify: VerifyLimits | None = None
     marker_defaults: dict[str, Any] = field(default_factory=dict)  # what a loader assumes
-    runtime_tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
-    runtime_required: tuple[str, ...] = ()
-    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
-    deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
-    int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
-    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
-    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
-    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
-    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
-    streamed: bool = False
-    chunk_rows: int = 1
-    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
-    always_convrot: bool = False  # the format rotates whatever its marker says
-    convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
     packed: bool = False  # two 4-bit codes per byte along K: stored [N, K/2]
     opaque: bool = False  # the logical [N, K] cannot be told from the header
-    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
-    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
-    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
-    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
-    grid_rows: tuple[str, ...] = ()
-    grid_whole: tuple[str, ...] = ()
-    grid_scale: str | None = None
-    layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
-    canonical: str | None = None  # for a layout variant: the format it re-lays out
+    always_convrot: bool = False  # the format rotates whatever its marker says
+    convrot_rules: bool = False  # ConvRot group-size rules apply to the marker (Q104)
     transposed_outputs: tuple[str, ...] = ()  # encode() gives [n, K] rows, stored as [K, N]
     column_sources: tuple[str, ...] = ()  # stored [K, N]: layer row r is stored column r
-    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
-    # why convert cannot copy a layer of this format into its output either (a read-only
-    # format: every such layer must be converted to another format); None: it can
-    kept_refusal: str | None = None
-    # another name for the format ``alias_of``: read as that format, and a layer kept by
-    # convert is written under that format's name (never under this one)
-    alias_of: str | None = None
-    # Moving stored codes instead of quantizing (convert's relayout and grid conversions): the
-    # tensor of per-row scales copied beside the codes (a layout variant and its canonical
-    # format both name it), and the plan's note for each way (a relayout: the canonical
-    # format's ``relayout_note``; a conversion through the grid: the source's ``grid_note``).
-    row_scale: str | None = None
-    relayout_note: str | None = None
-    grid_note: str | None = None
-    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
-    # the token refiner too), and convert keeps such layers as they are: a layer outside the
-    # DiT blocks stored in it is expected, not flagged (T105).
-    whole_model: bool = False
-
-    # ------------------------------------------------------------------ derived facts
-    @property
-    def format(self) -> str | None:
-        """The marker's wire name (None for the plain format: it has no marker)."""
-        return self.name if self.quantized else None
 
     @property
     def transposed(self) -> bool:
@@ -205,27 +156,139 @@ class FormatSpec:
 
     @property
     def suffixes(self) -> frozenset[str]:
+        """Every tensor suffix of the format's layers (the marker tensor included)."""
         return frozenset(t.suffix for t in self.tensors) | {"comfy_quant"}
+
+
+@dataclass(frozen=True)
+class EncodingFacet:
+    """What convert's encoder reads: the ``--to`` choices the format writes, how its layers are
+    cut into work (row chunks, two streamed passes, or the whole layer), what it refuses and
+    what its codec's encoder takes (statistics, channel scaling)."""
+
+    targets: tuple[Target, ...] = ()
+    chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
+    # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
+    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
+    # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
+    streamed: bool = False
+    chunk_rows: int = 1
+    unrowed_outputs: tuple[str, ...] = ()  # outputs that are not indexed by row (a codebook)
+    write_refusal: str | None = None  # why convert cannot write the format (None: it can)
+    # why convert cannot copy a layer of this format into its output either (a read-only
+    # format: every such layer must be converted to another format); None: it can
+    kept_refusal: str | None = None
+    calibrates: bool = False  # the codec's encode() takes statistics (``calibration``)
+    # the codec's channel_scale() searches per-input-channel scales s (the weight stored as
+    # W diag(s), its input divided by s in the layer before): AWQ's scaling
+    scales_channels: bool = False
+    scans: bool = False  # a streamed encoder needs a first pass (``Codec.scan_rows``)
+    sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
+
+
+@dataclass(frozen=True)
+class RelayoutFacet:
+    """What convert reads to move stored codes instead of quantizing them (a relayout between a
+    format and its layout variant, or a conversion through a format's int8 grid)."""
+
+    int8_codes: bool = False  # weight holds int8 codes (validate --deep counts -128s)
+    # the tensor of per-row scales copied beside the codes (a layout variant and its canonical
+    # format both name it)
+    row_scale: str | None = None
+    # The decoded weights lie on an int8 grid with per-row scales (the codec's ``grid_rows``
+    # gives its codes from the ``grid_rows`` tensors' rows and the ``grid_whole`` ones; the
+    # scale is the ``grid_scale`` tensor), so an int8 format stores them without requantizing.
+    grid_rows: tuple[str, ...] = ()
+    grid_whole: tuple[str, ...] = ()
+    grid_scale: str | None = None
+    # the plan's note for each way (a relayout: the canonical format's ``relayout_note``; a
+    # conversion through the grid: the source's ``grid_note``)
+    relayout_note: str | None = None
+    grid_note: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeFacet:
+    """What the runtime and the device tables read: the tensors a runtime linear loads, how
+    ComfyUI runs the format (or, where it does not load it, what does) and how h3quant's
+    runtime follows it (decoded, a kernel, an emulated forward)."""
+
+    tensors: tuple[str, ...] = ()  # suffixes the runtime loads (bias aside)
+    required: tuple[str, ...] = ()  # of those, the ones a layer must have
+    kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
+    load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
+    decodes: bool = False  # the runtime may run the layer through ``Codec.decode_weight`` (float)
+    kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
+    # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
+    # activation quantization included) instead of a dequantized weight: the runtime then calls
+    # ``Codec.emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    emulation: tuple[str, tuple[str, ...]] | None = None
+    needs_row0: bool = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
+
+
+@dataclass(frozen=True)
+class VerifyFacet:
+    """What ``verify`` and ``validate --deep`` read: the error limits, the tensors whose values
+    are checked, the limit class and the topology exception."""
+
+    limits: VerifyLimits | None = None  # None: no limits of its own (the loosest format's apply)
+    deep_scales: tuple[str, ...] = ()  # scale tensors whose values must be finite and > 0
+    deep_whole: tuple[str, ...] = ()  # tensors whose values the codec checks (``data_violation``)
+    weight_bits: int = 16  # bits per stored weight code: verify's limits are per class (8 or 4)
+    # ComfyUI's own releases in this format store every linear in it (the fp8_scaled files:
+    # the token refiner too), and convert keeps such layers as they are: a layer outside the
+    # DiT blocks stored in it is expected, not flagged (T105).
+    whole_model: bool = False
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One on-disk layer format, as data (plus the header rules a subclass may override).
+
+    Its identity is at the top; everything else is grouped by the engine that reads it:
+    ``storage`` (header engines), ``encoding`` (convert's encoder), ``relayout`` (convert's
+    code moves), ``runtime`` (the runtime, device tables) and ``verify`` (verify, validate)."""
+
+    name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
+    description: str
+    quantized: bool = True
+    comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
+    layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
+    canonical: str | None = None  # for a layout variant: the format it re-lays out
+    # another name for the format ``alias_of``: read as that format, and a layer kept by
+    # convert is written under that format's name (never under this one)
+    alias_of: str | None = None
+    storage: StorageFacet = field(default_factory=StorageFacet)
+    encoding: EncodingFacet = field(default_factory=EncodingFacet)
+    relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
+    runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
+    verify: VerifyFacet = field(default_factory=VerifyFacet)
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def format(self) -> str | None:
+        """The marker's wire name (None for the plain format: it has no marker)."""
+        return self.name if self.quantized else None
 
     # ------------------------------------------------------------------ header facts
     def logical_k(self, cols: int, fields: dict | None) -> int:
         """Logical input width K of a stored weight with ``cols`` columns."""
-        return 2 * cols if self.packed else cols
+        return 2 * cols if self.storage.packed else cols
 
     def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
         """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
-        if self.transposed:
+        if self.storage.transposed:
             return shape[1], shape[0]
         return shape[0], self.logical_k(shape[1], fields)
 
     def header_nk(self, layer) -> tuple[int | None, int | None]:
         """Logical ``(N, K)`` of a layer whose weight is 2-D, from its header entries."""
-        if self.opaque:
+        if self.storage.opaque:
             return None, None
         return self.logical_shape(tuple(layer.weight.shape), layer.fields)
 
     def uses_convrot(self, fields: dict | None) -> bool:
-        return self.always_convrot or bool(fields and fields.get("convrot"))
+        return self.storage.always_convrot or bool(fields and fields.get("convrot"))
 
     def describe(self, fields: dict | None) -> str:
         """Short text for a layer's storage (``int8_tensorwise convrot g=256`` ...)."""
@@ -276,14 +339,14 @@ class FormatSpec:
         w = tensors.get("weight")
         if w is None:
             return [Violation("Q101", f"{fmt} layer has no weight")]
-        wdtypes = self.tensors[0].dtypes if self.tensors else ("I8",)
+        wdtypes = self.storage.tensors[0].dtypes if self.storage.tensors else ("I8",)
         if w.dtype not in wdtypes or len(shape_of(w)) != 2:
             return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
                               f"2-D {'/'.join(wdtypes)} weight")]
         rows, cols = shape_of(w)  # 2-D, checked above
         n, k, out = self.tensor_violations(rows, cols, fields, tensors)
         out.extend(self.combination_violations(fields, tensors))
-        if fields.get("convrot") or self.always_convrot:  # (kn: k is the stored row count)
+        if fields.get("convrot") or self.storage.always_convrot:  # (kn: k is the stored row count)
             g = fields.get("convrot_groupsize", 256)
             if not is_valid_group_size(g) or k % g:
                 out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 "

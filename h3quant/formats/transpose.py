@@ -1,5 +1,5 @@
 """Streamed transposes of 1-byte matrices, the engine of every layout that stores a weight
-``[K, N]`` (a format's ``spec.transposed_outputs`` / ``column_sources``).
+``[K, N]`` (a format's ``spec.storage.transposed_outputs`` / ``column_sources``).
 
 ``RowTransposer`` writes the transpose of a ``[rows, cols]`` 1-byte matrix that arrives in row
 order (in any chunk sizes) as byte ranges of the ``[cols, rows]`` output: it buffers at most

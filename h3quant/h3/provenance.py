@@ -18,7 +18,7 @@ from h3quant.formats import registry
 
 KEY = "h3quant.from_w4a8"
 # The format the key is about: the one whose decoded weights lie on an int8 grid (W4A8).
-W4A8 = next(s.name for s in registry.specs() if s.grid_scale is not None)
+W4A8 = next(s.name for s in registry.specs() if s.relayout.grid_scale is not None)
 SCALING_KEY = "h3quant.awq_channel_scaling"
 # The layers ``convert --smooth auto`` stored as W diag(s), the division folded into the
 # tensors before them (a JSON list, sorted): alone, such a layer differs from its float original.
@@ -40,7 +40,7 @@ def read_scaling(metadata: dict[str, str] | None) -> dict[str, str]:
 def is_int8(fmt: str | None) -> bool:
     """An int8 format (either layout): its weight holds int8 codes."""
     spec = registry.spec(fmt) if fmt else None
-    return spec is not None and spec.int8_codes
+    return spec is not None and spec.relayout.int8_codes
 
 
 def read(metadata: dict[str, str] | None, key: str = KEY) -> set[str]:

@@ -222,7 +222,7 @@ def logical_shape(tensors: dict, name: str, fmt=None) -> tuple[int, ...] | None:
         layer = name[: -len(".weight")]
         fmt = _fmt(fmt)
         spec = registry.spec(fmt) if fmt else None
-        packed = spec is not None and spec.packed if fmt else f"{layer}.weight_s_rel" in tensors
+        packed = spec is not None and spec.storage.packed if fmt else f"{layer}.weight_s_rel" in tensors
         if packed:
             return (shape[0], 2 * shape[1])
         if _stored_kn(tensors, layer, shape, fmt):
@@ -235,7 +235,7 @@ def _stored_kn(tensors: dict, layer: str, shape: tuple[int, ...], fmt: str | Non
     without one by its 1-D scale holding one value per stored column."""
     if fmt:
         spec = registry.spec(fmt)
-        return spec is not None and spec.transposed
+        return spec is not None and spec.storage.transposed
     scale = tensors.get(f"{layer}.weight_scale")
     return (scale is not None and getattr(tensors[f"{layer}.weight"], "dtype", None) == "I8"
             and len(scale.shape) == 1 and scale.shape[0] == shape[1] != shape[0])
@@ -461,7 +461,7 @@ def check(tensors: dict, detection: Detection | None,
     found += _variant_notes(tensors, detection, expected, quantized)
     for layer, fmt in sorted(quantized.items()):
         fspec = registry.spec(_fmt(fmt))
-        if fspec is not None and fspec.whole_model:
+        if fspec is not None and fspec.verify.whole_model:
             continue  # ComfyUI's own releases store every linear so (the fp8_scaled files)
         if not is_h3_block_linear(layer):
             why = " (the token refiner is never quantized in released files)" \

@@ -160,11 +160,11 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
             if grid is not None:
                 why[n] = f"{rule.REASON_GRID} ({grid})"
     w4a8 = registry.spec(origin.W4A8)
-    if w4a8 is None or not w4a8.targets:
+    if w4a8 is None or not w4a8.encoding.targets:
         return layers, False, {}
     for n in why:  # int8 converted from W4A8 carries W4A8's error
         rot = int(layers[n].get("convrot_groupsize", 256))
-        layers[n] = dict(w4a8.marker(w4a8.targets[0], rot) or {})  # ConvRot group as stored
+        layers[n] = dict(w4a8.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
     return layers, False, why
 
 
@@ -231,8 +231,8 @@ def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) ->
             # encode that one, which the runtime runs with the same arithmetic
             fields = {**fields, "format": codec.spec.canonical}
             codec = registry.codec_for(fields, tensor=wname)
-        if codec.spec.write_refusal:
-            result.skipped[layer] = f"{fields['format']}: {codec.spec.write_refusal}"
+        if codec.spec.encoding.write_refusal:
+            result.skipped[layer] = f"{fields['format']}: {codec.spec.encoding.write_refusal}"
             continue
         planned = codec.spec.planned(shape[0], shape[1], fields)
         entries = [Entry(f"{layer}.{s}", d, tuple(sh)) for s, (d, sh) in planned.items()]

@@ -67,9 +67,9 @@ def _comfyui(where: str, formats: dict[str, str], gguf: bool) -> list[Finding]:
     out = []
     for fmt in sorted(set(formats.values())):
         spec = registry.spec(fmt)
-        if spec is None or spec.kitchen is None:
+        if spec is None or spec.runtime.kitchen is None:
             first = next(n for n, f in formats.items() if f == fmt)
-            why = spec.load_note if spec is not None and spec.load_note else (
+            why = spec.runtime.load_note if spec is not None and spec.runtime.load_note else (
                 "a format ComfyUI does not register")
             out.append(Finding("L101", f"{fmt} layers: {why}", tensor=first,
                                file=where))

@@ -33,7 +33,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def decodes(codec) -> bool:
     """Whether the runtime runs layers of ``codec`` through its float decode."""
-    return bool(codec.decodes) and hasattr(codec, "decode_weight")
+    return bool(codec.spec.runtime.decodes) and hasattr(codec, "decode_weight")
 
 
 @dataclass(frozen=True)
@@ -48,18 +48,18 @@ class FormatRoute:
 
 def emulates(codec, device: Device) -> bool:
     """Whether ComfyUI runs ``codec``'s emulated forward on ``device`` (so the runtime does)."""
-    emulation = getattr(codec, "emulation", None)  # (text, device kinds)
+    emulation = codec.spec.runtime.emulation  # (text, device kinds)
     return emulation is not None and device.kind in emulation[1]
 
 
 def route(codec, device: Device, probe: Probe) -> FormatRoute:
     """The route of ``codec``'s layers on ``device`` (for ``backends`` and verify's notes)."""
     if emulates(codec, device):
-        text = codec.emulation[0]
+        text = codec.spec.runtime.emulation[0]
         return FormatRoute(codec.spec.name, "emulated", text,
                            f"ComfyUI runs {text} on {device.kind}; h3quant runs the same "
                            "computation (the codec's emulated forward)")
-    kernel = codec.kernel  # (text, minimum CUDA capability) ComfyUI uses
+    kernel = codec.spec.runtime.kernel  # (text, minimum CUDA capability) ComfyUI uses
     if device.kind == "cuda" and kernel is not None:
         cap = probe.cuda_capability(device.index)
         if cap is not None and tuple(cap) >= tuple(kernel[1]):

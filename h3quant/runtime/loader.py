@@ -82,7 +82,7 @@ class LoadedLayer:
         """An int8 layer in either layout (canonical [N, K] or the NPU's [K, N]): its stored
         codes are the grid the int8 runtime multiplies."""
         codec = registry.get(self.format) if self.format else None
-        return codec is not None and codec.spec.int8_codes
+        return codec is not None and codec.spec.relayout.int8_codes
 
     @property
     def out_features(self) -> int:
@@ -136,7 +136,7 @@ class LoadedLayer:
     @property
     def decodes(self) -> bool:
         """A quantized layer the runtime runs through its codec's decode (fp8, mxfp8, ...)."""
-        return self.is_quantized and bool(self.codec.decodes)
+        return self.is_quantized and bool(self.codec.spec.runtime.decodes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the original (un-rotated) basis: ``(q * s) @ H_g`` per block, the codec's
@@ -225,7 +225,7 @@ def check_quantized(layer: Layer, fields: dict, path) -> None:
             f"{', '.join(sorted(registry.supported_names()))})", cls=UnsupportedError)
     if fields.get("full_precision_matrix_mult") not in (True, False):
         bad("M114", "full_precision_matrix_mult must be a bool")
-    extra = sorted(set(layer.tensors) - set(codec.spec.runtime_tensors) - {"bias", "comfy_quant"})
+    extra = sorted(set(layer.tensors) - set(codec.spec.runtime.tensors) - {"bias", "comfy_quant"})
     if "weight_correction" in extra:
         bad("Q107", "weight_correction (asymmetric W4A8) is not loaded by ComfyUI; refusing to run "
             "a layer that depends on it", "weight_correction", cls=UnsupportedError)
@@ -250,7 +250,7 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
         tensors = {s: ckpt.read(info.name) for s, info in layer.tensors.items()
                    if s != "comfy_quant"}
         codec = registry.codec_for(layer.fields, tensor=layer.name)
-        for suffix in codec.spec.deep_whole:  # the rules validate --deep and convert apply too
+        for suffix in codec.spec.verify.deep_whole:  # the rules validate --deep and convert apply too
             v = codec.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
             if v is not None:
                 raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),

@@ -63,7 +63,7 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
     if isinstance(module, DecodedLinear):
         fmt = module.codec.spec.name
         if module.emulated:
-            return LayerPath(fmt, "emulated", module.codec.emulation[0])
+            return LayerPath(fmt, "emulated", module.codec.spec.runtime.emulation[0])
         return LayerPath(fmt, "dequant", f"float ({dt}, the weight decoded to it)")
     if isinstance(module, QuantizedLinear):
         fmt = format_name or ("int8 ConvRot grid" if module.convrot else "int8 grid")

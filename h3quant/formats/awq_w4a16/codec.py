@@ -12,14 +12,6 @@ def _g(fields) -> int:
 
 
 class AWQW4A16Codec(Codec):
-    decodes = True  # the runtime runs it through decode_weight (kitchen's W4A16 math)
-    # ComfyUI's linear on an awq_w4a16 weight calls comfy-kitchen's gemv_awq_w4a16, whose
-    # eager path (every device but CUDA / ROCm, where kitchen has AWQ kernels) computes in
-    # the scales' dtype whatever the activations' dtype: the runtime runs the same computation
-    # there (in bf16 activations it equals the dequantized matmul bit for bit).
-    emulation = ("comfy-kitchen gemv_awq_w4a16 (eager, in the scales' dtype)",
-                 ("cpu", "mps", "xpu", "npu"))
-
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale", "weight_zeros"]
 
@@ -65,9 +57,6 @@ class AWQW4A16Codec(Codec):
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
 
-    calibrates = True
-    sampled_by_column = ("weight_scale", "weight_zeros")  # report samples: their rows, [n, K/G]
-
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is None:
             raise UnsupportedError(REFUSAL, code="Q105")
@@ -75,8 +64,6 @@ class AWQW4A16Codec(Codec):
 
         t = encode_awq_w4a16(w, calibration, group_size=_g(marker))
         return {"weight": t["qweight"], "weight_scale": t["wscales"], "weight_zeros": t["wzeros"]}
-
-    scales_channels = True  # channel_scale: AWQ's per-input-channel scaling
 
     def channel_scale(self, w, marker, calibration):
         """(``s`` [K] or None, the statistics of ``x / s`` or None, the search's figures): see

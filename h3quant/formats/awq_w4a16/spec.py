@@ -9,6 +9,7 @@ format needs calibration).
 
 from __future__ import annotations
 
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -112,31 +113,49 @@ class AWQW4A16Spec(FormatSpec):
 SPEC = AWQW4A16Spec(
     name=NAME,
     description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
-    kitchen=KitchenFacts(
-        "TensorCoreAWQW4A16Layout", None, "0.2.9",
-        notes=(("ampere", "", "sm_80+ runs comfy-kitchen's CUDA gemv_awq_w4a16; other devices its "
-                              "pure-PyTorch path"),)),
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
-                   "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
-        TensorSpec("weight_scale", SCALE_DTYPES, _grouped, "[K/G, N]"),
-        TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                       "[N, K/2] (two unsigned 4-bit codes per byte, even column low)"),
+            TensorSpec("weight_scale", SCALE_DTYPES, _grouped, "[K/G, N]"),
+            TensorSpec("weight_zeros", SCALE_DTYPES, _grouped, "[K/G, N] (the weight_scale's dtype)"),
+            BIAS,
+        ),
+        marker_defaults={"group_size": 64},
+        packed=True,
     ),
-    targets=(Target("awq-w4a16", NAME, False,
-                    "AWQ W4A16 (needs calibration statistics; refused without them)"),),
-    # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
-    # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
-    # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
-    # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
-    verify=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
-    marker_defaults={"group_size": 64},
-    runtime_tensors=("weight", "weight_scale", "weight_zeros"),
-    runtime_required=("weight", "weight_scale", "weight_zeros"),
-    deep_scales=("weight_scale",),
-    chunked=False,  # written whole: its scales are stored [K/G, N], not by row
-    unrowed_outputs=("weight_scale", "weight_zeros"),
-    packed=True,
-    weight_bits=4,
-    write_refusal=REFUSAL,
+    encoding=EncodingFacet(
+        targets=(Target("awq-w4a16", NAME, False,
+                        "AWQ W4A16 (needs calibration statistics; refused without them)"),),
+        chunked=False,  # written whole: its scales are stored [K/G, N], not by row
+        unrowed_outputs=("weight_scale", "weight_zeros"),
+        write_refusal=REFUSAL,
+        calibrates=True,
+        scales_channels=True,  # channel_scale: AWQ's per-input-channel scaling
+        sampled_by_column=("weight_scale", "weight_zeros"),  # report samples: their rows, [n, K/G]
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorCoreAWQW4A16Layout", None, "0.2.9",
+            notes=(("ampere", "", "sm_80+ runs comfy-kitchen's CUDA gemv_awq_w4a16; other devices its "
+                                  "pure-PyTorch path"),)),
+        tensors=("weight", "weight_scale", "weight_zeros"),
+        required=("weight", "weight_scale", "weight_zeros"),
+        decodes=True,  # the runtime runs it through decode_weight (kitchen's W4A16 math)
+        # ComfyUI's linear on an awq_w4a16 weight calls comfy-kitchen's gemv_awq_w4a16, whose
+        # eager path (every device but CUDA / ROCm, where kitchen has AWQ kernels) computes in
+        # the scales' dtype whatever the activations' dtype: the runtime runs the same computation
+        # there (in bf16 activations it equals the dequantized matmul bit for bit).
+        emulation=("comfy-kitchen gemv_awq_w4a16 (eager, in the scales' dtype)",
+                   ("cpu", "mps", "xpu", "npu")),
+    ),
+    verify=VerifyFacet(
+        # measured on tiny synthetic files calibrated on their own statistics (4 seeds, 4 blocks):
+        # per-layer error on verify's random inputs 0.18-0.29 unscaled, up to 0.50 for a layer
+        # carrying AWQ channel scaling (alone it differs from its float layer by the scale); block
+        # SQNR 6.4-15.2 dB, whole model 9.9-15.8 dB (docs/calibration.md)
+        limits=VerifyLimits(rel_err=0.5, block_sqnr_db=5.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
+    ),
 )

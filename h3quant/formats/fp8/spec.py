@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
@@ -44,7 +45,6 @@ class Fp8Spec(FormatSpec):
     code_dtype: str = "F8_E4M3"  # safetensors dtype of the codes
     torch_dtype: str = "float8_e4m3fn"
     max_value: float = 448.0  # the largest finite code
-    kernel: tuple = ("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9))  # ComfyUI, CUDA
 
     def marker(self, target, group_size):
         return {"format": self.name}
@@ -67,25 +67,36 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
           text: str) -> Fp8Spec:
     return Fp8Spec(
         name=name, description=text,
-        kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
-        tensors=(
-            TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
-            TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),
-            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-            BIAS,
-        ),
-        targets=(Target(target, name, False, text),),
-        verify=limits,
-        marker_defaults={"full_precision_matrix_mult": False},
-        runtime_tensors=("weight", "weight_scale", "input_scale"),
-        runtime_required=("weight", "weight_scale"),
-        deep_scales=("weight_scale", "input_scale"),
-        chunked=False,  # one amax over the whole layer: a first pass, then row chunks
-        streamed=True,
-        unrowed_outputs=("weight_scale",),
-        weight_bits=8,
         code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
-        whole_model=True,
+        storage=StorageFacet(
+            tensors=(
+                TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
+                TensorSpec("weight_scale", ("F32",), _scale_shapes, "[] (or [1], [N], [N, 1])"),
+                TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+                BIAS,
+            ),
+            marker_defaults={"full_precision_matrix_mult": False},
+        ),
+        encoding=EncodingFacet(
+            targets=(Target(target, name, False, text),),
+            chunked=False,  # one amax over the whole layer: a first pass, then row chunks
+            streamed=True,
+            unrowed_outputs=("weight_scale",),
+            scans=True,
+        ),
+        runtime=RuntimeFacet(
+            kitchen=KitchenFacts("TensorCoreFP8Layout", (8, 9), "0.2.0"),
+            tensors=("weight", "weight_scale", "input_scale"),
+            required=("weight", "weight_scale"),
+            decodes=True,  # the runtime runs it through its float decode
+            kernel=("fp8 scaled_mm (comfy-kitchen TensorCoreFP8Layout)", (8, 9)),  # ComfyUI, CUDA
+        ),
+        verify=VerifyFacet(
+            limits=limits,
+            deep_scales=("weight_scale", "input_scale"),
+            weight_bits=8,
+            whole_model=True,
+        ),
     )
 
 

@@ -12,13 +12,6 @@ def _g(fields) -> int:
 
 
 class ConvRotW4A4Codec(Codec):
-    decodes = True  # the runtime may run it through decode_weight (dequantizing)
-    kernel = ("int4 MMA (comfy-kitchen TensorCoreConvRotW4A4Layout)", (7, 5))
-    # comfy-kitchen 0.2.40 implements convrot_w4a4_linear on these devices with its eager
-    # backend only (its CUDA kernel needs sm_75, its Ascend one runs on NPUs): ComfyUI's forward
-    # there quantizes the activations to int4 too, and the runtime runs the same computation.
-    emulation = ("comfy-kitchen eager W4A4 (activations quantized to int4)", ("cpu", "mps", "xpu"))
-
     def source_tensors(self, fields, tensors):
         return ["weight", "weight_scale"], []
 
@@ -63,8 +56,6 @@ class ConvRotW4A4Codec(Codec):
 
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
-
-    calibrates = True
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same rotation and scales, codes by error feedback

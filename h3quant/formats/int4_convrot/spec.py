@@ -11,6 +11,7 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
@@ -137,34 +138,49 @@ _EAGER = "ComfyUI runs comfy-kitchen's eager W4A4 (activations quantized to int4
 SPEC = ConvRotW4A4Spec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
-    kitchen=KitchenFacts(
-        "TensorCoreConvRotW4A4Layout", (7, 5), "0.2.17",
-        notes=(("hopper", "", "native int4 MMA on sm_8x only; Hopper and newer run comfy-kitchen's "
-                              "int8 fallback kernel"),
-               ("ascend", "unverified", "comfy-kitchen has an Ascend convrot_w4a4_linear; whether "
-                                        "ComfyUI reaches it is unverified"),
-               ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
-                   "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
-        TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,), (n, 1)],
-                   "[N] (one scale per row)"),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                       "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
+            TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,), (n, 1)],
+                       "[N] (one scale per row)"),
+            BIAS,
+        ),
+        marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
+        always_convrot=True,
+        convrot_rules=True,
+        packed=True,
     ),
-    targets=(Target("int4-convrot", NAME, True,
-                    "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
-    # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
-    # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
-    # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
-    verify=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
-    marker_defaults={"convrot_groupsize": 256, "linear_dtype": "int4"},
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
-    deep_scales=("weight_scale",),
-    always_convrot=True,
-    convrot_rules=True,
-    packed=True,
-    weight_bits=4,
+    encoding=EncodingFacet(
+        targets=(Target("int4-convrot", NAME, True,
+                        "INT4 ConvRot (convrot_w4a4): signed int4, fp32 row scales, ConvRot"),),
+        calibrates=True,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorCoreConvRotW4A4Layout", (7, 5), "0.2.17",
+            notes=(("hopper", "", "native int4 MMA on sm_8x only; Hopper and newer run comfy-kitchen's "
+                                  "int8 fallback kernel"),
+                   ("ascend", "unverified", "comfy-kitchen has an Ascend convrot_w4a4_linear; whether "
+                                            "ComfyUI reaches it is unverified"),
+                   ("cpu", "emulated", _EAGER), ("apple", "emulated", _EAGER))),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
+        decodes=True,  # the runtime may run it through decode_weight (dequantizing)
+        kernel=("int4 MMA (comfy-kitchen TensorCoreConvRotW4A4Layout)", (7, 5)),
+        # comfy-kitchen 0.2.40 implements convrot_w4a4_linear on these devices with its eager
+        # backend only (its CUDA kernel needs sm_75, its Ascend one runs on NPUs): ComfyUI's forward
+        # there quantizes the activations to int4 too, and the runtime runs the same computation.
+        emulation=("comfy-kitchen eager W4A4 (activations quantized to int4)", ("cpu", "mps", "xpu")),
+    ),
+    verify=VerifyFacet(
+        # verify runs ComfyUI's CPU forward (activations quantized to int4 too): on synthetic
+        # checkpoints the worst layer reached 0.27 and the worst block 5.4 dB (bench/bench_int4_verify.py,
+        # docs/benchmarks.md); a broken file (wrong scales, rotation, rows) is far beyond both
+        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
+        deep_scales=("weight_scale",),
+        weight_bits=4,
+    ),
 )
 
 
@@ -200,16 +216,28 @@ class AliasSpec(ConvRotW4A4Spec):
 ALIAS_SPEC = AliasSpec(
     name=ALIAS,
     description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
-    tensors=SPEC.tensors,
     comfy=False,
-    verify=SPEC.verify,
-    marker_defaults=SPEC.marker_defaults,
-    runtime_tensors=SPEC.runtime_tensors,
-    runtime_required=SPEC.runtime_required,
-    deep_scales=SPEC.deep_scales,
-    always_convrot=True,
-    convrot_rules=True,
-    packed=True,
-    weight_bits=4,
     alias_of=NAME,
+    storage=StorageFacet(
+        tensors=SPEC.storage.tensors,
+        marker_defaults=SPEC.storage.marker_defaults,
+        always_convrot=True,
+        convrot_rules=True,
+        packed=True,
+    ),
+    encoding=EncodingFacet(
+        calibrates=SPEC.encoding.calibrates,
+    ),
+    runtime=RuntimeFacet(
+        tensors=SPEC.runtime.tensors,
+        required=SPEC.runtime.required,
+        decodes=SPEC.runtime.decodes,
+        kernel=SPEC.runtime.kernel,
+        emulation=SPEC.runtime.emulation,
+    ),
+    verify=VerifyFacet(
+        limits=SPEC.verify.limits,
+        deep_scales=SPEC.verify.deep_scales,
+        weight_bits=4,
+    ),
 )

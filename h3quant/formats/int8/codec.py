@@ -26,8 +26,6 @@ class Int8Codec(Codec):
         return decode_int8(q, s, convrot=bool(fields.get("convrot")),
                            group_size=fields.get("convrot_groupsize", 256), dtype=torch.float32)
 
-    calibrates = True
-
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same scales, codes by error feedback
             from h3quant.formats.int8.tensors import encode_int8_calibrated

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from h3quant.convrot import check_group_size
+from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
@@ -92,30 +93,41 @@ RELAYOUT_NOTE = "pure relayout: same int8 codes and scales, transposed (no requa
 SPEC = Int8Spec(
     name=NAME,
     description="int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
-    kitchen=KitchenFacts(
-        "TensorWiseINT8Layout", (7, 5), "0.2.11",
-        notes=(("ascend", "unverified", "comfy-kitchen has an Ascend int8_linear (npu_quant_matmul "
-                                        "on the [N, K] weight); whether ComfyUI reaches it is "
-                                        "unverified"),)),
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k)], "[N, K]"),
-        TensorSpec("weight_scale", SCALE_DTYPES, lambda n, k, f: int8_scale_shapes(n),
-                   "[N, 1] (per row), [] (tensorwise) or [N]"),
-        BIAS,
-        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k)], "[N, K]"),
+            TensorSpec("weight_scale", SCALE_DTYPES, lambda n, k, f: int8_scale_shapes(n),
+                       "[N, 1] (per row), [] (tensorwise) or [N]"),
+            BIAS,
+            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+        ),
+        marker_defaults={"convrot": False, "convrot_groupsize": 256},
+        convrot_rules=True,
     ),
-    targets=(
-        Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
-        Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
+    encoding=EncodingFacet(
+        targets=(
+            Target("int8-convrot", NAME, True, "int8 with ConvRot rotation (per-row scales)"),
+            Target("int8", NAME, False, "int8 without rotation (per-row scales)"),
+        ),
+        calibrates=True,
     ),
-    verify=VerifyLimits(rel_err=0.05, block_sqnr_db=20.0),
-    marker_defaults={"convrot": False, "convrot_groupsize": 256},
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
-    deep_scales=("weight_scale", "input_scale"),
-    int8_codes=True,
-    convrot_rules=True,
-    weight_bits=8,
-    row_scale="weight_scale",
-    relayout_note=RELAYOUT_NOTE,
+    relayout=RelayoutFacet(
+        int8_codes=True,
+        row_scale="weight_scale",
+        relayout_note=RELAYOUT_NOTE,
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts(
+            "TensorWiseINT8Layout", (7, 5), "0.2.11",
+            notes=(("ascend", "unverified", "comfy-kitchen has an Ascend int8_linear (npu_quant_matmul "
+                                            "on the [N, K] weight); whether ComfyUI reaches it is "
+                                            "unverified"),)),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
+    ),
+    verify=VerifyFacet(
+        limits=VerifyLimits(rel_err=0.05, block_sqnr_db=20.0),
+        deep_scales=("weight_scale", "input_scale"),
+        weight_bits=8,
+    ),
 )

@@ -13,6 +13,7 @@ from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
 from h3quant.formats.int8.spec import SPEC as INT8_SPEC
 from h3quant.formats.int8.spec import Int8Spec
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
+from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
 from h3quant.findings import Severity, register
 
@@ -80,28 +81,39 @@ SPEC = Int8KnSpec(
     name=NAME,
     description="int8_tensorwise pre-transposed for Ascend npu_quant_matmul: weight [K, N], "
                 "scale [N]",
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(k, n)], "[K, N]"),
-        TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,)], "[N]"),
-        BIAS,
-    ),
     comfy=False,
-    load_note=("ComfyUI refuses it (a format name it does not register); only h3quant's own "
-               "runtime runs it (verify, compare). For ComfyUI on Ascend make the canonical int8 "
-               "layout (convert --to int8-convrot, without --layout npu)"),
-    verify=INT8_SPEC.verify,
-    marker_defaults=dict(INT8_SPEC.marker_defaults),
-    runtime_tensors=("weight", "weight_scale"),
-    runtime_required=("weight", "weight_scale"),
-    deep_scales=("weight_scale",),
-    deep_whole=("weight",),  # the per-channel peak rule (D107): one orientation, one verdict
-    int8_codes=True,
-    convrot_rules=True,
-    weight_bits=8,
-    transposed_outputs=("weight",),
-    column_sources=("weight",),
     layout="npu",
     canonical=CANONICAL_NAME,
-    row_scale=INT8_SPEC.row_scale,
-    relayout_note=INT8_SPEC.relayout_note,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(k, n)], "[K, N]"),
+            TensorSpec("weight_scale", ("F32",), lambda n, k, f: [(n,)], "[N]"),
+            BIAS,
+        ),
+        marker_defaults=dict(INT8_SPEC.storage.marker_defaults),
+        convrot_rules=True,
+        transposed_outputs=("weight",),
+        column_sources=("weight",),
+    ),
+    encoding=EncodingFacet(
+        calibrates=INT8_SPEC.encoding.calibrates,
+    ),
+    relayout=RelayoutFacet(
+        int8_codes=True,
+        row_scale=INT8_SPEC.relayout.row_scale,
+        relayout_note=INT8_SPEC.relayout.relayout_note,
+    ),
+    runtime=RuntimeFacet(
+        load_note=("ComfyUI refuses it (a format name it does not register); only h3quant's own "
+                   "runtime runs it (verify, compare). For ComfyUI on Ascend make the canonical int8 "
+                   "layout (convert --to int8-convrot, without --layout npu)"),
+        tensors=("weight", "weight_scale"),
+        required=("weight", "weight_scale"),
+    ),
+    verify=VerifyFacet(
+        limits=INT8_SPEC.verify.limits,
+        deep_scales=("weight_scale",),
+        deep_whole=("weight",),  # the per-channel peak rule (D107): one orientation, one verdict
+        weight_bits=8,
+    ),
 )

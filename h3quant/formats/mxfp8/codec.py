@@ -6,17 +6,10 @@ from dataclasses import replace
 
 from h3quant.formats.codec import Codec
 from h3quant.formats.fp8 import rules
-from h3quant.formats.mxfp8.spec import BLOCK, SPEC, MxSpec
+from h3quant.formats.mxfp8.spec import BLOCK, SPEC
 
 
 class MxFp8Codec(Codec):
-    decodes = True  # the runtime runs it through its float decode
-
-    def __init__(self, spec: MxSpec) -> None:
-        super().__init__(spec)
-        self.needs_row0 = spec.needs_row0  # blocked scales: encode gets the chunk's first row
-        self.kernel = spec.kernel  # ComfyUI's kernel on CUDA
-
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale"]
 

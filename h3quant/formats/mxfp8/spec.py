@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
@@ -80,9 +81,6 @@ def mxfp8_violations(tensors: dict) -> list[Violation]:
 
 @dataclass(frozen=True)
 class MxSpec(FormatSpec):
-    needs_row0: bool = True  # decode_rows gets the chunk's first row (blocked scales)
-    kernel: tuple = ("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0))
-
     def marker(self, target, group_size):
         return {"format": self.name}
 
@@ -107,26 +105,37 @@ class MxSpec(FormatSpec):
 
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
 SPEC = MxSpec(
-    kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
     name=NAME, description=TEXT,
-    tensors=(
-        TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
-                   "[N, K], N and K multiples of 32"),
-        TensorSpec("weight_scale", ("F8_E8M0", "U8"), lambda n, k, f: [scale_shape(n, k)],
-                   "[roundup(N, 128), roundup(K/32, 4)] (blocked 128x4 tiles)"),
-        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("F8_E4M3",), lambda n, k, f: [(n, k)],
+                       "[N, K], N and K multiples of 32"),
+            TensorSpec("weight_scale", ("F8_E8M0", "U8"), lambda n, k, f: [scale_shape(n, k)],
+                       "[roundup(N, 128), roundup(K/32, 4)] (blocked 128x4 tiles)"),
+            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+            BIAS,
+        ),
+        marker_defaults={"full_precision_matrix_mult": False},
     ),
-    targets=(Target(NAME, NAME, False, TEXT),),
-    # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
-    verify=VerifyLimits(0.06, 16.0),
-    marker_defaults={"full_precision_matrix_mult": False},
-    runtime_tensors=("weight", "weight_scale", "input_scale"),
-    runtime_required=("weight", "weight_scale"),
-    deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
-    chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
-    streamed=True,
-    chunk_rows=128,
-    unrowed_outputs=("weight_scale",),
-    weight_bits=8,
+    encoding=EncodingFacet(
+        targets=(Target(NAME, NAME, False, TEXT),),
+        chunked=False,  # the blocked scales hold 128 rows per tile: chunks of 128-row multiples
+        streamed=True,
+        chunk_rows=128,
+        unrowed_outputs=("weight_scale",),
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreMXFP8Layout", (10, 0), "0.2.8"),
+        tensors=("weight", "weight_scale", "input_scale"),
+        required=("weight", "weight_scale"),
+        decodes=True,  # the runtime runs it through its float decode
+        kernel=("mxfp8 block-scaled mm (comfy-kitchen TensorCoreMXFP8Layout)", (10, 0)),
+        needs_row0=True,  # decode_rows gets the chunk's first row (blocked scales)
+    ),
+    verify=VerifyFacet(
+        # tiny synthetic H3: layers 0.027, blocks 19-21 dB (FORMATS.md 17.4)
+        limits=VerifyLimits(0.06, 16.0),
+        deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
+        weight_bits=8,
+    ),
 )

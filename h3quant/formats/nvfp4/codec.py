@@ -8,11 +8,6 @@ from h3quant.formats.spec import Violation
 
 
 class NVFP4Codec(Codec):
-    needs_row0 = True  # block scales are laid out by 128-row tile, not by row
-    scans = True  # the tensor scale is the layer's amax: a first pass over the rows
-    decodes = True  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
-    kernel = ("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0))
-
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale", "weight_scale_2"]
 
@@ -55,8 +50,6 @@ class NVFP4Codec(Codec):
 
         raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
                                "them through their float decode (dequant)", code="Q105")
-
-    calibrates = True
 
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same scales, e2m1 codes by error feedback

@@ -8,6 +8,7 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
@@ -50,7 +51,7 @@ def rules(fields: dict, tensors: dict) -> list[Violation]:
     np_, kp = logical
     if np_ % BLOCK or kp % BLOCK:
         out.append(Violation("Q120", padded_message(np_, kp)))
-    for ts in SPEC.tensors[1:]:
+    for ts in SPEC.storage.tensors[1:]:
         t = tensors.get(ts.suffix)
         if t is None:
             if ts.required:
@@ -104,32 +105,45 @@ class NVFP4Spec(FormatSpec):
 
 
 SPEC = NVFP4Spec(
-    kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
     name=NAME,
     description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
                 "tensor scale",
-    tensors=(
-        TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)],
-                   "[Np, Kp/2] (N, K rounded up to 16; two codes per byte)"),
-        TensorSpec("weight_scale", ("F8_E4M3",), _scale_shapes,
-                   "[roundup(Np, 128), roundup(Kp/16, 4)] (cuBLAS blocked 128 x 4)"),
-        TensorSpec("weight_scale_2", ("F32",), scalar, "[] (fp32 tensor scale)"),
-        TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
-        TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("U8",), lambda n, k, f: [(n, k // 2)],
+                       "[Np, Kp/2] (N, K rounded up to 16; two codes per byte)"),
+            TensorSpec("weight_scale", ("F8_E4M3",), _scale_shapes,
+                       "[roundup(Np, 128), roundup(Kp/16, 4)] (cuBLAS blocked 128 x 4)"),
+            TensorSpec("weight_scale_2", ("F32",), scalar, "[] (fp32 tensor scale)"),
+            TensorSpec("input_scale", ("F32",), scalar, "[]", required=False),
+            TensorSpec("pre_quant_scale", FLOATS, None, "[Kp]", required=False),
+            BIAS,
+        ),
+        packed=True,
     ),
-    targets=(Target("nvfp4", NAME, False,
-                    "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
-    # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
-    # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
-    verify=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
-    runtime_tensors=("weight", "weight_scale", "weight_scale_2"),
-    runtime_required=("weight", "weight_scale", "weight_scale_2"),
-    deep_scales=("weight_scale_2",),
-    chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
-    streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
-    chunk_rows=128,
-    unrowed_outputs=("weight_scale", "weight_scale_2"),
-    packed=True,
-    weight_bits=4,
+    encoding=EncodingFacet(
+        targets=(Target("nvfp4", NAME, False,
+                        "fp4 e2m1 with e4m3 block scales per 16 and an fp32 tensor scale"),),
+        chunked=False,  # the tensor scale is the whole layer's amax: a first pass, then row
+        streamed=True,  # chunks of 128-row multiples (the blocked scales' tiles)
+        chunk_rows=128,
+        unrowed_outputs=("weight_scale", "weight_scale_2"),
+        calibrates=True,
+        scans=True,  # the tensor scale is the layer's amax: a first pass over the rows
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("TensorCoreNVFP4Layout", (10, 0), "0.2.0"),
+        tensors=("weight", "weight_scale", "weight_scale_2"),
+        required=("weight", "weight_scale", "weight_scale_2"),
+        decodes=True,  # the runtime runs it through decode_weight (ComfyUI's dequantizing path)
+        kernel=("nvfp4 scaled_mm (comfy-kitchen TensorCoreNVFP4Layout)", (10, 0)),
+        needs_row0=True,  # block scales are laid out by 128-row tile, not by row
+    ),
+    verify=VerifyFacet(
+        # measured on synthetic tiny files (6 seeds): layer rel err 0.092-0.106, block SQNR
+        # 11.1-18.1 dB; full dims: weight rel err 0.081-0.083 (docs/benchmarks.md)
+        limits=VerifyLimits(rel_err=0.15, block_sqnr_db=9.0),
+        deep_scales=("weight_scale_2",),
+        weight_bits=4,
+    ),
 )

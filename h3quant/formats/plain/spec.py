@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet
 from h3quant.formats.spec import BIAS, FLOATS, FormatSpec, TensorSpec, Target
 
 NAME = "float"
@@ -15,10 +16,16 @@ class PlainSpec(FormatSpec):
 SPEC = PlainSpec(
     name=NAME,
     description="unquantized floating-point layer (BF16 / F16 / F32)",
-    tensors=(TensorSpec("weight", FLOATS, None, "any"), BIAS),
-    closed=False,
     quantized=False,
-    targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
-    runtime_tensors=("weight",),
-    runtime_required=("weight",),
+    storage=StorageFacet(
+        tensors=(TensorSpec("weight", FLOATS, None, "any"), BIAS),
+        closed=False,
+    ),
+    encoding=EncodingFacet(
+        targets=(Target("bf16", NAME, False, "dequantize quantized layers back to BF16"),),
+    ),
+    runtime=RuntimeFacet(
+        tensors=("weight",),
+        required=("weight",),
+    ),
 )

@@ -16,10 +16,6 @@ def _names(tensors) -> tuple[str, str, str]:
 
 
 class SVDQuantW4A4Codec(Codec):
-    decodes = True  # the runtime runs it through decode_weight (kitchen's dequantize)
-    # No ComfyUI kernel: stock ComfyUI does not load the format (comfy-kitchen's CUDA kernel
-    # needs sm_80; docs/FORMATS.md), so every device runs the dequantized weight.
-
     def source_tensors(self, fields, tensors):
         down, up, smooth = spelling(tensors) or SPELLINGS[0]  # missing ones: the rules say so
         return ["weight"], ["weight_scale", down, up, smooth]

@@ -13,6 +13,7 @@ loader is an open pull request), so h3quant reads it and never writes it.
 from __future__ import annotations
 
 from h3quant.findings import Severity, register
+from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import (BIAS, FormatSpec, TensorSpec, VerifyLimits, Violation,
                                   packed_weight, shape_of)
 
@@ -142,24 +143,35 @@ SPEC = SVDQuantW4A4Spec(
     name=NAME,
     description="SVDQuant: signed int4 codes (two per byte) + group scales, a low-rank branch "
                 "and input smoothing (read only)",
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
-                   "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
-        TensorSpec("weight_scale", FLOATS, lambda n, k, f: [(k // GROUP, n)], "[K/64, N]"),
-        *_required(SPELLINGS[0]),
-        *_required(SPELLINGS[1]),
-        BIAS,
-    ),
     comfy=False,  # stock ComfyUI does not register it (docs/FORMATS.md)
-    # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files
-    verify=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
-    marker_defaults={"group_size": GROUP},
-    runtime_tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
-    runtime_required=("weight", "weight_scale"),
-    deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
-    chunked=False,
-    packed=True,
-    weight_bits=4,
-    write_refusal=READ_ONLY,
-    kept_refusal=READ_ONLY,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)],
+                       "[N, K/2] (two signed 4-bit codes per byte, even column low)"),
+            TensorSpec("weight_scale", FLOATS, lambda n, k, f: [(k // GROUP, n)], "[K/64, N]"),
+            *_required(SPELLINGS[0]),
+            *_required(SPELLINGS[1]),
+            BIAS,
+        ),
+        marker_defaults={"group_size": GROUP},
+        packed=True,
+    ),
+    encoding=EncodingFacet(
+        chunked=False,
+        write_refusal=READ_ONLY,
+        kept_refusal=READ_ONLY,
+    ),
+    runtime=RuntimeFacet(
+        tensors=("weight", "weight_scale") + SPELLINGS[0] + SPELLINGS[1],
+        required=("weight", "weight_scale"),
+        decodes=True,  # the runtime runs it through decode_weight (kitchen's dequantize)
+        # No ComfyUI kernel: stock ComfyUI does not load the format (comfy-kitchen's CUDA kernel
+        # needs sm_80; docs/FORMATS.md), so every device runs the dequantized weight.
+    ),
+    verify=VerifyFacet(
+        # the 4-bit class's limits (those of convrot_w4a4); not measured on SVDQuant files
+        limits=VerifyLimits(rel_err=0.35, block_sqnr_db=4.0),
+        deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
+        weight_bits=4,
+    ),
 )

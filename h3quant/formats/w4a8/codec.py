@@ -25,8 +25,6 @@ class W4A8Codec(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
-    calibrates = True
-
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the codebook and scales as always, codes by feedback
             from h3quant.formats.w4a8.calibrated import encode_w4a8_calibrated

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
@@ -168,33 +169,44 @@ class W4A8Spec(FormatSpec):
 SPEC = W4A8Spec(
     name=NAME,
     description="4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on",
-    kitchen=KitchenFacts("AsymW4A8Int8Layout", (8, 0), "0.2.27",
-                         "ComfyUI v0.31.0, reported"),
-    tensors=(
-        TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
-        TensorSpec("weight_s_rel", S_REL_DTYPES,
-                   lambda n, k, f: [(n, k // f["group_size"])], "[N, K/G]"),
-        TensorSpec("weight_s_channel", SCALE_DTYPES,
-                   lambda n, k, f: w4a8_channel_shapes(n), "[N]"),
-        TensorSpec("weight_codebook", ("F32",), lambda n, k, f: [(16,)], "[16]", required=False),
-        TensorSpec("weight_correction", FLOATS, None, "[K/G, N]", required=False),
-        BIAS,
+    storage=StorageFacet(
+        tensors=(
+            TensorSpec("weight", ("I8",), lambda n, k, f: [(n, k // 2)], "[N, K/2]"),
+            TensorSpec("weight_s_rel", S_REL_DTYPES,
+                       lambda n, k, f: [(n, k // f["group_size"])], "[N, K/G]"),
+            TensorSpec("weight_s_channel", SCALE_DTYPES,
+                       lambda n, k, f: w4a8_channel_shapes(n), "[N]"),
+            TensorSpec("weight_codebook", ("F32",), lambda n, k, f: [(16,)], "[16]", required=False),
+            TensorSpec("weight_correction", FLOATS, None, "[K/G, N]", required=False),
+            BIAS,
+        ),
+        marker_defaults={"group_size": GROUP, "convrot_groupsize": 256, "convrot": True},
+        always_convrot=True,
+        convrot_rules=True,
+        packed=True,
     ),
-    targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
-    verify=VerifyLimits(rel_err=0.12, block_sqnr_db=8.0),
-    marker_defaults={"group_size": GROUP, "convrot_groupsize": 256, "convrot": True},
-    runtime_tensors=("weight", "weight_s_rel", "weight_s_channel", "weight_codebook"),
-    runtime_required=("weight", "weight_s_rel", "weight_s_channel"),
-    deep_scales=("weight_s_rel", "weight_s_channel"),
-    deep_whole=("weight_codebook",),
-    chunked=False,  # the codebook is chosen per layer
-    unrowed_outputs=("weight_codebook",),
-    always_convrot=True,
-    convrot_rules=True,
-    packed=True,
-    weight_bits=4,
-    grid_rows=("weight", "weight_s_rel"),
-    grid_whole=("weight_codebook",),
-    grid_scale="weight_s_channel",
-    grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
+    encoding=EncodingFacet(
+        targets=(Target("w4a8", NAME, True, "4-bit weights with e4m3 group scales (ConvRot)"),),
+        chunked=False,  # the codebook is chosen per layer
+        unrowed_outputs=("weight_codebook",),
+        calibrates=True,
+    ),
+    relayout=RelayoutFacet(
+        grid_rows=("weight", "weight_s_rel"),
+        grid_whole=("weight_codebook",),
+        grid_scale="weight_s_channel",
+        grid_note="the decoded W4A8 int8 grid the runtime multiplies (codes w8, scale s_channel)",
+    ),
+    runtime=RuntimeFacet(
+        kitchen=KitchenFacts("AsymW4A8Int8Layout", (8, 0), "0.2.27",
+                             "ComfyUI v0.31.0, reported"),
+        tensors=("weight", "weight_s_rel", "weight_s_channel", "weight_codebook"),
+        required=("weight", "weight_s_rel", "weight_s_channel"),
+    ),
+    verify=VerifyFacet(
+        limits=VerifyLimits(rel_err=0.12, block_sqnr_db=8.0),
+        deep_scales=("weight_s_rel", "weight_s_channel"),
+        deep_whole=("weight_codebook",),
+        weight_bits=4,
+    ),
 )

@@ -93,7 +93,7 @@ class Calibration:
         info: dict = {}
         st = self.stats.layer(name)
         if st is None:
-            if codec.spec.write_refusal:
+            if codec.spec.encoding.write_refusal:
                 raise FormatError(f"the statistics have no entry for this layer; {codec.spec.name} is "
                                   "written from statistics only", tensor=name)
             info["note"] = "no statistics for this layer: rounded to nearest"
@@ -102,10 +102,10 @@ class Calibration:
             raise FormatError(f"the statistics hold K={st.k} for this layer, the weight has "
                               f"K={k}", tensor=name)
         info["rows"] = st.rows
-        if not codec.calibrates:
+        if not codec.spec.encoding.calibrates:
             info["note"] = f"{codec.spec.name} has no calibrated encoder: rounded to nearest"
             return None, info
-        if st.rows < st.k and codec.spec.write_refusal:  # written from statistics only
+        if st.rows < st.k and codec.spec.encoding.write_refusal:  # written from statistics only
             info["note"] = (f"only {st.rows} rows for K={st.k}: calibrated anyway ({codec.spec.name} "
                             "is written from statistics only)")
             self.log(f"warning: {name}: {info['note']}")

@@ -82,7 +82,7 @@ class SourceRows:
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
-        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.column_sources}
+        self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.storage.column_sources}
         # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
         self._views = self.codec.row_views(self._whole, self.f)
 
@@ -106,7 +106,7 @@ class SourceRows:
         rows: dict[str, Any] = {info.name[len(self.lp.name) + 1:]: self.reader.rows(info, r0, r1)
                 for info in self._rows}
         rows.update({name: col[:, r0:r1].t() for name, col in self._cols.items()})
-        if self.codec.needs_row0:  # block scales laid out across rows
+        if self.codec.spec.runtime.needs_row0:  # block scales laid out across rows
             rows["_row0"] = r0
         rows.update({name: view[r0:r1] for name, view in self._views.items()})
         return self.codec.decode_rows(rows, self._whole, self.f)
@@ -209,9 +209,9 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
     # pre-transposed outputs (the NPU layout): rows are gathered into slabs and written as
     # columns of the [K, N] tensor, never holding the whole layer
     transposers = {sfx: RowTransposer(n, k, functools.partial(sink.write, f"{lp.name}.{sfx}"))
-                   for sfx in codec.spec.transposed_outputs}
+                   for sfx in codec.spec.storage.transposed_outputs}
     for r0, r1, out in _chunked(n, k, task, workers, pool, step):
-        _check_planned(lp, out, r1 - r0, codec.spec.unrowed_outputs, codec.spec.transposed_outputs)
+        _check_planned(lp, out, r1 - r0, codec.spec.encoding.unrowed_outputs, codec.spec.storage.transposed_outputs)
         if codec.spec.quantized:
             _check_finite(lp, out, r0)
         for suffix, tensor in out.items():
@@ -241,15 +241,15 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
     else:
         out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
-    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.unrowed_outputs}, 0)
-    _check_planned(lp, out, n, opts.codec.spec.unrowed_outputs)
+    _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.encoding.unrowed_outputs}, 0)
+    _check_planned(lp, out, n, opts.codec.spec.encoding.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
-    unrowed = opts.codec.spec.unrowed_outputs
-    cols = opts.codec.sampled_by_column  # stored [*, N]: sampled as rows
+    unrowed = opts.codec.spec.encoding.unrowed_outputs
+    cols = opts.codec.spec.encoding.sampled_by_column  # stored [*, N]: sampled as rows
     samples.take(0, n, w, **{s: (v.t() if s in cols else v) for s, v in out.items()
                              if s not in unrowed or s in cols})
     samples.extra = {s: v for s, v in out.items() if s in unrowed and s not in cols}
-    if samples.idx is not None and (unrowed or opts.codec.needs_row0):
+    if samples.idx is not None and (unrowed or opts.codec.spec.runtime.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     del w
     src.release(0, n)
@@ -277,9 +277,9 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     n, k = lp.n, lp.k
     codec, marker = opts.codec, lp.out_fields
     spec = codec.spec
-    step = _stream_step(k, spec.chunk_rows)
+    step = _stream_step(k, spec.encoding.chunk_rows)
     value = None
-    if codec.scans:  # the first pass: the layer-wide value
+    if codec.spec.encoding.scans:  # the first pass: the layer-wide value
 
         def scan(r0, r1):
             part = codec.scan_rows(src.rows(r0, r1))
@@ -288,7 +288,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
 
         value = codec.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
     planned = _planned(lp)
-    unrowed = spec.unrowed_outputs
+    unrowed = spec.encoding.unrowed_outputs
     gathered: dict[str, torch.Tensor] = {}
     samples = Samples.for_layer(n, opts.report)
     lock = threading.Lock()
@@ -322,7 +322,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     for suffix, tensor in gathered.items():
         sink.write_tensor(f"{lp.name}.{suffix}", tensor)
     samples.extra = dict(gathered)
-    if samples.idx is not None and (unrowed or codec.needs_row0):
+    if samples.idx is not None and (unrowed or codec.spec.runtime.needs_row0):
         samples.extra["_rows"] = samples.idx  # which rows were sampled (scales stored by tile)
     if lp.marker is not None:
         sink.write_tensor(f"{lp.name}.comfy_quant", _marker_tensor(lp))
@@ -345,9 +345,9 @@ def encode_layer(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
                  workers: int = 1, pool=None, calibration=None) -> Samples:
     """Encode one planned layer with the target's codec (``calibration``: the layer's
     statistics, for a codec that calibrates; None rounds to nearest)."""
-    if opts.codec.spec.chunked:
+    if opts.codec.spec.encoding.chunked:
         return encode_chunked(lp, src, opts, sink, progress, workers, pool, calibration)
-    if opts.codec.spec.streamed and calibration is None:
+    if opts.codec.spec.encoding.streamed and calibration is None:
         return encode_streamed(lp, src, opts, sink, progress, workers, pool)
     return encode_whole(lp, src, opts, sink, progress, workers, pool, calibration)
 

@@ -47,7 +47,7 @@ def plan_folds(layers, options) -> dict[str, Fold]:
         pred_name = fold_predecessor(lp.name)
         if pred_name is None or not encoded(lp):
             continue
-        if not (lp.options or options).codec.scales_channels:
+        if not (lp.options or options).codec.spec.encoding.scales_channels:
             continue
         pred = by_name.get(pred_name)
         if pred is None or not encoded(pred) or "bias" in pred.inputs \

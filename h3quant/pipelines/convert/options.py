@@ -97,7 +97,7 @@ class ConvertOptions:
         if self.calibrate_on and self.smooth != "off":
             raise ConvertError("--smooth with --calibrate-on is not available: run 'h3quant "
                                "capture', then convert --calibration --smooth auto")
-        refusal = registry.target_codec(self.target).spec.write_refusal
+        refusal = registry.target_codec(self.target).spec.encoding.write_refusal
         if refusal and not statistics:  # written from statistics only
             raise ConvertError(f"--to {self.target}: {refusal}")
         if registry.with_layout(registry.target_codec(self.target), self.layout) is None:

@@ -299,9 +299,9 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
         lp.out_fields = res.raw
         lp.target = lp.source
         src = registry.spec(lp.src_fields["format"])
-        if src is not None and src.kept_refusal:  # a read-only format is never copied out
+        if src is not None and src.encoding.kept_refusal:  # a read-only format is never copied out
             w = lp.inputs.get("weight")
-            raise ConvertError(f"layer {name} would be copied as it is: {src.kept_refusal}",
+            raise ConvertError(f"layer {name} would be copied as it is: {src.encoding.kept_refusal}",
                                path=getattr(w, "file", None), tensor=name, code="Q105")
         if src is not None and src.alias_of:  # written under the name it is read as
             lp.out_fields = dict(res.raw, format=src.alias_of)

@@ -122,7 +122,7 @@ def make_rule(pattern: str, target: str | None, opts: dict, where: str) -> Rule:
             raise ConvertError(f"{where}: layout {rule.layout} is not available for {target} "
                                f"(it has {', '.join(registry.layouts_of(codec))})")
         if rule.group_size is not None and not (registry.target(target).convrot
-                                                or codec.spec.always_convrot):
+                                                or codec.spec.storage.always_convrot):
             raise ConvertError(f"{where}: {target} has no rotation; g= does not apply")
     return rule
 

@@ -45,11 +45,11 @@ def conversion_via(src_fields: dict | None, target_codec, marker: dict | None) -
     if src is None:
         return "encode"
     if (src.spec.name != target_codec.spec.name and _family(src) == _family(target_codec)
-            and src.spec.row_scale and target_codec.spec.row_scale
+            and src.spec.relayout.row_scale and target_codec.spec.relayout.row_scale
             and _same_rotation(src_fields, marker)):
         return "relayout"
-    if (src.spec.grid_scale is not None and target_codec.spec.int8_codes
-            and target_codec.spec.row_scale
+    if (src.spec.relayout.grid_scale is not None and target_codec.spec.relayout.int8_codes
+            and target_codec.spec.relayout.row_scale
             and _same_rotation({**src_fields, "convrot": src.spec.uses_convrot(src_fields)}, marker)):
         return "grid"
     return "encode"
@@ -59,10 +59,10 @@ def describe_via(via: str, src_fields: dict | None, target_codec) -> str | None:
     """The plan's note for a layer converted ``via`` (None for an encoded layer)."""
     if via == "relayout":
         family = registry.spec(_family(target_codec))
-        return family.relayout_note if family is not None else None
+        return family.relayout.relayout_note if family is not None else None
     if via == "grid" and src_fields is not None:
         src = registry.spec(src_fields["format"])
-        return src.grid_note if src is not None else None
+        return src.relayout.grid_note if src is not None else None
     return None
 
 
@@ -85,15 +85,15 @@ def _write_scale(lp, reader, sink, info, n: int, suffix: str) -> None:
 def relayout_layer(lp, reader, sink, progress, codec) -> None:
     """Transpose a layer's codes to the target layout; copy its per-row scales."""
     src = registry.codec_for(lp.src_fields, tensor=lp.name).spec
-    variant = codec.spec if codec.spec.transposed_outputs else src  # the side stored [K, N]
-    for suffix in variant.transposed_outputs:
+    variant = codec.spec if codec.spec.storage.transposed_outputs else src  # the side stored [K, N]
+    for suffix in variant.storage.transposed_outputs:
         w = lp.inputs[suffix]
         rows, cols = w.shape  # as stored: [N, K] (to the variant) or [K, N] (to canonical)
         transpose_stream(functools.partial(reader.rows, w), rows, cols,
                          functools.partial(sink.write, f"{lp.name}.{suffix}"),
                          release=functools.partial(reader.release_rows, w))
-    scale = codec.spec.row_scale
-    _write_scale(lp, reader, sink, lp.inputs[src.row_scale], lp.n, scale)
+    scale = codec.spec.relayout.row_scale
+    _write_scale(lp, reader, sink, lp.inputs[src.relayout.row_scale], lp.n, scale)
     sink.write(f"{lp.name}.comfy_quant", 0, lp.marker)
     progress(sum(t.nbytes for t in lp.inputs.values()))
 
@@ -104,23 +104,23 @@ def grid_layer(lp, reader, sink, progress, codec) -> None:
     src = registry.codec_for(lp.src_fields, tensor=lp.name)
     spec, t, f = src.spec, lp.inputs, lp.src_fields
     n, k = lp.n, lp.k
-    whole = {s: reader.whole(t[s]).clone() for s in spec.grid_whole if s in t}
+    whole = {s: reader.whole(t[s]).clone() for s in spec.relayout.grid_whole if s in t}
     name = f"{lp.name}.weight"
     transposer = (RowTransposer(n, k, functools.partial(sink.write, name))
-                  if "weight" in codec.spec.transposed_outputs else None)
+                  if "weight" in codec.spec.storage.transposed_outputs else None)
     step = max(1, TRANSPOSE_BYTES // max(k, 1))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        q = src.grid_rows({s: reader.rows(t[s], r0, r1) for s in spec.grid_rows}, whole, f)
+        q = src.grid_rows({s: reader.rows(t[s], r0, r1) for s in spec.relayout.grid_rows}, whole, f)
         if transposer is not None:
             transposer.add(q)
         else:
             sink.write_tensor(name, q, r0 * k)
-        for s in spec.grid_rows:
+        for s in spec.relayout.grid_rows:
             reader.release_rows(t[s], r0, r1)
     if transposer is not None:
         transposer.finish()
-    _copy_bytes(reader, t[spec.grid_scale], sink, f"{lp.name}.{codec.spec.row_scale}")
+    _copy_bytes(reader, t[spec.relayout.grid_scale], sink, f"{lp.name}.{codec.spec.relayout.row_scale}")
     sink.write(f"{lp.name}.comfy_quant", 0, lp.marker)
     progress(sum(x.nbytes for x in t.values()))
 

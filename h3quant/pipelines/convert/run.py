@@ -38,7 +38,7 @@ def check_source_scales(lp, reader) -> None:
     """Refuse a source layer whose scales break ``validate --deep``'s rules (NaN, infinite,
     zero or negative): re-encoding them would write a clean-looking file with garbage weights."""
     codec = registry.codec_for(lp.src_fields, tensor=lp.name)
-    for suffix in codec.spec.deep_scales:
+    for suffix in codec.spec.verify.deep_scales:
         info = lp.inputs.get(suffix)
         if info is None or not info.shape and info.nbytes == 0:
             continue
@@ -67,7 +67,7 @@ def check_source_codebook(lp, reader) -> None:
     codec = registry.get(lp.src_fields["format"]) if lp.src_fields else None
     if codec is None:
         return
-    for suffix in codec.spec.deep_whole:
+    for suffix in codec.spec.verify.deep_whole:
         info = lp.inputs.get(suffix)
         if info is None:
             continue

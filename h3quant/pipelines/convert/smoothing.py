@@ -45,7 +45,7 @@ def _block_names(tensors) -> dict[str, str]:
 def _weight_share(st, codec, marker) -> float:
     """How much of the RTN weight error is left after error feedback: ``10^(-gain / 10)`` with
     the layer's predicted gain (1 for a format without a calibrated encoder, or too few rows)."""
-    if not codec.calibrates or st.rows < st.k:
+    if not codec.spec.encoding.calibrates or st.rows < st.k:
         return 1.0
     convrot = codec.spec.uses_convrot(marker)
     g = int((marker or {}).get("convrot_groupsize", 256))
@@ -55,7 +55,7 @@ def _weight_share(st, codec, marker) -> float:
 def eligible(codec) -> bool:
     """Whether a layer re-encoded by ``codec`` is searched: a quantized format that does not
     scale its own channels (AWQ's channel scaling does this for a weight-only format)."""
-    return bool(codec.spec.quantized) and not codec.scales_channels
+    return bool(codec.spec.quantized) and not codec.spec.encoding.scales_channels
 
 
 def touched(prefix: str, lin: str) -> list[str]:

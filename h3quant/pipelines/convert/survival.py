@@ -73,7 +73,7 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
         lopts = lp.options or options  # a --layer / --recipe rule's target, else --to
         codec = lopts.codec
         fmt = codec.spec.describe(lp.out_fields)
-        if codec.spec.chunked:
+        if codec.spec.encoding.chunked:
             changed = 0
 
             def gen():

@@ -96,9 +96,9 @@ def _layer_bytes(spec, n: int, k: int) -> int | None:
     when the format cannot hold that shape."""
     from h3quant.formats.container.dtypes import itemsize
 
-    fields = dict(spec.marker_defaults)
+    fields = dict(spec.storage.marker_defaults)
     total = 0
-    for t in spec.tensors:
+    for t in spec.storage.tensors:
         if not t.required or t.shapes is None:
             continue
         try:

@@ -107,7 +107,7 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
                             "the unquantized choice)")
         if opts.get("layout", "canonical") != "canonical":
             raise PlanError("--formats: the planner measures the canonical layout only")
-        if calibrated and not registry.target_codec(target).calibrates:
+        if calibrated and not registry.target_codec(target).spec.encoding.calibrates:
             raise PlanError(f"--formats: {target} has no calibrated encoder ({item!r})")
         if smoothed and not _smoothable(target):
             raise PlanError(f"--formats: {target} is not smoothed ({item!r})")
@@ -193,7 +193,7 @@ def _smoothable(target: str) -> bool:
     from h3quant.pipelines.convert.smoothing import eligible
 
     codec = registry.target_codec(target)
-    return codec.calibrates and eligible(codec)
+    return codec.spec.encoding.calibrates and eligible(codec)
 
 
 def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Candidate, ...]:
@@ -217,7 +217,7 @@ def with_calibration(cands, calibrated: bool, smooth: bool = False) -> tuple[Can
         raise PlanError(f"--formats {bad[0]}: smoothed candidates need --smooth auto")
     out: list[Candidate] = []
     for c in cands:
-        cal = registry.target_codec(c.target).calibrates
+        cal = registry.target_codec(c.target).spec.encoding.calibrates
         c = Candidate(c.target, c.group_size, cal, smooth and _smoothable(c.target))
         if c in out:
             raise PlanError(f"--formats: {c.format} is given twice (with --calibration every "
@@ -265,7 +265,7 @@ def _candidate_linear(layer, device, compute_dtype, runtime: bool = False):
     from h3quant.runtime.model.block import FloatLinear, quantized_linear
 
     codec = layer.codec
-    if runtime or not codec.decodes:
+    if runtime or not codec.spec.runtime.decodes:
         return quantized_linear(layer, device=device, compute_dtype=compute_dtype)
     rows, whole = codec.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}

@@ -107,7 +107,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
         check_quantized(layer, fields, path)
     codec = registry.codec_for(fields, tensor=layer.name)
     pack = codec.spec.logical_k(1, fields)  # logical input columns per stored weight column
-    stored_kn = "weight" in codec.spec.transposed_outputs  # the weight is stored [K, N]
+    stored_kn = "weight" in codec.spec.storage.transposed_outputs  # the weight is stored [K, N]
     tensors = {}
     for suffix, info in layer.tensors.items():
         if suffix == "comfy_quant":
