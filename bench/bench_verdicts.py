@@ -4,12 +4,15 @@ of the reference in its format), the noise floor, and whether every clean file p
 defect is flagged, named and ranked below every clean file.
 
     python bench/bench_verdicts.py [--seeds 10] [--blocks 2 4] [--dir D] [--no-verify]
+                                   [--bf16-made FMT ...]
 
 Per seed and block count: a synthetic tiny H3 (seeded Gaussian weights: the figures say how the
 formats and the code behave, not how a released H3 looks), six files quantized by comfy-kitchen
 (int8-convrot, w4a8, fp8, mxfp8, nvfp4, int4-convrot) and a Q8_0 GGUF written by the gguf
-package; then, in nvfp4, int8-convrot and the Q8_0 GGUF, four defects: one layer's scale x1.5,
-one layer's rows rolled by one, two blocks' fc1 swapped, NaN block scales. One ``compare`` per
+package, and int8-convrot also made by comfy-kitchen from the bf16 weights as stored (in bf16
+arithmetic; ``--bf16-made`` picks the formats); then, in nvfp4, int8-convrot and the Q8_0 GGUF,
+four defects: one layer's scale x1.5, one layer's rows rolled by one, two blocks' fc1 swapped,
+NaN block scales. One ``compare`` per
 seed and block count over all of them (one forward, CPU, float32), and ``verify`` (per layer and
 block) and ``verify --model`` of every clean file against the reference. Exit 1 if any clean
 file fails or is flagged, or any defect is not flagged, named and ranked below the clean files.
@@ -149,8 +152,10 @@ def _edit_gguf(src: Path, out: Path, defect: str) -> tuple[Path, list[int]]:
     return out, blocks
 
 
-def make_files(d: Path, seed: int, blocks: int) -> tuple[Path, dict, dict]:
-    """(reference, {name: clean file}, {name: (defect file, its blocks)})."""
+def make_files(d: Path, seed: int, blocks: int,
+               bf16_made: tuple[str, ...] = ("int8-convrot",)) -> tuple[Path, dict, dict]:
+    """(reference, {name: clean file}, {name: (defect file, its blocks)}). ``bf16_made``: kitchen
+    formats also made from the bf16 weights as stored (kitchen then computes in bf16)."""
     from helpers.gguf_files import write_gguf
     from safetensors.torch import load_file
 
@@ -159,6 +164,9 @@ def make_files(d: Path, seed: int, blocks: int) -> tuple[Path, dict, dict]:
     ref = d / "bf16.safetensors"
     synth_checkpoint(ref, preset="tiny", blocks=blocks, seed=seed, workers=1)
     clean = {fmt: kitchen_file(ref, d / f"{fmt}.safetensors", fmt) for fmt in KITCHEN}
+    for fmt in bf16_made:
+        clean[f"{fmt} bf16-made"] = kitchen_file(ref, d / f"{fmt}-bf16-made.safetensors", fmt,
+                                                 from_float32=False)
     q8 = d / "Q8_0.gguf"
     write_gguf(load_file(str(ref)), q8, "Q8_0")
     clean["Q8_0"] = q8
@@ -184,7 +192,8 @@ def _shortfalls(card) -> tuple[float, float]:
     return blk, out
 
 
-def run_one(seed: int, blocks: int, root: Path, verify: bool, stats: dict) -> list[str]:
+def run_one(seed: int, blocks: int, root: Path, verify: bool, stats: dict,
+            bf16_made: tuple[str, ...] = ("int8-convrot",)) -> list[str]:
     from h3quant.pipelines.compare.run import CompareOptions, compare_files
     from h3quant.pipelines.verify.blocks import verify_checkpoint
     from h3quant.pipelines.verify.model import ModelInputs, verify_model
@@ -192,7 +201,7 @@ def run_one(seed: int, blocks: int, root: Path, verify: bool, stats: dict) -> li
     problems = []
     d = root / f"s{seed}-b{blocks}"
     d.mkdir(parents=True, exist_ok=True)
-    ref, clean, bad = make_files(d, seed, blocks)
+    ref, clean, bad = make_files(d, seed, blocks, bf16_made)
     inputs = ModelInputs(**SMALL, seed=seed)
     files = [*clean.values(), *(p for p, _ in bad.values())]
     res = compare_files(files, reference=ref,
@@ -247,8 +256,9 @@ def report(stats: dict, a, out) -> None:
     def say(text: str) -> None:
         print(text, file=out, flush=True)
 
-    say(f"{len(stats['clean_block'])} clean files ({len(KITCHEN)} kitchen formats + Q8_0 "
-        f"GGUF, seeds {a.first_seed}..{a.first_seed + a.seeds - 1}, tiny, blocks {a.blocks}), "
+    say(f"{len(stats['clean_block'])} clean files ({len(KITCHEN)} kitchen formats from float32 "
+        f"weights, {' '.join(a.bf16_made) or 'none'} also from the bf16 weights, a Q8_0 "
+        f"GGUF; seeds {a.first_seed}..{a.first_seed + a.seeds - 1}, tiny, blocks {a.blocks}), "
         f"{len(stats['defect_block'])} defect files run (NaN files fail before running)")
     say(f"noise floor (1-ulp inputs, CPU float32): lowest {min(stats['floor']):.1f} dB")
     cb = [x for x in stats["clean_block"] if math.isfinite(x)]
@@ -276,6 +286,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--no-verify", action="store_true", help="compare only")
+    ap.add_argument("--bf16-made", nargs="*", default=["int8-convrot"], choices=list(KITCHEN),
+                    help="kitchen formats also made from the bf16 weights as stored (clean "
+                         "files; kitchen then computes in bf16)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     stats: dict = {"floor": [], "clean_block": [], "clean_output": [], "clean_q": {}, "clean_by_fmt": {},
@@ -286,7 +299,8 @@ def main() -> None:
         root = a.dir or Path(tmp)
         for blocks in a.blocks:
             for seed in range(a.first_seed, a.first_seed + a.seeds):
-                problems += run_one(seed, blocks, root, not a.no_verify, stats)
+                problems += run_one(seed, blocks, root, not a.no_verify, stats,
+                                    tuple(a.bf16_made))
                 print(f"seed {seed} blocks {blocks}: done ({time.perf_counter() - t0:.0f} s)",
                       file=sys.stderr)
                 report(stats, a, sys.stderr)  # so far

@@ -56,7 +56,8 @@ A wrong Hadamard or permuted rows are only caught with --reference. With --refer
 and block limits above give way to a fresh plain encode of the reference in the file's own
 formats, checked the same way: a layer may exceed its relative error, a block fall below its
 SQNR, by 5 dB (12 dB with W4A8 layers); the fixed limits stay where a format cannot be
-re-encoded, and with --no-expected.
+re-encoded, and with --no-expected. The encode is a temporary file the size of the reference
+in TMPDIR (its size is printed first; memory holds about one layer), removed when done.
 
 \b
 Exit status: 0 all checks pass, 1 a check failed, 2 usage or I/O error.
@@ -226,7 +227,7 @@ def command(ckpt, reference, device, whole_model, blocks, tokens, frames, height
     try:
         res = guard("verifying", verify_checkpoint, ckpt, reference=reference, device=device,
                     blocks=blocks, tokens=tokens, seed=seed, sigma=sigma, mmap=not no_mmap,
-                    thresholds=th, on_block=on_block, expected=expected)
+                    thresholds=th, on_block=on_block, expected=expected, log=log)
     finally:
         bar.close()
     if as_json:
@@ -302,7 +303,7 @@ def _run_model(ckpt, reference, device, frames, height, width, audio_frames, tex
     try:
         res = guard("verifying the model", verify_model, ckpt, reference=reference,
                     device=device, inputs=inputs, depth=depth, mmap=not no_mmap,
-                    on_block=on_block, sigmas=schedule, expected=expected)
+                    on_block=on_block, sigmas=schedule, expected=expected, log=log)
     finally:
         bar.close()
     if plot:

@@ -61,16 +61,22 @@ def files(tmp_path_factory):
 
 def test_the_fresh_encode_is_kitchens_own(files, tmp_path):
     """The reference re-encoded as the kitchen file's format holds the bytes comfy-kitchen
-    wrote (the same float32 weights in)."""
+    wrote: from the float32 weights, or, for int8 layers the encode holds to kitchen's
+    arithmetic on the bf16 weights as stored (the larger error), from those."""
     from h3quant.pipelines.fresh_encode import write_fresh_encode
 
+    bf16_made = load_file(str(kitchen_file(files["ref"], tmp_path / "int8-bf16.st",
+                                           "int8-convrot", from_float32=False)))
     for fmt in ("nvfp4", "int8-convrot"):
         enc = write_fresh_encode(str(files[fmt]), str(files["ref"]), str(tmp_path / f"{fmt}.st"))
         assert enc.complete and len(enc.encoded) == 8, enc
+        assert bool(enc.in_dtype) == (fmt == "int8-convrot"), enc.in_dtype
         a, b = load_file(str(files[fmt])), load_file(enc.path)
         for k, v in a.items():
             if k.endswith("comfy_quant"):
                 continue
+            if k.rsplit(".", 1)[0] in enc.in_dtype:
+                v = bf16_made[k]
             w = b[k]
             if v.dtype.itemsize == 1:
                 v, w = v.view(torch.uint8), w.view(torch.uint8)
@@ -248,7 +254,8 @@ def test_plot_numbers_its_files_fits_its_axes_and_shows_both_streams(files, monk
 @pytest.mark.slow
 def test_one_seed_of_the_matrix_per_size(tmp_path):
     """One seed of bench/bench_verdicts.py's matrix per model size (tiny, 2 and 4 blocks): 6
-    kitchen formats and a Q8_0 GGUF, every planted defect in nvfp4, int8-convrot and Q8_0. The
+    kitchen formats, int8-convrot also as kitchen makes it from the bf16 weights, and a Q8_0
+    GGUF, every planted defect in nvfp4, int8-convrot and Q8_0. The
     bench runs the whole matrix (10 seeds per size); its figures are in docs/benchmarks.md."""
     import bench_verdicts
 
@@ -258,7 +265,7 @@ def test_one_seed_of_the_matrix_per_size(tmp_path):
     for blocks, seed in ((2, 100), (4, 101)):
         problems += bench_verdicts.run_one(seed, blocks, tmp_path, True, stats)
     assert not problems, problems
-    assert len(stats["clean_block"]) == 2 * (len(KITCHEN) + 1)
+    assert len(stats["clean_block"]) == 2 * (len(KITCHEN) + 2)
 
 
 def test_the_calibrated_convert_summary_gives_the_output_sqnr_on_the_statistics():

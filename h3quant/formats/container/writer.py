@@ -59,12 +59,17 @@ class Layout:
         return len(self.header) + self.data_bytes
 
 
-def plan_layout(entries: list[Entry], metadata: dict[str, str] | None = None) -> Layout:
+def plan_layout(entries: list[Entry], metadata: dict[str, str] | None = None, *,
+                keep_order: bool = False) -> Layout:
+    """The header and offsets of ``entries``: in the safetensors library's order, or with
+    ``keep_order`` in the order given (a valid file, not byte-equal to the library's, which a
+    writer producing one group of tensors at a time can stream without holding the others)."""
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ContainerError(f"duplicate tensor names: {', '.join(dup[:5])}")
-    order = tuple(sorted(entries, key=lambda e: storage_key(e.name, e.dtype)))
+    order = tuple(entries) if keep_order else tuple(
+        sorted(entries, key=lambda e: storage_key(e.name, e.dtype)))
     header: dict = {}
     if metadata:
         header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}

@@ -41,6 +41,15 @@ class Int8Codec(Codec):
                            method=method)
         return {"weight": q, "weight_scale": s.reshape(-1, 1)}
 
+    def encode_in_dtype(self, w, marker):
+        """The per-row encode comfy-kitchen makes from ``w`` in its own dtype (bf16 / f16),
+        where it does its arithmetic (``tensors.encode_int8_in_dtype``)."""
+        from h3quant.formats.int8.tensors import encode_int8_in_dtype
+
+        q, s = encode_int8_in_dtype(w, convrot=bool(marker.get("convrot")),
+                                    group_size=marker.get("convrot_groupsize", 256))
+        return {"weight": q, "weight_scale": s.reshape(-1, 1)}
+
     def report_grid(self, out, marker):
         import torch
 

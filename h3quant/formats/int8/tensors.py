@@ -135,6 +135,31 @@ def encode_int8(
     return _encode_per_row(weight, _rotation(convrot, group_size, method))
 
 
+def encode_int8_in_dtype(weight: torch.Tensor, *, convrot: bool = True,
+                         group_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 as comfy-kitchen makes it from a weight in its own dtype (bf16 / f16):
+    the rotation, the row peaks and the division in that dtype, the scale stored in float32
+    from the rounded peak, the division by the scale rounded to that dtype. Rows then peak at
+    126-128 (with -128 codes) where the float32 encode gives 127: a valid file with a larger
+    error. ``(q int8 [N, K], scale f32 [N, 1])``; the whole layer at once (kitchen's shapes,
+    so the same BLAS calls and bytes)."""
+    _check_weight(weight, convrot, group_size, True)
+    n, k = weight.shape
+    x = weight
+    if convrot:
+        from h3quant.convrot.rotation import hadamard
+
+        h = hadamard(group_size, weight.device).to(weight.dtype)  # +-2^-j: exact in bf16
+        x = torch.matmul(weight.reshape(n, k // group_size, group_size), h.T).reshape(n, k)
+    a = x.abs().amax(dim=-1, keepdim=True)
+    _finite_or_raise(a.float(), 0)
+    scale = (a.float() / 127.0).clamp(min=SCALE_MIN)
+    s = scale.to(x.dtype)
+    s = torch.where(s == 0, torch.full_like(s, torch.finfo(x.dtype).tiny), s)
+    q = (x / s).round_().clamp_(-128.0, 127.0).to(torch.int8)
+    return q, scale
+
+
 def decode_int8(
     q: torch.Tensor,
     scale: torch.Tensor,

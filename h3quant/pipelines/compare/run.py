@@ -218,10 +218,14 @@ def _judge(card: FileCard, ref_facts: FileFacts, ref: ReferenceRun, opts, dev, d
         if log is not None:
             log(f"encoding the reference afresh in the formats of {card.facts.path}")
         enc = fe.write_fresh_encode(card.facts.path, ref_facts.path, out, mmap=opts.mmap,
-                                    scanned=scanned)
+                                    scanned=scanned, log=log)
         exp = None
         if enc.path is not None:
-            exp = _file_card(file_facts(enc.path), ref, opts, None, dev, dtype, work, progress)
+            try:
+                exp = _file_card(file_facts(enc.path), ref, opts, None, dev, dtype, work,
+                                 progress)
+            finally:  # its figures are kept: the file, the size of a model, is not
+                os.remove(enc.path)
         if key is not None:
             encodes[key] = (enc, exp)
     what = enc.describe()

@@ -357,13 +357,14 @@ def verify_checkpoint(
     probe=None,
     on_block=None,
     expected: bool = True,
+    log=None,
 ) -> VerifyResult:
     """Run every check on ``blocks`` (an int: the first N blocks; a list: those indices; None: the
     first ``DEFAULT_BLOCKS``). ``backend`` forces one runtime backend; ``probe`` injects the facts
     about torch and the machine (see ``h3quant.runtime.capabilities``; simulations use it).
     With a ``reference`` and ``expected``, layers and blocks are held to a fresh plain encode of
-    the reference in the file's formats, run the same way (``judge_relative``).
-    Raises VerifyError (or DeviceError) when the run cannot be set up."""
+    the reference in the file's formats, run the same way (``judge_relative``; ``log``: where
+    its size goes). Raises VerifyError (or DeviceError) when the run cannot be set up."""
     from h3quant.runtime.availability import require_device
 
     th = thresholds or Thresholds()
@@ -430,11 +431,11 @@ def verify_checkpoint(
     if reference is not None and expected:
         judge_relative(result, path, reference, dict(
             device=dev, blocks=idx, tokens=tokens, seed=seed, sigma=sigma, mmap=mmap,
-            thresholds=th, backend=backend, probe=probe))
+            thresholds=th, backend=backend, probe=probe), log=log)
     return result
 
 
-def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
+def judge_relative(result: VerifyResult, path, reference, run: dict, log=None) -> None:
     """Hold each layer and block to the fresh plain encode of the reference in the file's
     formats (``pipelines.fresh_encode``) checked the same way, less the margin (layers: their
     relative error may exceed the encode's by that many dB). Where nothing can be re-encoded
@@ -442,7 +443,8 @@ def judge_relative(result: VerifyResult, path, reference, run: dict) -> None:
     from h3quant.pipelines import fresh_encode as fe
 
     enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_checkpoint(
-        p, reference=reference, expected=False, **run), mmap=run["mmap"])
+        p, reference=reference, expected=False, **run), mmap=run["mmap"],
+        log=log)
     if exp is None:
         result.notes.append(enc.describe())
         return

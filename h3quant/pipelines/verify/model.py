@@ -171,12 +171,14 @@ def verify_model(
     on_block=None,
     sigmas=None,
     expected: bool = True,
+    log=None,
 ) -> ModelVerifyResult:
     """Run both forwards and compare (see the module docstring). ``on_block(done, total)`` is
     called after each block (progress). ``sigmas``: a sampler schedule (every step is checked;
     ``inputs.sigma`` is then unused). With a ``reference`` and ``expected``, every output is
     judged against a fresh plain encode of the reference in the file's formats, run the same
-    way (``judge_relative``); the fixed limits then apply only where no encode can be made.
+    way (``judge_relative``; ``log``: where its size goes); the fixed limits then apply only
+    where no encode can be made.
     Raises VerifyError when the run cannot be set up."""
     from h3quant.runtime.availability import require_device
     from h3quant.runtime.model.model import H3Model
@@ -241,11 +243,12 @@ def verify_model(
     if reference is not None and expected:
         judge_relative(result, path, reference, dict(
             device=dev, inputs=inputs, depth=depth, mmap=mmap, thresholds=th,
-            backend=backend, probe=probe, sigmas=sigmas))
+            backend=backend, probe=probe, sigmas=sigmas), log=log)
     return result
 
 
-def judge_relative(result: ModelVerifyResult, path, reference, run: dict) -> None:
+def judge_relative(result: ModelVerifyResult, path, reference, run: dict,
+                   log=None) -> None:
     """Hold each output to the fresh plain encode of the reference in the file's formats
     (``pipelines.fresh_encode``) run on the same device and inputs, less the margin: the
     error the format is expected to have on this model. Where nothing can be re-encoded the
@@ -253,7 +256,8 @@ def judge_relative(result: ModelVerifyResult, path, reference, run: dict) -> Non
     from h3quant.pipelines import fresh_encode as fe
 
     enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_model(
-        p, reference=reference, expected=False, **run), mmap=run["mmap"])
+        p, reference=reference, expected=False, **run), mmap=run["mmap"],
+        log=log)
     if exp is None:
         result.notes.append(enc.describe())
         return

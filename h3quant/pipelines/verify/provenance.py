@@ -44,6 +44,11 @@ def grid_origin(q: torch.Tensor) -> str | None:
     return codec.grid_origin(q) if codec is not None else None
 
 
+def sampled_grid_origin(q: torch.Tensor) -> str | None:
+    """``grid_origin`` of a layer's codes, read from its sampled rows only."""
+    return grid_origin(_sampled_rows(q))
+
+
 def _sampled_rows(q: torch.Tensor) -> torch.Tensor:
     """Up to SAMPLE_ROWS evenly spaced rows, their first SAMPLE_COLS codes: a slab of a few
     pages of the mapped file in either layout ([N, K], or [K, N] stored for the kn layout)."""
@@ -60,7 +65,7 @@ def judge(layer, from_header: set[str]) -> Judgement:
         return Judgement(layer.name, stored, W4A8, REASON_HEADER)
     if layer.convrot:
         q, _ = layer.int8_grid()
-        grid = grid_origin(_sampled_rows(q))
+        grid = sampled_grid_origin(q)
         if grid is not None:
             return Judgement(layer.name, stored, W4A8, f"{REASON_GRID} ({grid})")
     return Judgement(layer.name, stored, stored)
