@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import _edit_safetensors, kitchen_file  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import kitchen_file  # noqa: E402
