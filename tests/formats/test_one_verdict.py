@@ -12,6 +12,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from helpers.cli import run
+
 from h3quant.cli import main
 from h3quant.formats import registry
 from h3quant.synth import synth_checkpoint
@@ -54,12 +56,6 @@ def files(tmp_path_factory):
     assert res.exit_code == 0, res.output
     out["q"] = q
     return out
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 def _errors_from_validate(path, deep=False) -> tuple[int, list[str]]:

@@ -11,19 +11,13 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from h3quant.cli import main
+from helpers.cli import run
+
 from h3quant.synth import synth_checkpoint
 
 L = "blocks.0.mlp.fc1"
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import KITCHEN, _edit_gguf, _edit_safetensors, kitchen_file  # noqa: E402
 
+from helpers.cli import run  # noqa: E402
+
 from h3quant.cli import main  # noqa: E402
 
 SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
          "--text-tokens", "4", "--device", "cpu"]
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 @pytest.fixture(scope="module")

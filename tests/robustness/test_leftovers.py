@@ -7,12 +7,12 @@ import json
 import os
 
 import pytest
-from click.testing import CliRunner
 from hostile_util import sha, tiny_base
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from h3quant.cli import main
+from helpers.cli import run
+
 from h3quant.formats import registry
 from h3quant.formats.container import atomic
 
@@ -21,12 +21,6 @@ from h3quant.formats.container import atomic
 TARGETS = sorted(t for t in registry.targets()
                  if not registry.target_codec(t).spec.encoding.write_refusal)
 SQUARE = "blocks.0.attn.out_proj.weight"  # [512, 512] in the tiny preset
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hostile_util import sparse_safetensors, tiny_base
 
-from h3quant.cli import main
+from helpers.cli import run
+
 from h3quant.pipelines.fingerprint import checkpoint_fingerprint
 from h3quant.pipelines.plan.sensitivity import Candidate, measure
 from h3quant.pipelines.verify.model import ModelInputs
@@ -29,12 +29,6 @@ def env(tmp_path_factory):
     saved = d / "pass.json"
     saved.write_text(json.dumps({"sensitivity": sens.to_dict()}))
     return {"dir": d, "src": src, "pass": saved, "doc": sens.to_dict()}
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 @pytest.mark.parametrize("args", [["--target-sqnr", "1e9"], ["--target-sqnr", "-1e9"],

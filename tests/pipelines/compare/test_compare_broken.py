@@ -10,24 +10,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from helpers.gguf_files import write_gguf
 from helpers.h3files import read_tensors as read_all
 
-from h3quant.cli import main
+from helpers.cli import run
+
 from h3quant.synth import synth_checkpoint
 
 L = "blocks.0.mlp.fc1"
 SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
          "--text-tokens", "4", "--device", "cpu", "--no-frontier"]
-
-
-def run(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 def _edit(src, dst, fn):
