@@ -113,7 +113,7 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool]:
     for n in from_w4a8 & set(layers):  # int8 converted from W4A8 carries W4A8's error
         if w4a8 is not None and w4a8.encoding.targets:
             rot = int(layers[n].get("convrot_groupsize", 256))
-            layers[n] = dict(w4a8.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
+            layers[n] = dict(w4a8.planning.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
     return layers, False
 
 

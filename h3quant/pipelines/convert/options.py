@@ -198,7 +198,7 @@ class ConvertOptions:
 
     def marker(self) -> dict | None:
         """The canonical marker object the target writes (None for a plain float target)."""
-        return self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        return self.codec.spec.planning.marker(TARGETS[self.target], self.group_size)
 
     def filtered(self, layer: str) -> bool:
         """True when ``--include``/``--exclude`` keep ``layer`` (``re.search`` on the name)."""

@@ -234,10 +234,10 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
     from h3quant.runtime.loader import LoadedLayer
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
+    marker = codec.spec.planning.marker(registry.target(cand.target), cand.group_size)
     assert marker is not None  # candidates are quantized formats
     k = int(layer.weight.shape[1])
-    why = codec.spec.skip_reason(k, marker)
+    why = codec.spec.planning.skip_reason(k, marker)
     if why:
         raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
     st = None
@@ -285,10 +285,10 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     from h3quant.formats.markers import marker_bytes
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
+    marker = codec.spec.planning.marker(registry.target(cand.target), cand.group_size)
     assert marker is not None  # candidates are quantized formats
     total = len(marker_bytes(marker))
-    for dtype, shape in codec.spec.planned(n, k, marker).values():
+    for dtype, shape in codec.spec.planning.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
     return total
 
@@ -430,7 +430,7 @@ def _smoothed_block(loaded, cand: Candidate, calib, ckpt):
     from h3quant.pipelines.convert.smoothing import FLOATS, layer_choice, touched
 
     codec = registry.target_codec(cand.target)
-    marker = codec.spec.marker(registry.target(cand.target), cand.group_size)
+    marker = codec.spec.planning.marker(registry.target(cand.target), cand.group_size)
     prefix = loaded.prefix + "."
     factors_of: dict = {}
     found: dict = {}
