@@ -77,7 +77,7 @@ def main() -> None:
     print(f"device {dev} ({torch.get_num_threads()} CPU threads), dims {args.dims}, "
           f"rows {args.rows}, target {args.target}, torch {torch.__version__}")
     codec = registry.target_codec(args.target)
-    marker = codec.spec.marker(registry.target(args.target), 256)
+    marker = codec.spec.planning.marker(registry.target(args.target), 256)
     tot = {"capture": 0.0, "capture_floor": 0.0, "factor": 0.0, "feedback": 0.0,
            "feedback_plain": 0.0,
            "feedback_floor": 0.0, "gemm_nk2": 0.0, "bytes": 0}

@@ -197,8 +197,8 @@ def main() -> None:
     for fmt in args.formats:
         tf = time.perf_counter()
         codec = registry.target_codec(fmt)
-        marker = codec.spec.marker(registry.target(fmt), 256)
-        convrot = codec.spec.uses_convrot(marker)  # the basis the format quantizes in
+        marker = codec.spec.planning.marker(registry.target(fmt), 256)
+        convrot = codec.spec.reading.uses_convrot(marker)  # the basis the format quantizes in
         rtn, cal = d / f"{fmt}_rtn.safetensors", d / f"{fmt}_cal.safetensors"
         t0 = time.perf_counter()
         convert(src, rtn, ConvertOptions(target=fmt, report=False, overwrite=True))
@@ -288,7 +288,7 @@ def few_table(src, a, d, src_w, sa, rows_b) -> None:
         print("| layer | K | B: RTN | B: calibrated on too few rows | B: calibrated on A |")
         print("|---|---|---|---|---|")
         codec = registry.target_codec("w4a8")
-        marker = codec.spec.marker(registry.target("w4a8"), 256)
+        marker = codec.spec.planning.marker(registry.target("w4a8"), 256)
         for k in ("blocks.3.attn.qkv_proj", "blocks.3.mlp.fc1", "blocks.3.mlp.fc2"):
             lay = sf.layer(k)
             forced = LayerStats.from_hessian(k, lay.hessian(), 1 << 30)

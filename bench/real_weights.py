@@ -165,7 +165,7 @@ def smoothing_hook():
         share = 1.0
         if codec.spec.encoding.calibrates and stats.rows >= stats.k:
             g = int((marker or {}).get("convrot_groupsize", 256))
-            gain = stats.predicted_gain_db(codec.spec.uses_convrot(marker), g)
+            gain = stats.predicted_gain_db(codec.spec.reading.uses_convrot(marker), g)
             share = 10.0 ** (-max(0.0, gain) / 10.0)
         return choose(w, x_max, sample, codec, marker, weight_share=share).s
 
@@ -213,10 +213,10 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     lin = model.linear(key)
     w, b = lin.weight, lin.bias
     k = w.shape[1]
-    marker = codec.spec.marker(registry.target(fmt), group_size_for(k))
+    marker = codec.spec.planning.marker(registry.target(fmt), group_size_for(k))
     if marker and fields:
         marker = {**marker, **fields}
-    skip = codec.spec.skip_reason(k, marker) if marker else None
+    skip = codec.spec.planning.skip_reason(k, marker) if marker else None
     if skip:
         return None, skip
     cal = stats[key]

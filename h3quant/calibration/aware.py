@@ -58,7 +58,7 @@ def input_rounding(codec, marker: dict | None,
         return None
     from h3quant.runtime.int8_math import quantize_activation, rotate_activation
 
-    convrot = codec.spec.uses_convrot(marker)
+    convrot = codec.spec.reading.uses_convrot(marker)
     g = int(fields.get("convrot_groupsize", 256))
 
     def rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,7 +105,7 @@ def runtime_output(codec, marker: dict | None, tensors: dict, x: torch.Tensor) -
     from h3quant.runtime.int8_math import quantize_activation
 
     q, s = codec.int8_grid(tensors, marker or {})
-    convrot = codec.spec.uses_convrot(marker)
+    convrot = codec.spec.reading.uses_convrot(marker)
     g = int((marker or {}).get("convrot_groupsize", 256))
     qx, sx = quantize_activation(x, convrot, g)
     return (qx.float() @ q.float().t()) * sx[:, None] * s.float().reshape(1, -1)
@@ -174,7 +174,7 @@ def choose_for_target(w: torch.Tensor, x_max: torch.Tensor, sample: torch.Tensor
     from h3quant.formats import registry
 
     codec = registry.target_codec(target)
-    return choose(w, x_max, sample, codec, codec.spec.marker(registry.target(target), group_size),
+    return choose(w, x_max, sample, codec, codec.spec.planning.marker(registry.target(target), group_size),
                   **kw)
 
 

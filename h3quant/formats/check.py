@@ -33,20 +33,20 @@ def _supported(fmt) -> FormatSpec | None:
 def combination_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
     """Rules across a layer's marker fields and tensors (beyond one tensor's dtype/shape)."""
     spec = _supported(fmt)
-    return spec.combination_violations(fields, tensors) if spec is not None else []
+    return spec.rules.combination_violations(fields, tensors) if spec is not None else []
 
 
 def layer_violations(fmt: str, fields: dict, tensors: dict) -> list[Violation]:
     """Every tensor rule of a layer of a format h3quant converts. ``tensors`` maps suffix -> an
     object with ``dtype`` (safetensors name) and ``shape``."""
     spec = _supported(fmt)
-    return spec.layer_violations(fields, tensors) if spec is not None else []
+    return spec.rules.layer_violations(fields, tensors) if spec is not None else []
 
 
 def fit_error(fmt: str, layer, fields: dict) -> str | None:
     """The first tensor-rule violation of ``layer`` as one line (what convert refuses), or None."""
     spec = _supported(fmt)
-    return spec.fit_error(layer, fields) if spec is not None else None
+    return spec.rules.fit_error(layer, fields) if spec is not None else None
 
 
 # ---------------------------------------------------------------------------- scheme findings
@@ -65,7 +65,7 @@ def logical_shape(layer) -> tuple[int | None, int | None]:
     w = layer.weight
     if w is None or len(w.shape) != 2:
         return (w.shape[0] if w is not None and len(w.shape) == 1 else None), None
-    return spec_for(layer).header_nk(layer)
+    return spec_for(layer).reading.header_nk(layer)
 
 
 def _shape_ok(shape: tuple[int, ...], allowed: list[tuple[int, ...]], at_least: bool) -> bool:
@@ -102,7 +102,7 @@ def check_layer(layer) -> list[Finding]:
     if len(layer.weight.shape) != 2 and spec.storage.tensors[0].shapes is not None:
         add("Q103", f"weight is {_fmt_shape(layer.weight.shape)}, expected a 2-D "
             f"{spec.storage.tensors[0].describe()}")
-    out.extend(spec.header_findings(layer, n, k, add) or ())
+    out.extend(spec.rules.header_findings(layer, n, k, add) or ())
     for ts in spec.storage.tensors:
         info = layer.tensors.get(ts.suffix)
         if info is None:
@@ -112,7 +112,7 @@ def check_layer(layer) -> list[Finding]:
             continue
         if info.dtype not in ts.dtypes:
             add("Q102", f"is {info.dtype}, expected {ts.describe()} for {spec.name}", ts.suffix)
-        if ts.shapes is None or n is None or k is None or spec.skip_shape(ts.suffix, layer):
+        if ts.shapes is None or n is None or k is None or spec.rules.skip_shape(ts.suffix, layer):
             continue
         allowed = ts.shapes(n, k, fields)
         if not _shape_ok(info.shape, allowed, ts.at_least):
@@ -124,12 +124,12 @@ def check_layer(layer) -> list[Finding]:
             known = ", ".join(sorted(spec.storage.suffixes - {"comfy_quant"}))
             add("Q106", f"{spec.name} defines no '{suffix}' tensor (expected only {known}); "
                 "loaders ignore or reject it", suffix)
-    spec.extra_findings(layer, add)
+    spec.rules.extra_findings(layer, add)
     if k is not None and spec.storage.convrot_rules:
         _constraints(spec, layer, k, add)
     if supported:  # rules across fields and tensors
         seen = {(f.code, f.tensor) for f in out}
-        for v in spec.combination_violations(layer.fields or {}, layer.tensors):
+        for v in spec.rules.combination_violations(layer.fields or {}, layer.tensors):
             if (v.code, layer.tensor_name(v.suffix)) not in seen:
                 add(v.code, v.message, v.suffix)
     return out
@@ -145,7 +145,7 @@ def _constraints(spec: FormatSpec, layer, k: int, add) -> None:
         elif k % g:
             add("Q104", f"K={k} is not divisible by convrot_groupsize {g}; every rotation block "
                 "must be whole")
-    spec.constraints(layer, k, add)
+    spec.rules.constraints(layer, k, add)
 
 
 # ---------------------------------------------------------------------------- data rules

@@ -134,7 +134,7 @@ def describe(fields: dict | None, dtype: str | None = None) -> str:
     if not fields:
         return dtype or "float"
     codec = get(fields.get("format"))
-    return codec.spec.describe(fields) if codec is not None else str(fields.get("format"))
+    return codec.spec.reading.describe(fields) if codec is not None else str(fields.get("format"))
 
 
 def kept_marker(code_dtype: str) -> dict | None:
@@ -142,7 +142,7 @@ def kept_marker(code_dtype: str) -> dict | None:
     and one scale unchanged (a legacy scaled-fp8 layer written as a per-layer one); None when
     no format keeps such codes."""
     for s in _SPECS.values():
-        marker = s.kept_marker(code_dtype)
+        marker = s.planning.kept_marker(code_dtype)
         if marker is not None:
             return marker
     return None
@@ -169,13 +169,13 @@ def target_codec(name: str) -> Codec:
 def logical_k(cols: int, fields: dict | None) -> int:
     """Logical input width of a stored weight with ``cols`` columns under marker ``fields``."""
     codec = get(fields["format"]) if fields else PLAIN
-    return codec.spec.logical_k(cols, fields) if codec is not None else cols
+    return codec.spec.reading.logical_k(cols, fields) if codec is not None else cols
 
 
 def logical_shape(shape, fields: dict | None) -> tuple[int, int]:
     """Logical ``(N, K)`` of a stored 2-D weight under marker ``fields`` (a kn weight is [K, N])."""
     codec = get(fields["format"]) if fields else PLAIN
-    return (codec or PLAIN).spec.logical_shape(tuple(shape), fields)
+    return (codec or PLAIN).spec.reading.logical_shape(tuple(shape), fields)
 
 
 def with_layout(codec: Codec, layout: str) -> Codec | None:

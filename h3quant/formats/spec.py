@@ -3,8 +3,9 @@ tensor set and header rules (``storage``), how convert writes it (``encoding``) 
 codes (``relayout``), how the runtime runs it (``runtime``) and what verify checks
 (``verify``). Torch-free.
 
-Each format package (``h3quant.formats.int8`` ...) exports one ``SPEC``: a ``FormatSpec`` (or a
-subclass overriding the few header rules that differ, such as W4A8's packed width) and, where
+Each format package (``h3quant.formats.int8`` ...) exports one ``SPEC``: a ``FormatSpec`` (with
+subclasses of the method facets ``reading``, ``planning``, ``rules`` where its header rules
+differ, such as W4A8's packed width) and, where
 h3quant can encode and decode it, a ``CODEC`` (``h3quant.formats.codec``). The engines in
 ``h3quant.formats`` (markers, layers, check, deep) read these specs through the one registry
 (``h3quant.formats.registry``) instead of testing format names.
@@ -12,6 +13,7 @@ h3quant can encode and decode it, a ``CODEC`` (``h3quant.formats.codec``). The e
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,60 +244,46 @@ class VerifyFacet:
     whole_model: bool = False
 
 
-@dataclass(frozen=True)
-class FormatSpec:
-    """One on-disk layer format, as data (plus the header rules a subclass may override).
+class SpecFacet:
+    """A facet of header-rule methods a format may override (subclass the facet, pass an
+    instance to ``FormatSpec``). The spec binds its own copy of the facet when it is made, so
+    a method reads the spec's identity and data facets as ``self.spec``."""
 
-    Its identity is at the top; everything else is grouped by the engine that reads it:
-    ``storage`` (header engines), ``encoding`` (convert's encoder), ``relayout`` (convert's
-    code moves), ``runtime`` (the runtime, device tables) and ``verify`` (verify, validate)."""
+    spec: FormatSpec
 
-    name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
-    description: str
-    quantized: bool = True
-    comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
-    layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
-    canonical: str | None = None  # for a layout variant: the format it re-lays out
-    # another name for the format ``alias_of``: read as that format, and a layer kept by
-    # convert is written under that format's name (never under this one)
-    alias_of: str | None = None
-    storage: StorageFacet = field(default_factory=StorageFacet)
-    encoding: EncodingFacet = field(default_factory=EncodingFacet)
-    relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
-    runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
-    verify: VerifyFacet = field(default_factory=VerifyFacet)
 
-    # ------------------------------------------------------------------ derived facts
-    @property
-    def format(self) -> str | None:
-        """The marker's wire name (None for the plain format: it has no marker)."""
-        return self.name if self.quantized else None
+class ReadingFacet(SpecFacet):
+    """How a reader sees a layer from its header: the logical shape of a stored weight, whether
+    it is rotated and its short description (``registry``, ``check``, the runtime's loaders)."""
 
-    # ------------------------------------------------------------------ header facts
     def logical_k(self, cols: int, fields: dict | None) -> int:
         """Logical input width K of a stored weight with ``cols`` columns."""
-        return 2 * cols if self.storage.packed else cols
+        return 2 * cols if self.spec.storage.packed else cols
 
     def logical_shape(self, shape: tuple[int, int], fields: dict | None) -> tuple[int, int]:
         """Logical ``(N, K)`` of a stored 2-D weight of ``shape``."""
-        if self.storage.transposed:
+        if self.spec.storage.transposed:
             return shape[1], shape[0]
         return shape[0], self.logical_k(shape[1], fields)
 
     def header_nk(self, layer) -> tuple[int | None, int | None]:
         """Logical ``(N, K)`` of a layer whose weight is 2-D, from its header entries."""
-        if self.storage.opaque:
+        if self.spec.storage.opaque:
             return None, None
         return self.logical_shape(tuple(layer.weight.shape), layer.fields)
 
     def uses_convrot(self, fields: dict | None) -> bool:
-        return self.storage.always_convrot or bool(fields and fields.get("convrot"))
+        return self.spec.storage.always_convrot or bool(fields and fields.get("convrot"))
 
     def describe(self, fields: dict | None) -> str:
         """Short text for a layer's storage (``int8_tensorwise convrot g=256`` ...)."""
-        return self.name
+        return self.spec.name
 
-    # ------------------------------------------------------------------ convert planning
+
+class PlanningFacet(SpecFacet):
+    """What convert's planner reads: the marker a target writes, whether a layer already holds
+    it, why a layer cannot take it, the tensors it plans and how kept tensors are declared."""
+
     def marker(self, target: Target, group_size: int) -> dict | None:
         """The canonical marker object ``target`` writes (None: a plain layer, no marker)."""
         return None
@@ -327,7 +315,11 @@ class FormatSpec:
         keeps no such codes)."""
         return None
 
-    # ------------------------------------------------------------------ tensor rules
+
+class RulesFacet(SpecFacet):
+    """The header rules ``check`` applies for validate, convert and verify: the tensor rules of
+    a layer (``layer_violations``) and validate's scheme-check hooks."""
+
     def tensor_violations(self, n: int, cols: int, fields: dict,
                           tensors: dict) -> tuple[int, int, list[Violation]]:
         """Format-specific rules of a layer with a 2-D weight of ``n`` rows, ``cols`` columns:
@@ -341,18 +333,19 @@ class FormatSpec:
     def layer_violations(self, fields: dict, tensors: dict) -> list[Violation]:
         """Every tensor rule of a layer of this format (the rules convert and verify refuse
         by). ``tensors`` maps suffix -> an object with ``dtype`` (safetensors name) and ``shape``."""
-        fmt = self.name
+        fmt = self.spec.name
         w = tensors.get("weight")
         if w is None:
             return [Violation("Q101", f"{fmt} layer has no weight")]
-        wdtypes = self.storage.tensors[0].dtypes if self.storage.tensors else ("I8",)
+        wdtypes = self.spec.storage.tensors[0].dtypes if self.spec.storage.tensors else ("I8",)
         if w.dtype not in wdtypes or len(shape_of(w)) != 2:
             return [Violation("Q102", f"weight is {w.dtype} {list(shape_of(w))}, {fmt} needs a "
                               f"2-D {'/'.join(wdtypes)} weight")]
         rows, cols = shape_of(w)  # 2-D, checked above
         n, k, out = self.tensor_violations(rows, cols, fields, tensors)
         out.extend(self.combination_violations(fields, tensors))
-        if fields.get("convrot") or self.storage.always_convrot:  # (kn: k is the stored row count)
+        # (kn: k is the stored row count)
+        if fields.get("convrot") or self.spec.storage.always_convrot:
             g = fields.get("convrot_groupsize", 256)
             if not is_valid_group_size(g) or k % g:
                 out.append(Violation("Q104", f"convrot_groupsize {g!r} is not a power of 4 "
@@ -372,7 +365,7 @@ class FormatSpec:
         return f"[{v.code}] {v.suffix}: {v.message}" if v.suffix != "weight" else \
             f"[{v.code}] {v.message}"
 
-    # ------------------------------------------------------------------ validate's scheme check
+    # validate's scheme check: hooks around the tensor set's checks
     def skip_shape(self, suffix: str, layer) -> bool:
         """A tensor whose shape another rule of the format judges (``header_findings``)."""
         return False
@@ -387,3 +380,47 @@ class FormatSpec:
 
     def constraints(self, layer, k: int, add) -> None:
         """Format-specific rules on the marker's fields against K (after ConvRot's)."""
+
+
+METHOD_FACETS = ("reading", "planning", "rules")
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One on-disk layer format: its identity and its facets.
+
+    Its identity is at the top; everything else is grouped by the engine that reads it:
+    ``storage`` (header engines), ``encoding`` (convert's encoder), ``relayout`` (convert's
+    code moves), ``runtime`` (the runtime, device tables) and ``verify`` (verify, validate),
+    data; ``reading`` (a layer's logical shape), ``planning`` (convert's planner) and ``rules``
+    (the header rules), methods a format overrides by subclassing the facet."""
+
+    name: str  # the marker's ``format`` value ("float" for the plain format: no marker)
+    description: str
+    quantized: bool = True
+    comfy: bool = True  # ComfyUI knows the format (the NPU layout is h3quant's own)
+    layout: str = "canonical"  # "npu": a pre-transposed layout of the format named ``canonical``
+    canonical: str | None = None  # for a layout variant: the format it re-lays out
+    # another name for the format ``alias_of``: read as that format, and a layer kept by
+    # convert is written under that format's name (never under this one)
+    alias_of: str | None = None
+    storage: StorageFacet = field(default_factory=StorageFacet)
+    encoding: EncodingFacet = field(default_factory=EncodingFacet)
+    relayout: RelayoutFacet = field(default_factory=RelayoutFacet)
+    runtime: RuntimeFacet = field(default_factory=RuntimeFacet)
+    verify: VerifyFacet = field(default_factory=VerifyFacet)
+    reading: ReadingFacet = field(default_factory=ReadingFacet)
+    planning: PlanningFacet = field(default_factory=PlanningFacet)
+    rules: RulesFacet = field(default_factory=RulesFacet)
+
+    def __post_init__(self) -> None:
+        for name in METHOD_FACETS:  # each spec binds its own copy (a facet object may be shared)
+            facet = copy.copy(getattr(self, name))
+            facet.spec = self
+            object.__setattr__(self, name, facet)
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def format(self) -> str | None:
+        """The marker's wire name (None for the plain format: it has no marker)."""
+        return self.name if self.quantized else None

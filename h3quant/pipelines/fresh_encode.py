@@ -164,7 +164,7 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
         return layers, False, {}
     for n in why:  # int8 converted from W4A8 carries W4A8's error
         rot = int(layers[n].get("convrot_groupsize", 256))
-        layers[n] = dict(w4a8.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
+        layers[n] = dict(w4a8.planning.marker(w4a8.encoding.targets[0], rot) or {})  # ConvRot group as stored
     return layers, False, why
 
 
@@ -234,7 +234,7 @@ def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) ->
         if codec.spec.encoding.write_refusal:
             result.skipped[layer] = f"{fields['format']}: {codec.spec.encoding.write_refusal}"
             continue
-        planned = codec.spec.planned(shape[0], shape[1], fields)
+        planned = codec.spec.planning.planned(shape[0], shape[1], fields)
         entries = [Entry(f"{layer}.{s}", d, tuple(sh)) for s, (d, sh) in planned.items()]
         entries.append(Entry(layer + ".comfy_quant", "U8", (len(marker_bytes(fields)),)))
         jobs.append(_Job(layer, wname, fields, entries))

@@ -96,12 +96,12 @@ class LoadedLayer:
         shape = tuple(self.weight.shape)
         if len(shape) != 2:
             return shape[0], shape[-1]
-        return self.codec.spec.logical_shape(shape, self.fields)
+        return self.codec.spec.reading.logical_shape(shape, self.fields)
 
     @property
     def convrot(self) -> bool:
         """Whether the int8 grid is in the rotated basis (W4A8 always is)."""
-        return self.codec.spec.uses_convrot(self.fields)
+        return self.codec.spec.reading.uses_convrot(self.fields)
 
     @property
     def convrot_groupsize(self) -> int:

@@ -117,7 +117,7 @@ def path_for(target: str, k: int = 1024, n: int = 64, device: str | Device = "cp
     from h3quant.formats import registry
 
     codec = registry.target_codec(target)
-    marker = codec.spec.marker(registry.target(target), group_size_for(k))
+    marker = codec.spec.planning.marker(registry.target(target), group_size_for(k))
     if not marker:
         return LayerPath("float", "float", "float")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))

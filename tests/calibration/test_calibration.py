@@ -40,7 +40,7 @@ def _raw(t):
 
 def _encode(target, g, w, calibration=None):
     codec = registry.target_codec(target)
-    marker = codec.spec.marker(registry.target(target), g)
+    marker = codec.spec.planning.marker(registry.target(target), g)
     kw = {} if calibration is None else {"calibration": calibration}
     return codec, marker, codec.encode(w, marker, "exact", **kw)
 

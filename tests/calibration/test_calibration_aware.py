@@ -113,7 +113,7 @@ def test_codec_with_runtime_rounding_lowers_the_objective():
     x = _rows(8192, k, seed=2)
     w = _weight(n, k, seed=4)
     codec = registry.target_codec("int4-convrot")
-    marker = codec.spec.marker(registry.target("int4-convrot"), g)
+    marker = codec.spec.planning.marker(registry.target("int4-convrot"), g)
     st = _stats(x)
     plain = codec.encode(w, marker, "exact", calibration=st)
     rounding = input_rounding(codec, marker)
@@ -138,7 +138,7 @@ def test_unrounded_inputs_give_the_plain_feedback_bytes(target):
     x = _rows(2048, k)
     w = _weight(n, k)
     codec = registry.target_codec(target)
-    marker = codec.spec.marker(registry.target(target), g)
+    marker = codec.spec.planning.marker(registry.target(target), g)
     st = _stats(x)
     plain = codec.encode(w, marker, "exact", calibration=st)
     ident = codec.encode(w, marker, "exact", calibration=st.rounded_by(lambda s: (s, s.clone())))
@@ -153,11 +153,11 @@ def test_unrounded_inputs_give_the_plain_feedback_bytes(target):
 
 def test_float_activation_formats_and_version_1_statistics_keep_the_plain_feedback():
     codec = registry.target_codec("nvfp4")
-    assert input_rounding(codec, codec.spec.marker(registry.target("nvfp4"), 256)) is None
+    assert input_rounding(codec, codec.spec.planning.marker(registry.target("nvfp4"), 256)) is None
     x = _rows(2048, 256)
     st = LayerStats.from_hessian("blocks.0.mlp.fc1", x.t() @ x, 2048)  # no sampled rows
     codec = registry.target_codec("w4a8")
-    marker = codec.spec.marker(registry.target("w4a8"), 64)
+    marker = codec.spec.planning.marker(registry.target("w4a8"), 64)
     w = _weight(32, 256)
     aware = st.rounded_by(input_rounding(codec, marker))
     assert aware.aware_system(True, 64) is None

@@ -305,7 +305,7 @@ def _target(name):
     from h3quant.formats import registry
 
     codec = registry.target_codec(name)
-    return codec, codec.spec.marker(registry.target(name), 256)
+    return codec, codec.spec.planning.marker(registry.target(name), 256)
 
 
 @pytest.mark.parametrize("name", ["w4a8", "int8-convrot", "int4-convrot"])

@@ -92,7 +92,7 @@ def test_the_override_check_catches_a_forced_path(tmp_path):
 
 def _layer(target, n=64, k=512, seed=0):
     codec = registry.target_codec(target)
-    marker = codec.spec.marker(registry.target(target), group_size_for(k))
+    marker = codec.spec.planning.marker(registry.target(target), group_size_for(k))
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     w[:, 7] *= 20  # an outlier input channel
@@ -140,7 +140,7 @@ def test_int8_grids_run_with_int8_activations(target):
     p = layer_path(mod, torch.float32, marker["format"])
     assert p.backend == "torch-int8" and p.activations.startswith("int8 per token")
     q, s = codec.int8_grid(t, effective_fields(marker))
-    g = marker.get("convrot_groupsize", 256) if codec.spec.uses_convrot(marker) else 0
+    g = marker.get("convrot_groupsize", 256) if codec.spec.reading.uses_convrot(marker) else 0
     x = _x()
     got, want = mod(x), _w8a8(x, q, s, g)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

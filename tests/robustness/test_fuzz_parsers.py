@@ -170,7 +170,7 @@ def test_marker_with_any_format_value(fmt, extra):
 @given(st.sampled_from([t for t in registry.targets()]), st.sampled_from([4, 16, 64, 256, 1024]))
 def test_every_written_marker_parses_back(target, group_size):
     """What each registered convert target writes parses back to the same object."""
-    marker = registry.target_codec(target).spec.marker(registry.target(target), group_size)
+    marker = registry.target_codec(target).spec.planning.marker(registry.target(target), group_size)
     if marker is None:
         return
     assert parse_marker_bytes(marker_bytes(marker)) == marker

@@ -9,9 +9,10 @@ format needs calibration).
 
 from __future__ import annotations
 
+from h3quant.formats.spec import FormatSpec, ReadingFacet, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
-from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+from h3quant.formats.spec import (packed_weight, BIAS, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 from h3quant.findings import Severity, register
 
@@ -77,11 +78,15 @@ def _grouped(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
     return [(k // g, n)] if g else []
 
 
-class AWQW4A16Spec(FormatSpec):
-    """awq_w4a16's header rules."""
+class AWQW4A16Reading(ReadingFacet):
+    """awq_w4a16: how a layer reads (its description)."""
 
     def describe(self, fields):
         return f"{NAME} G={(fields or {}).get('group_size', 64)}"
+
+
+class AWQW4A16Planning(PlanningFacet):
+    """awq_w4a16: what convert plans for it."""
 
     def marker(self, target, group_size):
         return {"format": NAME, "group_size": 64}
@@ -93,6 +98,10 @@ class AWQW4A16Spec(FormatSpec):
         g = marker.get("group_size", 64)
         return {"weight": ("I8", (n, k // 2)), "weight_scale": ("BF16", (k // g, n)),
                 "weight_zeros": ("BF16", (k // g, n))}
+
+
+class AWQW4A16Rules(RulesFacet):
+    """awq_w4a16: its header rules."""
 
     def layer_violations(self, fields, tensors):
         return rules(fields, tensors)
@@ -110,7 +119,7 @@ class AWQW4A16Spec(FormatSpec):
             add(v.code, v.message, v.suffix)
 
 
-SPEC = AWQW4A16Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="AWQ: unsigned int4 codes (two per byte) + fp16/bf16 group scales and zero points",
     storage=StorageFacet(
@@ -158,4 +167,7 @@ SPEC = AWQW4A16Spec(
         deep_scales=("weight_scale",),
         weight_bits=4,
     ),
+    reading=AWQW4A16Reading(),
+    planning=AWQW4A16Planning(),
+    rules=AWQW4A16Rules(),
 )

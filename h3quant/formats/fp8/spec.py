@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import FormatSpec, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
-from h3quant.formats.spec import BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, scalar
+from h3quant.formats.spec import BIAS, Target, TensorSpec, VerifyLimits, scalar
 from h3quant.findings import Severity, register
 
 # The finding codes this format's rules report (``validate --codes`` lists them).
@@ -40,18 +41,28 @@ def _scale_shapes(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class Fp8Spec(FormatSpec):
-    """A per-tensor-scaled fp8 format: its codes' dtype and the header rules."""
+    """A per-tensor-scaled fp8 format: its codes' dtype (its header rules: ``Fp8Planning``,
+    ``Fp8Rules``)."""
 
     code_dtype: str = "F8_E4M3"  # safetensors dtype of the codes
     torch_dtype: str = "float8_e4m3fn"
     max_value: float = 448.0  # the largest finite code
 
+
+class Fp8Planning(PlanningFacet):
+    """A per-tensor-scaled fp8 format: what convert plans for it."""
+
+    @property
+    def code_dtype(self) -> str:
+        assert isinstance(self.spec, Fp8Spec)
+        return self.spec.code_dtype
+
     def marker(self, target, group_size):
-        return {"format": self.name}
+        return {"format": self.spec.name}
 
     def same_target(self, layer, fields, marker):
         s = layer.tensors.get("weight_scale")
-        return fields["format"] == self.name and s is not None and s.numel == 1
+        return fields["format"] == self.spec.name and s is not None and s.numel == 1
 
     def planned(self, n, k, marker):
         return {"weight": (self.code_dtype, (n, k)), "weight_scale": ("F32", ())}
@@ -59,8 +70,12 @@ class Fp8Spec(FormatSpec):
     def kept_marker(self, code_dtype):
         return self.marker(None, 0) if code_dtype == self.code_dtype else None
 
+
+class Fp8Rules(RulesFacet):
+    """A per-tensor-scaled fp8 format: its header rules."""
+
     def tensor_violations(self, n, cols, fields, tensors):
-        return n, cols, rules.fp8_violations(self.name, tensors)
+        return n, cols, rules.fp8_violations(self.spec.name, tensors)
 
 
 def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: VerifyLimits,
@@ -97,6 +112,8 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             weight_bits=8,
             whole_model=True,
         ),
+        planning=Fp8Planning(),
+        rules=Fp8Rules(),
     )
 
 

@@ -11,9 +11,10 @@ scale per row.
 from __future__ import annotations
 
 from h3quant.convrot.groups import is_valid_group_size
+from h3quant.formats.spec import FormatSpec, ReadingFacet, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
-from h3quant.formats.spec import (packed_weight, BIAS, FormatSpec, Target, TensorSpec, VerifyLimits, Violation,
+from h3quant.formats.spec import (packed_weight, BIAS, Target, TensorSpec, VerifyLimits, Violation,
                                   shape_of)
 from h3quant.findings import Severity, register
 
@@ -94,13 +95,17 @@ def rules(fields: dict, tensors: dict) -> list[Violation]:
     return out
 
 
-class ConvRotW4A4Spec(FormatSpec):
-    """convrot_w4a4's header rules."""
+class ConvRotW4A4Reading(ReadingFacet):
+    """convrot_w4a4: how a layer reads (its description)."""
 
     def describe(self, fields):
         f = fields or {}
         text = f"{NAME} g={f.get('convrot_groupsize', 256)}"
         return text + (" linear=int8" if f.get("linear_dtype") == "int8" else "")
+
+
+class ConvRotW4A4Planning(PlanningFacet):
+    """convrot_w4a4: what convert plans for it."""
 
     def marker(self, target, group_size):
         return marker(group_size)
@@ -128,6 +133,10 @@ class ConvRotW4A4Spec(FormatSpec):
     def keep_declared(self, suffix, dtype, shape, n):
         return ("I8" if suffix == "weight" and dtype == "U8" else dtype), shape
 
+
+class ConvRotW4A4Rules(RulesFacet):
+    """convrot_w4a4: its header rules."""
+
     def layer_violations(self, fields, tensors):
         return rules(fields, tensors)
 
@@ -148,7 +157,7 @@ _A8_COST = ("int8 activations: the same bytes; on sm_80-sm_89 GPUs comfy-kitchen
             "int4 rate, int8 activations read twice the bytes); Hopper and newer GPUs already "
             "run every INT4 ConvRot layer that way, and the CPU path ignores the field")
 
-SPEC = ConvRotW4A4Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="INT4 ConvRot: signed int4 codes (two per byte) + fp32 row scales, ConvRot always on",
     storage=StorageFacet(
@@ -195,6 +204,9 @@ SPEC = ConvRotW4A4Spec(
         deep_scales=("weight_scale",),
         weight_bits=4,
     ),
+    reading=ConvRotW4A4Reading(),
+    planning=ConvRotW4A4Planning(),
+    rules=ConvRotW4A4Rules(),
 )
 
 
@@ -206,14 +218,22 @@ def alias_violations(fields: dict) -> list[Violation]:
                       "read as, always rotates, so an unrotated layer would decode wrong")]
 
 
-class AliasSpec(ConvRotW4A4Spec):
-    """``int4_tensorwise``: convrot_w4a4's rules and tensors under another name."""
+class AliasReading(ConvRotW4A4Reading):
+    """``int4_tensorwise`` (convrot_w4a4 under another name): how a layer reads (its description)."""
 
     def describe(self, fields):
         return f"{ALIAS} (read as {super().describe(fields)})"
 
+
+class AliasPlanning(ConvRotW4A4Planning):
+    """``int4_tensorwise`` (convrot_w4a4 under another name): never written (no marker)."""
+
     def marker(self, target, group_size):
         return None  # never written under this name: no convert target names it
+
+
+class AliasRules(ConvRotW4A4Rules):
+    """``int4_tensorwise`` (convrot_w4a4 under another name): its header rules."""
 
     def layer_violations(self, fields, tensors):
         return rules(fields, tensors) + alias_violations(fields)
@@ -227,7 +247,7 @@ class AliasSpec(ConvRotW4A4Spec):
             add(v.code, v.message, v.suffix)
 
 
-ALIAS_SPEC = AliasSpec(
+ALIAS_SPEC = FormatSpec(
     name=ALIAS,
     description=f"another name for {NAME} (a ComfyUI fork's); read as {NAME}, never written",
     comfy=False,
@@ -254,4 +274,7 @@ ALIAS_SPEC = AliasSpec(
         deep_scales=SPEC.verify.deep_scales,
         weight_bits=4,
     ),
+    reading=AliasReading(),
+    planning=AliasPlanning(),
+    rules=AliasRules(),
 )

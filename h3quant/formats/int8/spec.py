@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from h3quant.convrot import check_group_size
+from h3quant.formats.spec import FormatSpec, ReadingFacet, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     SCALE_DTYPES,
-    FormatSpec,
     TensorSpec,
     Target,
     VerifyLimits,
@@ -33,20 +33,24 @@ def int8_marker(convrot: bool = True, group_size: int = 256) -> dict:
     return {"format": NAME, "convrot": True, "convrot_groupsize": int(group_size)}
 
 
-class Int8Spec(FormatSpec):
-    """int8_tensorwise's header rules."""
+class Int8Reading(ReadingFacet):
+    """int8_tensorwise: how a layer reads (its description)."""
 
     def describe(self, fields):
         if fields and fields.get("convrot"):
-            return f"{self.name} convrot g={fields.get('convrot_groupsize', 256)}"
-        return self.name
+            return f"{self.spec.name} convrot g={fields.get('convrot_groupsize', 256)}"
+        return self.spec.name
+
+
+class Int8Planning(PlanningFacet):
+    """int8_tensorwise: what convert plans for it."""
 
     def marker(self, target, group_size):
         return int8_marker(convrot=target.convrot, group_size=group_size)
 
     def same_target(self, layer, fields, marker):
         convrot = bool(marker.get("convrot"))
-        return (fields["format"] == self.name and bool(fields.get("convrot")) == convrot
+        return (fields["format"] == self.spec.name and bool(fields.get("convrot")) == convrot
                 and (not convrot or fields.get("convrot_groupsize") == marker["convrot_groupsize"])
                 and layer.tensors["weight_scale"].numel == layer.weight.shape[0])
 
@@ -66,11 +70,15 @@ class Int8Spec(FormatSpec):
             shape = (n, 1)
         return dtype, shape
 
+
+class Int8Rules(RulesFacet):
+    """int8_tensorwise: its header rules."""
+
     def tensor_violations(self, n, cols, fields, tensors):
         out: list[Violation] = []
         s = tensors.get("weight_scale")
         if s is None:
-            out.append(Violation("Q101", f"{self.name} layer has no weight_scale", "weight_scale"))
+            out.append(Violation("Q101", f"{self.spec.name} layer has no weight_scale", "weight_scale"))
         else:
             if s.dtype not in SCALE_DTYPES:
                 out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32",
@@ -90,7 +98,7 @@ class Int8Spec(FormatSpec):
 
 RELAYOUT_NOTE = "pure relayout: same int8 codes and scales, transposed (no requantization)"
 
-SPEC = Int8Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="int8 weight with per-row (or tensorwise) fp32 scale, optional ConvRot",
     storage=StorageFacet(
@@ -130,4 +138,7 @@ SPEC = Int8Spec(
         deep_scales=("weight_scale", "input_scale"),
         weight_bits=8,
     ),
+    reading=Int8Reading(),
+    planning=Int8Planning(),
+    rules=Int8Rules(),
 )

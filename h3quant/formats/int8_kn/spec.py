@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from h3quant.formats.int8.spec import NAME as CANONICAL_NAME
 from h3quant.formats.int8.spec import SPEC as INT8_SPEC
-from h3quant.formats.int8.spec import Int8Spec
+from h3quant.formats.int8.spec import Int8Planning, Int8Reading, Int8Rules
 from h3quant.formats.int8_kn.tensors import check_kn, kn_marker
+from h3quant.formats.spec import FormatSpec
 from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import BIAS, SCALE_DTYPES, TensorSpec, Violation, shape_of
 from h3quant.findings import Severity, register
@@ -35,8 +36,8 @@ register("D107", "kn-orientation", Severity.ERROR,
 NAME = "int8_tensorwise_kn"
 
 
-class Int8KnSpec(Int8Spec):
-    """The kn layout's header rules (the rest are int8_tensorwise's)."""
+class Int8KnPlanning(Int8Planning):
+    """The kn layout: what convert plans for it."""
 
     def marker(self, target, group_size):
         return kn_marker(convrot=target.convrot, group_size=group_size)
@@ -54,12 +55,16 @@ class Int8KnSpec(Int8Spec):
             dtype = "I8"
         return dtype, shape
 
+
+class Int8KnRules(Int8Rules):
+    """The kn layout: its header rules."""
+
     def tensor_violations(self, n, cols, fields, tensors):
         k, n = n, cols
         out: list[Violation] = []
         s = tensors.get("weight_scale")
         if s is None:
-            out.append(Violation("Q101", f"{self.name} layer has no weight_scale", "weight_scale"))
+            out.append(Violation("Q101", f"{self.spec.name} layer has no weight_scale", "weight_scale"))
         elif s.dtype not in SCALE_DTYPES:
             out.append(Violation("Q102", f"weight_scale is {s.dtype}, expected F32", "weight_scale"))
         elif shape_of(s) != (n,):
@@ -77,7 +82,7 @@ class Int8KnSpec(Int8Spec):
         return check_kn(layer, n, k, file=str(layer.weight.file))
 
 
-SPEC = Int8KnSpec(
+SPEC = FormatSpec(
     name=NAME,
     description="int8_tensorwise pre-transposed for Ascend npu_quant_matmul: weight [K, N], "
                 "scale [N]",
@@ -116,4 +121,7 @@ SPEC = Int8KnSpec(
         deep_whole=("weight",),  # the per-channel peak rule (D107): one orientation, one verdict
         weight_bits=8,
     ),
+    reading=Int8Reading(),
+    planning=Int8KnPlanning(),
+    rules=Int8KnRules(),
 )

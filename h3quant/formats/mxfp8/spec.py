@@ -10,14 +10,13 @@ roundup(K/32, 4)]); ComfyUI ``comfy/ops.py`` reads ``weight_scale`` as uint8 byt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from h3quant.formats.fp8 import rules
+from h3quant.formats.spec import FormatSpec, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
-    FormatSpec,
     Target,
     TensorSpec,
     VerifyLimits,
@@ -79,13 +78,14 @@ def mxfp8_violations(tensors: dict) -> list[Violation]:
 
 
 
-@dataclass(frozen=True)
-class MxSpec(FormatSpec):
+class MxPlanning(PlanningFacet):
+    """planning."""
+
     def marker(self, target, group_size):
-        return {"format": self.name}
+        return {"format": self.spec.name}
 
     def same_target(self, layer, fields, marker):
-        return fields["format"] == self.name
+        return fields["format"] == self.spec.name
 
     def skip_reason(self, k, marker):
         return f"K={k} is not a multiple of {BLOCK} (mxfp8 blocks)" if k % BLOCK else None
@@ -96,6 +96,10 @@ class MxSpec(FormatSpec):
     def keep_declared(self, suffix, dtype, shape, n):
         return ("F8_E8M0" if suffix == "weight_scale" and dtype == "U8" else dtype), shape
 
+
+class MxRules(RulesFacet):
+    """rules."""
+
     def tensor_violations(self, n, cols, fields, tensors):
         return n, cols, mxfp8_violations(tensors)
 
@@ -104,7 +108,7 @@ class MxSpec(FormatSpec):
 
 
 TEXT = "fp8 e4m3 codes with an e8m0 (power-of-two) scale per 32 values (ComfyUI's mxfp8)"
-SPEC = MxSpec(
+SPEC = FormatSpec(
     name=NAME, description=TEXT,
     storage=StorageFacet(
         tensors=(
@@ -138,4 +142,6 @@ SPEC = MxSpec(
         deep_scales=("input_scale",),  # the e8m0 block scales have their own rule (D131)
         weight_bits=8,
     ),
+    planning=MxPlanning(),
+    rules=MxRules(),
 )

@@ -8,9 +8,10 @@ e2m1 codes per byte and stores the e4m3 block scales in cuBLAS's blocked 128 x 4
 
 from __future__ import annotations
 
+from h3quant.formats.spec import FormatSpec, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
-from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, FormatSpec, Target, TensorSpec, VerifyLimits,
+from h3quant.formats.spec import (packed_weight, BIAS, FLOATS, Target, TensorSpec, VerifyLimits,
                                   Violation, scalar, shape_of)
 from h3quant.findings import Severity, register
 
@@ -73,8 +74,8 @@ def padded_message(np_: int, kp: int) -> str:
             f"to multiples of {BLOCK} (expected [{roundup(np_, BLOCK)}, {roundup(kp, BLOCK) // 2}])")
 
 
-class NVFP4Spec(FormatSpec):
-    """nvfp4's header rules."""
+class NVFP4Planning(PlanningFacet):
+    """nvfp4: what convert plans for it."""
 
     def marker(self, target, group_size):
         return {"format": NAME}
@@ -95,6 +96,10 @@ class NVFP4Spec(FormatSpec):
     def keep_declared(self, suffix, dtype, shape, n):
         return dtype, (() if suffix == "weight_scale_2" else shape)
 
+
+class NVFP4Rules(RulesFacet):
+    """nvfp4: its header rules."""
+
     def layer_violations(self, fields, tensors):
         return rules(fields, tensors)
 
@@ -104,7 +109,7 @@ class NVFP4Spec(FormatSpec):
             add("Q120", padded_message(w.shape[0], 2 * w.shape[1]))
 
 
-SPEC = NVFP4Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="fp4 e2m1 codes (two per byte) + e4m3 block scales (16, cuBLAS blocked) + fp32 "
                 "tensor scale",
@@ -146,4 +151,6 @@ SPEC = NVFP4Spec(
         deep_scales=("weight_scale_2",),
         weight_bits=4,
     ),
+    planning=NVFP4Planning(),
+    rules=NVFP4Rules(),
 )

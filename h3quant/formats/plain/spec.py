@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import FormatSpec, ReadingFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet
-from h3quant.formats.spec import BIAS, FLOATS, FormatSpec, TensorSpec, Target
+from h3quant.formats.spec import BIAS, FLOATS, TensorSpec, Target
 
 NAME = "float"
 
 
-class PlainSpec(FormatSpec):
+class PlainReading(ReadingFacet):
+    """reading."""
+
     def describe(self, fields):
         return "BF16"
 
 
-SPEC = PlainSpec(
+SPEC = FormatSpec(
     name=NAME,
     description="unquantized floating-point layer (BF16 / F16 / F32)",
     quantized=False,
@@ -28,4 +31,5 @@ SPEC = PlainSpec(
         tensors=("weight",),
         required=("weight",),
     ),
+    reading=PlainReading(),
 )

@@ -13,8 +13,9 @@ loader is an open pull request), so h3quant reads it and never writes it.
 from __future__ import annotations
 
 from h3quant.findings import Severity, register
+from h3quant.formats.spec import FormatSpec, ReadingFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RuntimeFacet, StorageFacet, VerifyFacet
-from h3quant.formats.spec import (BIAS, FormatSpec, TensorSpec, VerifyLimits, Violation,
+from h3quant.formats.spec import (BIAS, TensorSpec, VerifyLimits, Violation,
                                   packed_weight, shape_of)
 
 NAME = "svdquant_w4a4"
@@ -111,12 +112,16 @@ def _extras(n: int, k: int, tensors: dict) -> list[Violation]:
     return out
 
 
-class SVDQuantW4A4Spec(FormatSpec):
-    """svdquant_w4a4's header rules."""
+class SVDQuantW4A4Reading(ReadingFacet):
+    """svdquant_w4a4: how a layer reads (its description)."""
 
     def describe(self, fields):
         f = fields or {}
         return NAME + (" act_unsigned" if f.get("act_unsigned") is True else "")
+
+
+class SVDQuantW4A4Rules(RulesFacet):
+    """svdquant_w4a4: its header rules."""
 
     def layer_violations(self, fields, tensors):
         return rules(fields, tensors)
@@ -139,7 +144,7 @@ def _required(names):
                  for s, shape in zip(names, ("[K, R]", "[N, R]", "[K]")))
 
 
-SPEC = SVDQuantW4A4Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="SVDQuant: signed int4 codes (two per byte) + group scales, a low-rank branch "
                 "and input smoothing (read only)",
@@ -174,4 +179,6 @@ SPEC = SVDQuantW4A4Spec(
         deep_scales=(SPELLINGS[0][2], SPELLINGS[1][2]),  # the smoothing divides the activations
         weight_bits=4,
     ),
+    reading=SVDQuantW4A4Reading(),
+    rules=SVDQuantW4A4Rules(),
 )

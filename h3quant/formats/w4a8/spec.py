@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from h3quant.formats.spec import FormatSpec, ReadingFacet, PlanningFacet, RulesFacet
 from h3quant.formats.spec import EncodingFacet, RelayoutFacet, RuntimeFacet, StorageFacet, VerifyFacet
 from h3quant.formats.spec import KitchenFacts
 from h3quant.formats.spec import (
     BIAS,
     FLOATS,
     SCALE_DTYPES,
-    FormatSpec,
     TensorSpec,
     Target,
     VerifyLimits,
@@ -43,8 +43,8 @@ def _fmt_shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-class W4A8Spec(FormatSpec):
-    """asym_w4a8_int8's header rules."""
+class W4A8Reading(ReadingFacet):
+    """asym_w4a8_int8: how a layer reads (its description)."""
 
     def describe(self, fields):
         f = fields or {}
@@ -58,6 +58,10 @@ class W4A8Spec(FormatSpec):
         if s_rel is not None and len(s_rel.shape) == 2 and isinstance(g, int) and g > 0:
             return n, s_rel.shape[1] * g
         return n, 2 * cols
+
+
+class W4A8Planning(PlanningFacet):
+    """asym_w4a8_int8: what convert plans for it."""
 
     def marker(self, target, group_size):
         return w4a8_marker(group_size=GROUP, convrot_groupsize=group_size)
@@ -84,9 +88,12 @@ class W4A8Spec(FormatSpec):
             shape = (n,)
         return dtype, shape
 
-    # ------------------------------------------------------------------ tensor rules
+
+class W4A8Rules(RulesFacet):
+    """asym_w4a8_int8: its header rules."""
+
     def tensor_violations(self, n, cols, fields, tensors):
-        fmt, k, out = self.name, 2 * cols, []
+        fmt, k, out = self.spec.name, 2 * cols, []
         gs = fields.get("group_size", GROUP)
         if not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0 or k % gs:
             out.append(Violation("Q104", f"group_size {gs!r} does not divide K={k}"))
@@ -119,7 +126,6 @@ class W4A8Spec(FormatSpec):
                               "convrot=false")]
         return []
 
-    # ------------------------------------------------------------------ validate's scheme check
     def skip_shape(self, suffix, layer):
         """The weight's width and s_rel's columns are judged by ``header_findings``."""
         g = layer.fields.get("group_size")
@@ -166,7 +172,7 @@ class W4A8Spec(FormatSpec):
                     f"W4A8 needs K % 16 == 0 and K % group_size ({g}) == 0")
 
 
-SPEC = W4A8Spec(
+SPEC = FormatSpec(
     name=NAME,
     description="4-bit codes (two per byte) + e4m3 group scales + fp32 row scales, ConvRot always on",
     storage=StorageFacet(
@@ -209,4 +215,7 @@ SPEC = W4A8Spec(
         deep_whole=("weight_codebook",),
         weight_bits=4,
     ),
+    reading=W4A8Reading(),
+    planning=W4A8Planning(),
+    rules=W4A8Rules(),
 )

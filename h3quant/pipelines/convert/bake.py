@@ -122,7 +122,7 @@ def _target_of(fields: dict) -> tuple[str, int, str] | None:
         base = registry.target_codec(tname)
         for layout in registry.layouts_of(base):
             codec = registry.with_layout(base, layout)
-            marker = codec.spec.marker(target, g) if codec is not None else None
+            marker = codec.spec.planning.marker(target, g) if codec is not None else None
             if marker is not None and effective_fields(marker) == want:
                 return tname, g, layout
     return None

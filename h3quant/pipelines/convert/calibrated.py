@@ -114,7 +114,7 @@ class Calibration:
                             "nearest")
             self.log(f"warning: {name}: {info['note']}")
             return None, info
-        convrot = codec.spec.uses_convrot(marker)
+        convrot = codec.spec.reading.uses_convrot(marker)
         g = int((marker or {}).get("convrot_groupsize", 256))
         info["basis"] = f"convrot g={g}" if convrot else "plain"
         info["predicted_gain_db"] = round(st.predicted_gain_db(convrot, g), 2)

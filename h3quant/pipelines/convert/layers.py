@@ -104,7 +104,7 @@ def fit_error(layer: Layer, f: dict) -> str | None:
     codec = registry.get(f["format"])
     if codec is None:
         return None  # unsupported formats are rejected only when the layer is converted
-    return codec.spec.fit_error(layer, f)
+    return codec.spec.rules.fit_error(layer, f)
 
 
 @dataclass
@@ -189,7 +189,7 @@ def _json(obj) -> str:
 def same_target(layer: Layer, f: dict, opts: ConvertOptions) -> bool:
     """The layer already stores exactly what the target would write (re-emit it)."""
     marker = opts.marker()
-    return marker is not None and opts.codec.spec.same_target(layer, f, marker)
+    return marker is not None and opts.codec.spec.planning.same_target(layer, f, marker)
 
 
 def empty_reason(layer: Layer) -> str | None:
@@ -214,7 +214,7 @@ def skip_reason(layer: Layer, fields: dict | None, opts: ConvertOptions) -> str 
         return None
     k = logical_k(layer, fields)
     assert k is not None  # a 2-D weight
-    return opts.codec.spec.skip_reason(k, marker)
+    return opts.codec.spec.planning.skip_reason(k, marker)
 
 
 def check_supported(layer: Layer, fields: dict | None) -> None:

@@ -200,9 +200,9 @@ class ConvertOptions:
 
     def marker(self) -> dict | None:
         """The canonical marker object the target writes (None for a plain float target)."""
-        marker = self.codec.spec.marker(TARGETS[self.target], self.group_size)
+        marker = self.codec.spec.planning.marker(TARGETS[self.target], self.group_size)
         if marker is not None and self.linear_dtype is not None:
-            marker = self.codec.spec.with_linear_dtype(marker, self.linear_dtype) or marker
+            marker = self.codec.spec.planning.with_linear_dtype(marker, self.linear_dtype) or marker
         return marker
 
     def filtered(self, layer: str) -> bool:

@@ -267,9 +267,9 @@ def _plan_convert(lp: LayerPlan, opts: ConvertOptions) -> None:
     n, k, name = lp.n, lp.k, lp.name
     codec = opts.codec
     marker = opts.marker()
-    specs = codec.spec.planned(n, k, marker)
+    specs = codec.spec.planning.planned(n, k, marker)
     if marker is None:
-        lp.target = codec.spec.describe(None)
+        lp.target = codec.spec.reading.describe(None)
     else:
         lp.out_fields = _keep_fpmm(lp.src_fields, marker)
         lp.target = registry.describe(lp.out_fields)
@@ -316,7 +316,7 @@ def _plan_verbatim(lp: LayerPlan, res, keep_opts: ConvertOptions | None) -> None
             continue
         dtype, shape = info.dtype, tuple(info.shape)
         if keep_opts is not None:
-            dtype, shape = keep_opts.codec.spec.keep_declared(suffix, dtype, shape, n)
+            dtype, shape = keep_opts.codec.spec.planning.keep_declared(suffix, dtype, shape, n)
             if (dtype, shape) != (info.dtype, tuple(info.shape)):
                 lp.notes.append(f"{suffix} re-declared {dtype} {list(shape)} "
                                 f"(was {info.dtype} {list(info.shape)}; same bytes)")

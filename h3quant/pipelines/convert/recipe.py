@@ -131,7 +131,7 @@ def make_rule(pattern: str, target: str | None, opts: dict, where: str) -> Rule:
                 opts.get("linear_dtype"))
     if target is not None:
         codec = registry.target_codec(target)
-        if rule.linear_dtype is not None and codec.spec.with_linear_dtype(
+        if rule.linear_dtype is not None and codec.spec.planning.with_linear_dtype(
                 {"format": codec.spec.name}, rule.linear_dtype) is None:
             raise ConvertError(f"{where}: {target} has no activation choice; linear= applies "
                                "to int4-convrot only")

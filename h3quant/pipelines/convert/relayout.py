@@ -50,7 +50,7 @@ def conversion_via(src_fields: dict | None, target_codec, marker: dict | None) -
         return "relayout"
     if (src.spec.relayout.grid_scale is not None and target_codec.spec.relayout.int8_codes
             and target_codec.spec.relayout.row_scale
-            and _same_rotation({**src_fields, "convrot": src.spec.uses_convrot(src_fields)}, marker)):
+            and _same_rotation({**src_fields, "convrot": src.spec.reading.uses_convrot(src_fields)}, marker)):
         return "grid"
     return "encode"
 

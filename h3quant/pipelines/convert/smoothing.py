@@ -47,7 +47,7 @@ def _weight_share(st, codec, marker) -> float:
     the layer's predicted gain (1 for a format without a calibrated encoder, or too few rows)."""
     if not codec.spec.encoding.calibrates or st.rows < st.k:
         return 1.0
-    convrot = codec.spec.uses_convrot(marker)
+    convrot = codec.spec.reading.uses_convrot(marker)
     g = int((marker or {}).get("convrot_groupsize", 256))
     return 10.0 ** (-max(0.0, st.predicted_gain_db(convrot, g)) / 10.0)
 

@@ -72,7 +72,7 @@ def _layer(view, loras, layer: str, lp, options) -> dict:
     else:
         lopts = lp.options or options  # a --layer / --recipe rule's target, else --to
         codec = lopts.codec
-        fmt = codec.spec.describe(lp.out_fields)
+        fmt = codec.spec.reading.describe(lp.out_fields)
         if codec.spec.encoding.chunked:
             changed = 0
 

@@ -76,10 +76,10 @@ class Candidate:
         from h3quant.formats import registry
 
         codec = registry.target_codec(self.target)
-        marker = codec.spec.marker(registry.target(self.target), self.group_size)
+        marker = codec.spec.planning.marker(registry.target(self.target), self.group_size)
         assert marker is not None  # candidates are quantized formats
         if self.linear_dtype:
-            marker = codec.spec.with_linear_dtype(marker, self.linear_dtype) or marker
+            marker = codec.spec.planning.with_linear_dtype(marker, self.linear_dtype) or marker
         return marker
 
 
@@ -139,7 +139,7 @@ def parse_candidates(text: str) -> tuple[Candidate, ...]:
         if smoothed and not _smoothable(target):
             raise PlanError(f"--formats: {target} is not smoothed ({item!r})")
         linear = opts.get("linear_dtype")
-        if linear is not None and registry.target_codec(target).spec.with_linear_dtype(
+        if linear is not None and registry.target_codec(target).spec.planning.with_linear_dtype(
                 {}, linear) is None:
             raise PlanError(f"--formats: {target} has no activation choice ({item!r}: linear= "
                             "applies to int4-convrot)")
@@ -270,7 +270,7 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
     codec = registry.target_codec(cand.target)
     marker = cand.marker()
     k = int(layer.weight.shape[1])
-    why = codec.spec.skip_reason(k, marker)
+    why = codec.spec.planning.skip_reason(k, marker)
     if why:
         raise PlanError(f"{layer.name} cannot be written as {cand.format}: {why}")
     st = None
@@ -326,7 +326,7 @@ def unit_bytes(n: int, k: int, cand: Candidate | None, float_bytes: int) -> int:
     codec = registry.target_codec(cand.target)
     marker = cand.marker()
     total = len(marker_bytes(marker))
-    for dtype, shape in codec.spec.planned(n, k, marker).values():
+    for dtype, shape in codec.spec.planning.planned(n, k, marker).values():
         total += math.prod(shape) * itemsize(dtype)
     return total
 

@@ -93,8 +93,8 @@ def layer_shape(layer: Layer, role: str) -> LayerShape:
     align = 1
     if fields is not None:
         codec = registry.codec_for(fields, tensor=layer.name)
-        n, k = codec.spec.logical_shape((n, k), fields)  # a kn weight is stored [K, N]
-        if codec.spec.uses_convrot(fields):
+        n, k = codec.spec.reading.logical_shape((n, k), fields)  # a kn weight is stored [K, N]
+        if codec.spec.reading.uses_convrot(fields):
             align = int(fields.get("convrot_groupsize", 256))
     return LayerShape(role, int(n), int(k), align)
 
@@ -106,7 +106,7 @@ def read_shard(reader: ShardReader, layer: Layer, shard: ColumnShard | RowShard)
     if fields is not None:
         check_quantized(layer, fields, path)
     codec = registry.codec_for(fields, tensor=layer.name)
-    pack = codec.spec.logical_k(1, fields)  # logical input columns per stored weight column
+    pack = codec.spec.reading.logical_k(1, fields)  # logical input columns per stored weight column
     stored_kn = "weight" in codec.spec.storage.transposed_outputs  # the weight is stored [K, N]
     tensors = {}
     for suffix, info in layer.tensors.items():

@@ -134,7 +134,7 @@ def test_the_planning_and_copying_modules_do_not_import_torch():
             "from h3quant.formats import registry\n"
             "for t in registry.targets().values():\n"
             "    for layout in registry.layouts_of(registry.target_codec(t.name)):\n"
-            "        registry.with_layout(registry.target_codec(t.name), layout).spec.marker(t, 256)\n"
+            "        registry.with_layout(registry.target_codec(t.name), layout).spec.planning.marker(t, 256)\n"
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, timeout=120)
