@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from h3quant.errors import H3QuantError, escape_controls
+from h3quant.device_kinds import HOST
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # the command ran and found the input wrong (validate / verify failures)
@@ -303,8 +304,11 @@ def check_device(spec: str, *, require_available: bool, parsed: bool = False):
 
 def device_callback(require_available: bool, *, parsed: bool = False):
     def callback(ctx, param, value):
-        return None if value is None else check_device(value, require_available=require_available,
-                                                       parsed=parsed)
+        if value is None:
+            return None
+        if not parsed and value == HOST.name:  # the host is always there: torch is not loaded
+            return value  # for it (convert starts its copies before torch is imported)
+        return check_device(value, require_available=require_available, parsed=parsed)
 
     return callback
 
