@@ -25,12 +25,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import kitchen_file  # noqa: E402
 
+from helpers.cli import SMALL  # noqa: E402
+
 from h3quant.cli import main  # noqa: E402
 from h3quant.pipelines import fresh_encode as fe  # noqa: E402
 from h3quant.sizes import size_text  # noqa: E402
-
-SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
-         "--text-tokens", "4", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")

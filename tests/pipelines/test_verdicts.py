@@ -21,12 +21,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import KITCHEN, _edit_gguf, _edit_safetensors, kitchen_file  # noqa: E402
 
-from helpers.cli import run  # noqa: E402
+from helpers.cli import SMALL, run  # noqa: E402
 
 from h3quant.cli import main  # noqa: E402
-
-SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
-         "--text-tokens", "4", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")

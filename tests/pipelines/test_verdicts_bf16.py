@@ -20,10 +20,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_verdicts import _edit_safetensors, kitchen_file  # noqa: E402
 
-from h3quant.cli import main  # noqa: E402
+from helpers.cli import SMALL  # noqa: E402
 
-SMALL = ["--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
-         "--text-tokens", "4", "--device", "cpu"]
+from h3quant.cli import main  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype,convrot,g,n,k", [

@@ -9,20 +9,14 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3quant.cli import main
+from helpers.cli import run
+
 
 KEY = "h3quant.from_w4a8"
 GRID = "rows on a W4A8 grid"
-
-
-def cli(*args):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def rewrite(src, dst, edit=None, *, drop_note=False):
@@ -43,20 +37,20 @@ def rewrite(src, dst, edit=None, *, drop_note=False):
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grid")
     out = {"bf16": d / "bf16.safetensors", "w4a8": d / "w4a8.safetensors"}
-    assert cli("synth", out["bf16"], "--blocks", "1", "-q").exit_code == 0
-    assert cli("convert", out["bf16"], out["w4a8"], "--to", "w4a8", "-q").exit_code == 0
+    assert run("synth", out["bf16"], "--blocks", "1", "-q").exit_code == 0
+    assert run("convert", out["bf16"], out["w4a8"], "--to", "w4a8", "-q").exit_code == 0
     for name, opts in {"int8": [], "kn": ["--layout", "npu"]}.items():
         noted = d / f"{name}-noted.safetensors"
-        assert cli("convert", out["w4a8"], noted, "--to", "int8-convrot", *opts,
+        assert run("convert", out["w4a8"], noted, "--to", "int8-convrot", *opts,
                    "-q").exit_code == 0
         out[name] = rewrite(noted, d / f"{name}.safetensors", drop_note=True)
     out["direct"] = d / "direct.safetensors"
-    assert cli("convert", out["bf16"], out["direct"], "--to", "int8-convrot", "-q").exit_code == 0
+    assert run("convert", out["bf16"], out["direct"], "--to", "int8-convrot", "-q").exit_code == 0
     return out
 
 
 def verify(path, ref, *extra):
-    res = cli("verify", path, "--reference", ref, "--device", "cpu", "--json", *extra)
+    res = run("verify", path, "--reference", ref, "--device", "cpu", "--json", *extra)
     return res.exit_code, json.loads(res.stdout)
 
 
@@ -71,7 +65,7 @@ def test_an_int8_file_on_a_w4a8_grid_without_the_note_is_held_to_a_w4a8_encode(f
     notes = _notes(doc)
     assert "encoded afresh as asym_w4a8_int8" in notes and "4 int8 layers as W4A8" in notes
     assert GRID in notes and "12 dB" in notes
-    text = cli("verify", files[layout], "--reference", files["bf16"], "--device", "cpu",
+    text = run("verify", files[layout], "--reference", files["bf16"], "--device", "cpu",
                "--tokens", "16")
     assert text.exit_code == 0 and GRID in text.output and "as W4A8" in text.output
 
@@ -82,7 +76,7 @@ def test_verify_model_and_compare_say_so_too(files):
     assert code == 0, doc["failures"]
     assert "asym_w4a8_int8" in doc["expected"]["what"] and GRID in doc["expected"]["what"]
     assert doc["expected"]["margin_db"] == 12.0
-    res = cli("compare", files["int8"], files["direct"], "--reference", files["bf16"],
+    res = run("compare", files["int8"], files["direct"], "--reference", files["bf16"],
               "--frames", "1", "--height", "4", "--width", "4", "--audio-frames", "2",
               "--text-tokens", "4", "--device", "cpu", "--steps", "0", "--json")
     recs = {r["path"]: r for r in json.loads(res.stdout)["records"] if r["role"] == "file"}
