@@ -9,8 +9,10 @@ calibrated file is) is ok; one clearly worse is flagged (docs/verify.md, relativ
   weight by its format's codec (the registry's; the codecs reproduce comfy-kitchen's
   quantizers from float32 weights), with the file's own marker fields (group sizes, ConvRot).
   Where comfy-kitchen quantizes weights in their stored dtype (int8 from bf16 / f16: the
-  codec's ``encode_in_dtype``), that encode is made too and the layer is held to the worse of
-  the two by its weight error (``FreshEncode.in_dtype``). int8 layers made from W4A8 (the
+  codec's ``encode_in_dtype``), a second encode is made with those layers encoded that way
+  (``FreshEncode.in_dtype``), and each layer, block and output is held to the lower of the two
+  encodes' figures (``judged_encode``, ``lenient``): a larger weight error does not always give
+  a lower block SQNR, so neither encode alone is the more lenient one. int8 layers made from W4A8 (the
   header's note, or their ConvRot rows on W4A8's grid: verify's provenance rule) are encoded as
   W4A8, the error they carry (``FreshEncode.as_w4a8``).
 - GGUF files: each quantized tensor is re-encoded by the ``gguf`` package's own quantizer for
@@ -27,6 +29,7 @@ the file is judged by the fixed limits (said, with the size needed).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from h3quant.formats import registry
@@ -44,9 +47,11 @@ OUTPUT_MARGIN_DB = 5.0  # the model's video / audio output (one forward)
 # (keyed by the wire name of the format --to w4a8 writes)
 FORMAT_MARGIN_DB = {registry.target_codec("w4a8").spec.name: 12.0}
 # Stored dtypes comfy-kitchen quantizes in (it does not upcast them): a format whose codec has
-# ``encode_in_dtype`` is then encoded both ways and held to the worse (module docstring). Other
-# formats kitchen makes from bf16 differ in a few scales only and stayed within the margin.
+# ``encode_in_dtype`` is then encoded both ways, each figure held to the lower of the two (module
+# docstring). Other formats kitchen makes from bf16 differ in a few scales only and stayed within
+# the margin.
 NATIVE_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+FLOAT32 = "float32"  # the label of the encode from float32 weights (the other: the stored dtype)
 
 
 @dataclass
@@ -57,10 +62,18 @@ class FreshEncode:
     path: str | None
     encoded: dict[str, str] = field(default_factory=dict)  # layer -> format
     skipped: dict[str, str] = field(default_factory=dict)  # layer -> why not re-encoded
-    # layer -> the stored dtype whose arithmetic (comfy-kitchen's from such weights) gave the
-    # larger error, which the layer is held to
+    # layer -> its stored dtype, where comfy-kitchen's encode from such weights works in that
+    # dtype: those layers are encoded that way too, in a second encode (``judged_encode``)
     in_dtype: dict[str, str] = field(default_factory=dict)
     as_w4a8: dict[str, str] = field(default_factory=dict)  # int8 layer -> why encoded as W4A8
+    made_in_dtype: bool = False  # this file holds the ``in_dtype`` layers' in-dtype encodes
+
+    @property
+    def labels(self) -> list[str]:
+        """The encodes a file is judged against: float32's and, where layers have one, the
+        stored dtype's (``judged_encode`` runs each)."""
+        stored = "/".join(sorted(set(self.in_dtype.values())))
+        return [FLOAT32, stored] if stored else [FLOAT32]
 
     @property
     def complete(self) -> bool:
@@ -83,9 +96,10 @@ class FreshEncode:
             text += (f" ({sum(n in self.encoded for n in self.as_w4a8)} int8 layers as W4A8, "
                      "the error they carry: " + "; ".join(w4a8) + ")")
         if self.in_dtype:
-            text += (f" ({len(self.in_dtype)} layers as comfy-kitchen encodes "
+            text += (f" (and again with {len(self.in_dtype)} layers as comfy-kitchen encodes "
                      + "/".join(sorted(set(self.in_dtype.values())))
-                     + " weights, in their dtype: the larger error)")
+                     + " weights, in their dtype: each figure held to the lower of the two "
+                     "encodes')")
         if self.skipped:
             text += (f" ({len(self.skipped)} layers not re-encoded: "
                      + "; ".join(sorted(set(self.skipped.values()))) + ")")
@@ -168,20 +182,58 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
     return layers, False, why
 
 
-def judged_encode(file: str, reference: str, run_on, *, mmap: bool = True, log=None):
-    """(the fresh encode of ``reference`` in ``file``'s formats, ``run_on(its path)``): the
-    encode is written to a temporary folder (``TMPDIR``), removed however ``run_on`` ends (a
+def judged_encode(file: str, reference: str, run_on, *, mmap: bool = True, log=None,
+                  scanned: tuple[dict[str, dict], bool, dict[str, str]] | None = None):
+    """(the fresh encode of ``reference`` in ``file``'s formats, ``[(label, run_on(its
+    path)), ...]``): the float32 encode's run and, where layers have an encode in their stored
+    dtype (``FreshEncode.in_dtype``), that encode's run too; callers hold each figure to the
+    lower of them (``lenient``). Each encode is written to a temporary folder (``TMPDIR``) and
+    removed once run, so one exists at a time; the folder is removed however ``run_on`` ends (a
     SIGTERM included, which the CLI turns into an exception). The second item is None where
-    nothing could be re-encoded (the first says why). ``log``: where the size goes."""
+    nothing could be re-encoded (the first says why). ``log``: where the size goes;
+    ``scanned``: ``file_layers(file)`` where the caller has it already."""
     import os
     import tempfile
 
+    scanned = scanned if scanned is not None else file_layers(file)
+    runs = []
     with tempfile.TemporaryDirectory(prefix="h3quant-expected-") as work:
-        enc = write_fresh_encode(file, reference, os.path.join(work, "fresh.safetensors"),
-                                 mmap=mmap, log=log)
-        if enc.path is None:
-            return enc, None
-        return enc, run_on(enc.path)
+        out = os.path.join(work, "fresh.safetensors")
+        enc = write_fresh_encode(file, reference, out, mmap=mmap, scanned=scanned, log=log)
+        for in_dtype in ((False, True) if enc.in_dtype else (False,)):
+            made = enc if not in_dtype else write_fresh_encode(
+                file, reference, out, mmap=mmap, scanned=scanned, log=log, in_dtype=True)
+            if made.path is None:
+                return made, None
+            try:
+                runs.append((made.labels[-1] if in_dtype else FLOAT32, run_on(made.path)))
+            finally:  # one encode on disk at a time
+                os.remove(made.path)
+    return enc, runs
+
+
+def lenient(runs: list[tuple[str, dict]], *, higher_is_better: bool = True) -> dict:
+    """``{key: (figure, label)}``: each key's more lenient figure over the encodes' ``runs``
+    (``[(label, {key: figure})]``): the lower SQNR (``higher_is_better``) or the larger error,
+    and the label of the encode that gave it (the first on a tie). A finite figure wins over a
+    non-finite one."""
+    out: dict = {}
+    for label, figures in runs:
+        for key, v in figures.items():
+            have = out.get(key)
+            if have is None or (math.isfinite(v) and (not math.isfinite(have[0]) or (
+                    v < have[0] if higher_is_better else v > have[0]))):
+                out[key] = (v, label)
+    return out
+
+
+def set_by(picked: dict) -> str:
+    """Which encode set the figures ``lenient`` picked: ``"float32 encode: 2, BF16 encode: 1"``
+    (counts per label)."""
+    counts: dict[str, int] = {}
+    for _, label in picked.values():
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} encode: {n}" for label, n in counts.items())
 
 
 @dataclass
@@ -193,7 +245,7 @@ class _Job:
     fields: dict  # the marker fields, or {"gguf": type}
     entries: list  # the planned Entry of each tensor it writes
     gguf: bool = False
-    in_dtype: str | None = None  # encoded as comfy-kitchen does in this stored dtype
+    in_dtype: str | None = None  # also encoded as comfy-kitchen does in this stored dtype
 
 
 def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) -> list[_Job]:
@@ -237,58 +289,50 @@ def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) ->
         planned = codec.spec.planning.planned(shape[0], shape[1], fields)
         entries = [Entry(f"{layer}.{s}", d, tuple(sh)) for s, (d, sh) in planned.items()]
         entries.append(Entry(layer + ".comfy_quant", "U8", (len(marker_bytes(fields)),)))
-        jobs.append(_Job(layer, wname, fields, entries))
+        stored = ref.tensors[wname].dtype
+        in_dtype = stored if (getattr(codec, "encode_in_dtype", None) is not None
+                              and stored in NATIVE_DTYPES) else None
+        jobs.append(_Job(layer, wname, fields, entries, in_dtype=in_dtype))
     return jobs
 
 
-def _encode(job: _Job, ref) -> dict:
-    """``{tensor name: tensor}`` of one layer re-encoded (the reference weight in float32, as
-    convert encodes)."""
+def _encode(job: _Job, ref, in_dtype: bool = False) -> dict:
+    """``{tensor name: tensor}`` of one layer re-encoded: from the reference weight in float32,
+    as convert encodes, or with ``in_dtype`` where the layer has one (``job.in_dtype``) as
+    comfy-kitchen encodes it in its stored dtype (a valid file whose error differs)."""
     from h3quant.formats.markers import marker_tensor
 
     import torch
 
     raw = ref.read(job.wname)
-    w = raw.float()
     if job.gguf:
-        got = _gguf_roundtrip(w, job.fields["gguf"])
+        got = _gguf_roundtrip(raw.float(), job.fields["gguf"])
         if got is None:  # planned as quantizable: the package refused this weight
             raise ValueError(f"the gguf package could not quantize {job.wname}")
         return {job.wname: got}
     codec = registry.codec_for(job.fields, tensor=job.wname)
-    made = codec.encode(w, job.fields, "exact")
-    stored = ref.tensors[job.wname].dtype
-    in_dtype = getattr(codec, "encode_in_dtype", None)
-    if in_dtype is not None and stored in NATIVE_DTYPES:
-        # comfy-kitchen quantizing the weight as stored works in its dtype: a valid file with
-        # a larger error than the float32 encode's. Hold the layer to the worse of the two.
-        other = in_dtype(raw.to(getattr(torch, NATIVE_DTYPES[stored])), job.fields)
-        if _rel_err(codec, other, job.fields, w) > _rel_err(codec, made, job.fields, w):
-            made = other
-            job.in_dtype = stored
+    if in_dtype and job.in_dtype:
+        encode_in_dtype = getattr(codec, "encode_in_dtype")
+        made = encode_in_dtype(raw.to(getattr(torch, NATIVE_DTYPES[job.in_dtype])), job.fields)
+    else:
+        made = codec.encode(raw.float(), job.fields, "exact")
     out = {f"{job.layer}.{suffix}": value.contiguous() for suffix, value in made.items()}
     out[job.layer + ".comfy_quant"] = marker_tensor(job.fields)
     return out
 
 
-def _rel_err(codec, made: dict, fields: dict, w) -> float:
-    """``|W - decode(made)| / |W|`` (float32)."""
-    import torch
-
-    w_hat = codec.report_grid(made, fields)[0]
-    return float(torch.linalg.vector_norm(w_hat - w) / torch.linalg.vector_norm(w).clamp(min=1e-30))
-
-
 def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True,
                        scanned: tuple[dict[str, dict], bool, dict[str, str]] | None = None,
-                       log=None) -> FreshEncode:
+                       log=None, in_dtype: bool = False) -> FreshEncode:
     """Write to ``out`` the reference with every layer ``file`` quantizes re-encoded plainly in
     that layer's format (module docstring). The file is planned from headers, then streamed:
     the reference's other tensors one at a time, then each layer encoded and written as it is
     made, so memory holds about one layer. Where ``out``'s folder has less free space than the
     file needs, nothing is written and the layers are marked skipped with the sizes (the fixed
     limits then apply). ``scanned``: ``file_layers(file)`` where the caller has it already;
-    ``log``: where the planned size goes before the work starts."""
+    ``log``: where the planned size goes before the work starts; ``in_dtype``: the layers that
+    have one (``FreshEncode.in_dtype``) encoded as comfy-kitchen does in their stored dtype,
+    the others as without it."""
     import os
     import shutil
 
@@ -298,11 +342,12 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
     from h3quant.sources import open_as_comfy
 
     layers, gguf, as_w4a8 = scanned if scanned is not None else file_layers(file)
-    result = FreshEncode(None, as_w4a8=dict(as_w4a8))
+    result = FreshEncode(None, as_w4a8=dict(as_w4a8), made_in_dtype=in_dtype)
     with open_as_comfy(reference, mmap=mmap) as ref:
         jobs = _plan_jobs(ref, layers, gguf, result)
         if not jobs:
             return result
+        result.in_dtype = {job.layer: job.in_dtype for job in jobs if job.in_dtype}
         made = [e for job in jobs for e in job.entries]
         replaced = {job.wname for job in jobs} | {e.name for e in made}
         kept = [Entry(n, info.dtype, tuple(info.shape)) for n, info in ref.tensors.items()
@@ -318,19 +363,20 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
             result.skipped.update({job.layer: why for job in jobs})
             return result
         if log is not None:
+            how = (f", {len(result.in_dtype)} of them as comfy-kitchen encodes "
+                   f"{'/'.join(sorted(set(result.in_dtype.values())))} weights"
+                   if in_dtype else "")
             log(f"writing the fresh encode of the reference ({size_text(need)}, {len(jobs)} layers "
-                f"re-encoded) to the temporary folder {folder}; removed when done")
+                f"re-encoded{how}) to the temporary folder {folder}; removed when done")
         with StreamingWriter(out, layout) as sink:
             for entry in kept:
                 sink.write_tensor(entry.name, ref.read(entry.name))
             for job in jobs:
-                tensors = _encode(job, ref)
+                tensors = _encode(job, ref, in_dtype)
                 for entry in job.entries:
                     sink.write_tensor(entry.name, tensors.pop(entry.name))
                 result.encoded[job.layer] = ("gguf:" + job.fields["gguf"] if job.gguf
                                              else job.fields["format"])
-                if job.in_dtype:
-                    result.in_dtype[job.layer] = job.in_dtype
     result.path = out
     return result
 

@@ -102,9 +102,9 @@ def test_one_layer_is_in_flight_and_written_before_the_next_is_encoded(files, tm
     events: list[str] = []
     real_encode, real_write = fe._encode, writer.StreamingWriter.write_tensor
 
-    def encode(job, ref):
+    def encode(job, ref, *rest):
         events.append("encode " + job.layer)
-        return real_encode(job, ref)
+        return real_encode(job, ref, *rest)
 
     def write(self, name, tensor):
         events.append("write " + name)
@@ -196,12 +196,12 @@ CHILD = textwrap.dedent("""
     flag, stage = Path(sys.argv[1]), sys.argv[2]
     real_encode, real_verify = fe._encode, model.verify_model
     calls = []
-    def encode(job, ref):
+    def encode(job, ref, *rest):
         calls.append(job.layer)
         if stage == "encode" and len(calls) == 3:
             flag.write_text("busy")
             time.sleep(60)
-        return real_encode(job, ref)
+        return real_encode(job, ref, *rest)
     def verify(*a, **k):
         if stage == "verify" and not k.get("expected", True):
             flag.write_text("busy")

@@ -54,26 +54,26 @@ def files(tmp_path_factory):
 
 def test_the_fresh_encode_is_kitchens_own(files, tmp_path):
     """The reference re-encoded as the kitchen file's format holds the bytes comfy-kitchen
-    wrote: from the float32 weights, or, for int8 layers the encode holds to kitchen's
-    arithmetic on the bf16 weights as stored (the larger error), from those."""
+    wrote from the float32 weights; for int8 layers of this bf16 reference, the second encode
+    holds the bytes kitchen writes from the bf16 weights as stored."""
     from h3quant.pipelines.fresh_encode import write_fresh_encode
 
     bf16_made = load_file(str(kitchen_file(files["ref"], tmp_path / "int8-bf16.st",
                                            "int8-convrot", from_float32=False)))
-    for fmt in ("nvfp4", "int8-convrot"):
-        enc = write_fresh_encode(str(files[fmt]), str(files["ref"]), str(tmp_path / f"{fmt}.st"))
+    for fmt, in_dtype in (("nvfp4", False), ("int8-convrot", False), ("int8-convrot", True)):
+        out = tmp_path / f"{fmt}-{in_dtype}.st"
+        enc = write_fresh_encode(str(files[fmt]), str(files["ref"]), str(out), in_dtype=in_dtype)
         assert enc.complete and len(enc.encoded) == 8, enc
-        assert bool(enc.in_dtype) == (fmt == "int8-convrot"), enc.in_dtype
-        a, b = load_file(str(files[fmt])), load_file(enc.path)
-        for k, v in a.items():
+        assert enc.in_dtype == ({n: "BF16" for n in enc.encoded} if fmt == "int8-convrot"
+                                else {}), enc.in_dtype
+        want, got = (bf16_made if in_dtype else load_file(str(files[fmt]))), load_file(enc.path)
+        for k, v in want.items():
             if k.endswith("comfy_quant"):
                 continue
-            if k.rsplit(".", 1)[0] in enc.in_dtype:
-                v = bf16_made[k]
-            w = b[k]
+            w = got[k]
             if v.dtype.itemsize == 1:
                 v, w = v.view(torch.uint8), w.view(torch.uint8)
-            assert torch.equal(v, w), (fmt, k)
+            assert torch.equal(v, w), (fmt, in_dtype, k)
 
 
 def test_the_gguf_encode_is_the_gguf_packages(files, tmp_path):

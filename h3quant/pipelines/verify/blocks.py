@@ -22,7 +22,7 @@ from h3quant.formats import registry
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify import provenance
 from h3quant.h3.provenance import SCALING_KEY, SMOOTHING_KEY
-from h3quant.pipelines.verify.result import SqnrLimits, Verdict
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict, by_encode
 from h3quant.runtime.model.block import (
     FloatLinear,
     build_block,
@@ -87,6 +87,7 @@ class LayerCheck:
     limit: float
     passed: bool
     smoothed: bool = False  # stored as W diag(s) (convert --smooth): judged by its block
+    expected_by: str | None = None  # the fresh encode whose figure set ``limit`` (None: fixed)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class BlockCheck:
     cosine: float
     limit_db: float
     passed: bool
+    expected_by: str | None = None  # the fresh encode whose figure set ``limit_db`` (None: fixed)
 
 
 @dataclass
@@ -128,9 +130,9 @@ class VerifyResult(Verdict):
     @property
     def failures(self) -> list[str]:
         out = [f"layer {c.name} [{c.path}]: rel err {c.rel_err:.4g} > {c.limit}"
-               for c in self.layers if not c.passed]
+               + by_encode(c.expected_by) for c in self.layers if not c.passed]
         out += [f"block {b.index}: SQNR {b.sqnr_db:.2f} dB < {b.limit_db} dB"
-                for b in self.block_checks if not b.passed]
+                + by_encode(b.expected_by) for b in self.block_checks if not b.passed]
         out += [f"{d.check} {d.name}: {d.detail}" for d in self.data if not d.passed]
         return out
 
@@ -438,36 +440,44 @@ def verify_checkpoint(
 def judge_relative(result: VerifyResult, path, reference, run: dict, log=None) -> None:
     """Hold each layer and block to the fresh plain encode of the reference in the file's
     formats (``pipelines.fresh_encode``) checked the same way, less the margin (layers: their
-    relative error may exceed the encode's by that many dB). Where nothing can be re-encoded
-    the fixed limits stay (the note says what was compared)."""
+    relative error may exceed the encode's by that many dB). Where layers also have an encode
+    in their stored dtype, each figure is the lower of the two encodes' (the larger error, the
+    lower SQNR) and ``expected_by`` names the encode that gave it. Where nothing can be
+    re-encoded the fixed limits stay (the note says what was compared)."""
     from h3quant.pipelines import fresh_encode as fe
 
-    enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_checkpoint(
+    enc, runs = fe.judged_encode(str(path), str(reference), lambda p: verify_checkpoint(
         p, reference=reference, expected=False, **run), mmap=run["mmap"],
         log=log)
-    if exp is None:
+    if runs is None:
         result.notes.append(enc.describe())
         return
-    layers = {(c.name, c.path): c.rel_err for c in exp.layers}
-    blocks = {b.index: b.sqnr_db for b in exp.block_checks}
+    layers = fe.lenient([(label, {(c.name, c.path): c.rel_err for c in exp.layers})
+                         for label, exp in runs], higher_is_better=False)
+    blocks = fe.lenient([(label, {b.index: b.sqnr_db for b in exp.block_checks})
+                         for label, exp in runs])
     margin = enc.margin_db(fe.BLOCK_MARGIN_DB)
     factor = 10.0 ** (margin / 20.0)
     for c in result.layers:
-        e = layers.get((c.name, c.path))
+        e, by = layers.get((c.name, c.path), (None, None))
         if e is None or c.smoothed or not math.isfinite(e) or c.name not in enc.encoded:
             continue
         c.limit = round(max(e * factor, 1e-6), 6)
         c.passed = c.rel_err <= c.limit  # NaN fails
+        c.expected_by = by
     for b in result.block_checks:
-        e = blocks.get(b.index)
+        e, by = blocks.get(b.index, (None, None))
         if e is None or not math.isfinite(e):
             continue
         b.limit_db = round(e - margin, 2)
         b.passed = b.sqnr_db >= b.limit_db
+        b.expected_by = by
+    two = (f"; blocks held to the lower SQNR of the two encodes ({fe.set_by(blocks)}), layers "
+           f"to the larger error ({fe.set_by(layers)})" if len(runs) > 1 else "")
     result.notes.append(f"limits: {enc.describe()}; each layer's relative error may exceed "
                         f"its own by {margin:g} dB, each block's SQNR fall "
                         f"{margin:g} dB below it (the fixed per-format limits do "
-                        "not apply)")
+                        f"not apply){two}")
 
 
 def _block_inputs(ckpt: Checkpoint, hidden: int, tokens: int, seed: int, sigma: float,

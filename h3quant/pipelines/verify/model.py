@@ -23,7 +23,7 @@ from h3quant.formats.container.dtypes import FLOAT_DTYPES
 from h3quant.pipelines.metrics import error_metrics
 from h3quant.formats import registry
 from h3quant.pipelines.verify import provenance
-from h3quant.pipelines.verify.result import SqnrLimits, Verdict
+from h3quant.pipelines.verify.result import SqnrLimits, Verdict, by_encode
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ class OutputCheck:
     cosine: float
     limit_db: float
     passed: bool
+    expected_by: str | None = None  # the fresh encode whose figure set ``limit_db`` (None: fixed)
 
 
 @dataclass
@@ -110,7 +111,8 @@ class ModelVerifyResult(Verdict):
     steps: list[dict] = field(default_factory=list)  # per step: step, sigma, heads [start, stop)
     provenance: dict[str, dict] = field(default_factory=dict)  # int8 layers judged as W4A8
     # the fresh plain encode of the reference in the file's formats the outputs were judged
-    # against: {"what": text, "margin_db": dB, "outputs": {name: dB}}; None: the fixed limits
+    # against: {"what": text, "margin_db": dB, "outputs": {name: dB}, "by": {name: the encode
+    # that gave it}}; None: the fixed limits
     expected: dict | None = None
 
     @property
@@ -119,7 +121,7 @@ class ModelVerifyResult(Verdict):
 
     @property
     def failures(self) -> list[str]:
-        return [f"{o.name}: SQNR {o.sqnr_db:.2f} dB < {o.limit_db} dB"
+        return [f"{o.name}: SQNR {o.sqnr_db:.2f} dB < {o.limit_db} dB" + by_encode(o.expected_by)
                 for o in self.outputs if not o.passed]
 
     def to_dict(self) -> dict:
@@ -251,27 +253,36 @@ def judge_relative(result: ModelVerifyResult, path, reference, run: dict,
                    log=None) -> None:
     """Hold each output to the fresh plain encode of the reference in the file's formats
     (``pipelines.fresh_encode``) run on the same device and inputs, less the margin: the
-    error the format is expected to have on this model. Where nothing can be re-encoded the
-    fixed limits stay (the note says what was compared)."""
+    error the format is expected to have on this model. Where layers also have an encode in
+    their stored dtype, each output is held to the lower SQNR of the two encodes (``by`` names
+    which). Where nothing can be re-encoded the fixed limits stay (the note says what was
+    compared)."""
     from h3quant.pipelines import fresh_encode as fe
 
-    enc, exp = fe.judged_encode(str(path), str(reference), lambda p: verify_model(
+    enc, runs = fe.judged_encode(str(path), str(reference), lambda p: verify_model(
         p, reference=reference, expected=False, **run), mmap=run["mmap"],
         log=log)
-    if exp is None:
+    if runs is None:
         result.notes.append(enc.describe())
         return
-    want = {o.name: o.sqnr_db for o in exp.outputs}
+    picked = fe.lenient([(label, {o.name: o.sqnr_db for o in exp.outputs})
+                         for label, exp in runs])
     margin = enc.margin_db(fe.OUTPUT_MARGIN_DB)
-    result.expected = {"what": enc.describe(), "margin_db": margin, "outputs": want}
+    result.expected = {"what": enc.describe(), "margin_db": margin,
+                       "outputs": {k: v for k, (v, _) in picked.items()},
+                       "by": {k: by for k, (_, by) in picked.items()}}
     for o in result.outputs:
-        e = want.get(o.name)
+        e, by = picked.get(o.name, (None, None))
         if e is None or not math.isfinite(e):
             continue
         o.limit_db = round(e - margin, 2)
         o.passed = o.sqnr_db >= o.limit_db  # NaN fails
+        o.expected_by = by
+    two = (f"; each output held to the lower SQNR of the two encodes ({fe.set_by(picked)})"
+           if len(runs) > 1 else "")
     result.notes.append(f"limits: {enc.describe()}, {margin:g} dB below its "
-                        "SQNR on the same inputs (the fixed per-format limits do not apply)")
+                        f"SQNR on the same inputs (the fixed per-format limits do not apply)"
+                        f"{two}")
 
 
 def _compare_at(model, ref, inputs, sigma, sched, step, run, dtype, share, result, *, drift,

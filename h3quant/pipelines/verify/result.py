@@ -44,3 +44,9 @@ class Verdict:
 
     def verdict_dict(self, body: dict) -> dict:
         return json_safe({**body, "passed": self.passed, "failures": self.failures})
+
+
+def by_encode(label: str | None) -> str:
+    """The tail of a failure line naming the fresh encode its limit came from (nothing for a
+    fixed limit)."""
+    return "" if label is None else f" (from the {label} fresh encode, less the margin)"
