@@ -66,7 +66,6 @@ class FreshEncode:
     # dtype: those layers are encoded that way too, in a second encode (``judged_encode``)
     in_dtype: dict[str, str] = field(default_factory=dict)
     as_w4a8: dict[str, str] = field(default_factory=dict)  # int8 layer -> why encoded as W4A8
-    made_in_dtype: bool = False  # this file holds the ``in_dtype`` layers' in-dtype encodes
 
     @property
     def labels(self) -> list[str]:
@@ -342,7 +341,7 @@ def write_fresh_encode(file: str, reference: str, out: str, *, mmap: bool = True
     from h3quant.sources import open_as_comfy
 
     layers, gguf, as_w4a8 = scanned if scanned is not None else file_layers(file)
-    result = FreshEncode(None, as_w4a8=dict(as_w4a8), made_in_dtype=in_dtype)
+    result = FreshEncode(None, as_w4a8=dict(as_w4a8))
     with open_as_comfy(reference, mmap=mmap) as ref:
         jobs = _plan_jobs(ref, layers, gguf, result)
         if not jobs:

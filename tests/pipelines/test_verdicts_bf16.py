@@ -8,6 +8,7 @@ Files: the tiny synthetic H3 (figures say how the code behaves, not how a releas
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -154,3 +155,16 @@ def test_each_figure_is_the_lower_of_the_two_encodes(seed7):
             assert card.expected["outputs"][k] == each[lower].outputs[k].sqnr_db
             assert card.expected["by"]["outputs"][k] == lower
         assert not card.flags
+
+
+def test_lenient_takes_the_lower_figure_names_its_encode_and_skips_non_finite_ones():
+    from h3quant.pipelines.fresh_encode import lenient, set_by
+
+    runs = [("float32", {0: 30.0, 1: 20.0, 2: math.inf, 3: 5.0}),
+            ("BF16", {0: 31.9, 1: 19.0, 2: 12.0, 3: 5.0})]
+    got = lenient(runs)
+    assert got == {0: (30.0, "float32"), 1: (19.0, "BF16"), 2: (12.0, "BF16"),
+                   3: (5.0, "float32")}  # a tie stays with the first
+    assert set_by(got) == "float32 encode: 2, BF16 encode: 2"
+    errs = [("float32", {"a": 0.010, "b": math.nan}), ("BF16", {"a": 0.009, "b": 0.02})]
+    assert lenient(errs, higher_is_better=False) == {"a": (0.010, "float32"), "b": (0.02, "BF16")}
