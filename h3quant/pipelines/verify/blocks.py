@@ -472,8 +472,8 @@ def judge_relative(result: VerifyResult, path, reference, run: dict, log=None) -
         b.limit_db = round(e - margin, 2)
         b.passed = b.sqnr_db >= b.limit_db
         b.expected_by = by
-    two = (f"; blocks held to the lower SQNR of the two encodes ({fe.set_by(blocks)}), layers "
-           f"to the larger error ({fe.set_by(layers)})" if len(runs) > 1 else "")
+    two = (f"; blocks held to the lower SQNR of the two encodes ({fe.set_by(blocks)}), layer "
+           f"checks to the larger error ({fe.set_by(layers)})" if len(runs) > 1 else "")
     result.notes.append(f"limits: {enc.describe()}; each layer's relative error may exceed "
                         f"its own by {margin:g} dB, each block's SQNR fall "
                         f"{margin:g} dB below it (the fixed per-format limits do "
