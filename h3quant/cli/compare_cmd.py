@@ -106,8 +106,8 @@ Examples:
                    "block (as h3quant plan), on the CPU in float32; nothing is converted.")
 @click.option("--expected/--no-expected", default=True, show_default=True,
               help="Judge each file against a fresh plain encode of the reference in its own "
-                   "formats (one more forward per distinct mix of formats; two where int8 "
-                   "layers of a bf16 / f16 reference are also encoded as comfy-kitchen does "
+                   "formats (one more forward per distinct mix of formats; two where int8 or "
+                   "fp8 layers of a bf16 / f16 reference are also encoded as comfy-kitchen does "
                    "in that dtype, each figure then held to the lower); --no-expected "
                    "judges by the fixed per-format limits only.")
 @click.option("--overwrite", is_flag=True, help="Replace existing --markdown / --plot files.")

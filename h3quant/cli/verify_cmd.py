@@ -56,9 +56,9 @@ A wrong Hadamard or permuted rows are only caught with --reference. With --refer
 and block limits above give way to a fresh plain encode of the reference in the file's own
 formats, checked the same way: a layer may exceed its relative error, a block fall below its
 SQNR, by 5 dB (12 dB with W4A8 layers); the fixed limits stay where a format cannot be
-re-encoded, and with --no-expected. int8 layers of a bf16 or f16 reference are also encoded as
-comfy-kitchen encodes them in that dtype, and each figure is held to the lower of the two
-encodes' (the note and --json say which encode set each limit). The encode is a temporary file
+re-encoded, and with --no-expected. int8 and fp8 layers of a bf16 or f16 reference are also
+encoded as comfy-kitchen encodes them in that dtype, and each figure is held to the lower of
+the two encodes' (the note and --json say which encode set each limit). The encode is a temporary file
 the size of the reference in TMPDIR (its size is printed first; memory holds about one layer;
 one encode at a time), removed when done.
 

@@ -46,6 +46,11 @@ class Fp8Codec(Codec):
         q, s = encode_fp8(w, self._dtype(), pool=pool)
         return {"weight": q, "weight_scale": s}
 
+    def encode_in_dtype(self, w, marker):
+        """The encode comfy-kitchen makes from ``w`` in its own dtype (bf16 / f16): the same
+        steps as ``encode``, in that dtype (the scale's amax and the reciprocal's product)."""
+        return self.encode(w, marker, "exact")
+
     def scan_rows(self, w):
         from h3quant.formats.fp8.tensors import amax_of
 
