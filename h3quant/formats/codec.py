@@ -199,11 +199,3 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"<codec {self.spec.name}>"
-
-    def __getattr__(self, name: str) -> Any:
-        """Transitional: the flat method names of before the facets, until the callers move."""
-        for facet in CODEC_FACETS:
-            obj = self.__dict__.get(facet)
-            if obj is not None and hasattr(obj, name):
-                return getattr(obj, name)
-        raise AttributeError(name)
