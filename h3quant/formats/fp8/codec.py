@@ -6,13 +6,13 @@ from dataclasses import replace
 
 from h3quant.formats.codec import Checks, Codec, Decoder, Encoder
 from h3quant.formats.fp8 import rules
-from h3quant.formats.fp8.spec import E4M3, E5M2
+from h3quant.formats.fp8.spec import E4M3, E5M2, codes_of
 
 
 def _dtype(spec):
     import torch
 
-    return getattr(torch, spec.torch_dtype)
+    return getattr(torch, codes_of(spec).torch_dtype)
 
 
 class Fp8Decoder(Decoder):
@@ -86,7 +86,7 @@ class Fp8Checks(Checks):
     def deep_findings(self, read, tensors: dict) -> list:
         """``validate --deep`` beyond the scales: D130 for codes that decode to NaN or inf."""
         w = tensors.get("weight")
-        if w is None or w.dtype != getattr(self.spec, "code_dtype", None):
+        if w is None or w.dtype != codes_of(self.spec).code_dtype:
             return []
         for chunk in read(w, _dtype(self.spec)):
             v = rules.nonfinite_codes(chunk)
