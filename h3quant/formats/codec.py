@@ -193,7 +193,8 @@ class Codec:
         given = {"decoder": decoder, "encoder": encoder, "grid": grid, "emulator": emulator,
                  "checks": checks}
         for name, default in CODEC_FACETS.items():  # each codec binds its own copy
-            facet = copy.copy(given[name]) if given[name] is not None else default()
+            chosen = given[name]
+            facet: CodecFacet = copy.copy(chosen) if chosen is not None else default()
             facet.spec = spec
             setattr(self, name, facet)
 
