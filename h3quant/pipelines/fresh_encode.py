@@ -155,7 +155,7 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
             if n in why or not origin.is_int8(f.get("format")) or not f.get("convrot"):
                 continue
             tensors = {s: ck.read(f"{n}.{s}") for s in ("weight", "weight_scale")}
-            q, _ = registry.codec_for(f, tensor=n + ".weight").int8_grid(tensors, f)  # [N, K]
+            q, _ = registry.codec_for(f, tensor=n + ".weight").grid.int8_grid(tensors, f)  # [N, K]
             grid = rule.sampled_grid_origin(q)
             if grid is not None:
                 why[n] = f"{rule.REASON_GRID} ({grid})"
@@ -256,9 +256,9 @@ def _encode(job: _Job, ref) -> dict:
             raise ValueError(f"the gguf package could not quantize {job.wname}")
         return {job.wname: got}
     codec = registry.codec_for(job.fields, tensor=job.wname)
-    made = codec.encode(w, job.fields, "exact")
+    made = codec.encoder.encode(w, job.fields, "exact")
     stored = ref.tensors[job.wname].dtype
-    in_dtype = getattr(codec, "encode_in_dtype", None)
+    in_dtype = getattr(codec.encoder, "encode_in_dtype", None)
     if in_dtype is not None and stored in NATIVE_DTYPES:
         # comfy-kitchen quantizing the weight as stored works in its dtype: a valid file with
         # a larger error than the float32 encode's. Hold the layer to the worse of the two.
@@ -275,7 +275,7 @@ def _rel_err(codec, made: dict, fields: dict, w) -> float:
     """``|W - decode(made)| / |W|`` (float32)."""
     import torch
 
-    w_hat = codec.report_grid(made, fields)[0]
+    w_hat = codec.encoder.report_grid(made, fields)[0]
     return float(torch.linalg.vector_norm(w_hat - w) / torch.linalg.vector_norm(w).clamp(min=1e-30))
 
 

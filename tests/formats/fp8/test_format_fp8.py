@@ -74,7 +74,7 @@ def test_full_dims_layer_matches_kitchen():
 
     w = (torch.randn(5376, 5376, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()
     kq, kp = TensorCoreFP8Layout.quantize(w)
-    q, s = registry.get("float8_e4m3fn").encode(w, {"format": "float8_e4m3fn"}, None).values()
+    q, s = registry.get("float8_e4m3fn").encoder.encode(w, {"format": "float8_e4m3fn"}, None).values()
     assert torch.equal(_bits(q), _bits(kq)) and torch.equal(s, kp.scale)
 
 
@@ -117,7 +117,7 @@ def test_kitchen_written_file_inspects_validates_verifies(src, tmp_path, fmt):
     for name in block_linears(load_file(src)):
         q, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
         p = TensorCoreFP8Layout.Params(scale=s, orig_dtype=torch.bfloat16, orig_shape=tuple(q.shape))
-        assert torch.equal(codec.decode_weight({"weight": q, "weight_scale": s}, None, torch.bfloat16),
+        assert torch.equal(codec.decoder.decode_weight({"weight": q, "weight_scale": s}, None, torch.bfloat16),
                            TensorCoreFP8Layout.dequantize(q, p))
 
 
