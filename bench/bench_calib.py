@@ -112,7 +112,7 @@ def main() -> None:
         t_fb_floor = best(floor_gemms, args.repeat, sync)
         t_nk2 = best(lambda: torch.mm(w, u), args.repeat, sync)  # N K^2 multiply-adds
         cal = Fixed(u)
-        t_enc_rtn = best(lambda: codec.encode(w.cpu(), marker, "exact"), 1, sync) \
+        t_enc_rtn = best(lambda: codec.encoder.encode(w.cpu(), marker, "exact"), 1, sync) \
             if dev.type == "cpu" else 0.0
         s = w.abs().amax(1) / 127.0
 
@@ -123,7 +123,7 @@ def main() -> None:
         # besides its own per-column rounding), timed directly
         t_fb_plain = best(lambda: cal.feedback(w, quantize, convrot=False), 1, sync)
         if dev.type == "cpu":  # the codec's calibrated encode minus its uncalibrated one
-            t_fb = best(lambda: codec.encode(w, marker, "exact", calibration=cal), 1, sync) - t_enc_rtn
+            t_fb = best(lambda: codec.encoder.encode(w, marker, "exact", calibration=cal), 1, sync) - t_enc_rtn
         else:  # codecs encode on the CPU
             t_fb = t_fb_plain
         stats_bytes = 4 * k * k

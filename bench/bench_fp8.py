@@ -63,7 +63,7 @@ def _encoders(fmt: str):
     codec = registry.get(fmt)
 
     def mine(w):
-        out = codec.encode(w, {"format": fmt}, None)
+        out = codec.encoder.encode(w, {"format": fmt}, None)
         return out["weight"], out["weight_scale"]
 
     def kitchen(w):
@@ -75,7 +75,7 @@ def _encoders(fmt: str):
         return q, p.scale
 
     def decode(q, s):
-        return codec.decode_weight({"weight": q, "weight_scale": s}, None, torch.float32)
+        return codec.decoder.decode_weight({"weight": q, "weight_scale": s}, None, torch.float32)
 
     return mine, kitchen, decode
 

@@ -79,11 +79,11 @@ def decoded(path) -> dict[str, torch.Tensor]:
         for name, lay in scan.layers.items():
             if layer_key(name) is not None and lay.weight is not None:
                 codec = registry.codec_for(lay.fields)
-                rows, whole = codec.source_tensors(lay.fields, lay.tensors)
+                rows, whole = codec.decoder.source_tensors(lay.fields, lay.tensors)
                 t = {s: c.read(lay.tensors[s].name) for s in rows}
                 w = {s: c.read(lay.tensors[s].name) for s in whole}
                 n, k = registry.logical_shape(tuple(lay.weight.shape), lay.fields)
-                out[name] = codec.decode_rows(t, w, lay.fields).float()[:n, :k]  # no padding
+                out[name] = codec.decoder.decode_rows(t, w, lay.fields).float()[:n, :k]  # no padding
     return out
 
 
@@ -293,9 +293,9 @@ def few_table(src, a, d, src_w, sa, rows_b) -> None:
             lay = sf.layer(k)
             forced = LayerStats.from_hessian(k, lay.hessian(), 1 << 30)
             w = src_w[k]
-            out_few = codec.encode(w, marker, "exact", calibration=forced)
-            out_rtn = codec.encode(w, marker, "exact")
-            out_a = codec.encode(w, marker, "exact", calibration=sa.layer(k))
+            out_few = codec.encoder.encode(w, marker, "exact", calibration=forced)
+            out_rtn = codec.encoder.encode(w, marker, "exact")
+            out_a = codec.encoder.encode(w, marker, "exact", calibration=sa.layer(k))
             x = rows_b[k]
             ref = x @ w.t()
             vals = []

@@ -224,7 +224,7 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     if mode == "plain":
         if codec.spec.encoding.write_refusal:
             return None, "writes calibrated only"
-        tensors = codec.encode(w, marker, "exact")
+        tensors = codec.encoder.encode(w, marker, "exact")
     elif not codec.spec.encoding.calibrates:
         return None, "no calibrated encoder"
     else:
@@ -238,7 +238,7 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
             if rounding is None:
                 return None, "activations run in float: the same as calibrated"
             cal = with_rows(stats[key], smooth_inputs[key][1], s).rounded_by(rounding)
-        tensors = codec.encode(w, marker, "exact", calibration=cal)
+        tensors = codec.encoder.encode(w, marker, "exact", calibration=cal)
     if gpu is not None:
         module = kernel_layer(tensors, marker, capability=gpu, bias=b, compute_dtype=DTYPE,
                               name=key)

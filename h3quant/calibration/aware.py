@@ -49,12 +49,12 @@ def input_rounding(codec, marker: dict | None,
     fields = marker or {}
     if capability is None and fields.get("linear_dtype") == "int8":
         capability = (8, 0)
-    if capability is not None and hasattr(codec, "kernel_route"):
-        return lambda x: codec.rounded_inputs(x.to(torch.float32), fields, capability)
+    if capability is not None and hasattr(codec.emulator, "kernel_route"):
+        return lambda x: codec.emulator.rounded_inputs(x.to(torch.float32), fields, capability)
     emulation = codec.spec.runtime.emulation
-    if emulation is not None and "cpu" in emulation[1] and hasattr(codec, "rounded_inputs"):
-        return lambda x: codec.rounded_inputs(x.to(torch.float32), fields)
-    if codec.spec.runtime.decodes and hasattr(codec, "decode_weight"):
+    if emulation is not None and "cpu" in emulation[1] and hasattr(codec.emulator, "rounded_inputs"):
+        return lambda x: codec.emulator.rounded_inputs(x.to(torch.float32), fields)
+    if codec.spec.runtime.decodes and hasattr(codec.decoder, "decode_weight"):
         return None
     from h3quant.runtime.int8_math import quantize_activation, rotate_activation
 

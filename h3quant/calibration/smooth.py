@@ -99,12 +99,12 @@ def runtime_output(codec, marker: dict | None, tensors: dict, x: torch.Tensor) -
     per-token int8 activations (ConvRot-rotated where the marker says)."""
     emulation = codec.spec.runtime.emulation
     if emulation is not None and "cpu" in emulation[1]:
-        return codec.emulated_linear(x, tensors, marker or {}).float()
-    if codec.spec.runtime.decodes and hasattr(codec, "decode_weight"):
-        return x @ codec.decode_weight(tensors, marker or {}, torch.float32).t()
+        return codec.emulator.emulated_linear(x, tensors, marker or {}).float()
+    if codec.spec.runtime.decodes and hasattr(codec.decoder, "decode_weight"):
+        return x @ codec.decoder.decode_weight(tensors, marker or {}, torch.float32).t()
     from h3quant.runtime.int8_math import quantize_activation
 
-    q, s = codec.int8_grid(tensors, marker or {})
+    q, s = codec.grid.int8_grid(tensors, marker or {})
     convrot = codec.spec.reading.uses_convrot(marker)
     g = int((marker or {}).get("convrot_groupsize", 256))
     qx, sx = quantize_activation(x, convrot, g)
@@ -116,8 +116,8 @@ def _errors(codec, marker, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor,
     """(weight part, activation part) of the output error energy on the sampled rows."""
     ws = w if s is None else w * s
     xs = x if s is None else x / s
-    out = codec.encode(ws.contiguous(), marker, "exact")
-    w_hat, _ = codec.report_grid(out, marker or {})
+    out = codec.encoder.encode(ws.contiguous(), marker, "exact")
+    w_hat, _ = codec.encoder.report_grid(out, marker or {})
     y_w = xs @ w_hat.float().t()  # quantized weight, float activations
     y = runtime_output(codec, marker, out, xs)
     return float(((y_w - ref) ** 2).sum()), float(((y - y_w) ** 2).sum())

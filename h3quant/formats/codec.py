@@ -1,38 +1,55 @@
 """The narrow codec: a format's tensor work (encode, decode, the runtime's weights).
 
-A codec is built from its format's ``FormatSpec`` and only adds what needs tensors: which
-stored tensors to read to decode rows, decoding them, encoding float rows (with an optional
-calibration object, for encoders that use one), the grid the int8 runtime multiplies, and the
-checks on tensor values. Every switch about that work is the spec's, in the facet of the
-engine that reads it (``spec.encoding.calibrates``, ``spec.runtime.decodes``, ``kernel``,
-``emulation``, ``needs_row0`` ...), as are the header facts (name, targets, limits, planned
-tensors, the tensors to transpose or to read for a grid ...): callers read them as
-``codec.spec.<facet>.<field>``; a codec does not forward them. Importing a codec never imports
-torch; its methods do, on first use.
+A codec is built from its format's ``FormatSpec`` and only adds what needs tensors, grouped by
+the engine that calls it, each group a small facet a format subclasses:
+
+- ``decoder``: which stored tensors to read to decode rows, decoding them, the float weight
+  (convert's decoder, ``validate --deep``, the runtime's float path);
+- ``encoder``: encoding float rows (with an optional calibration object, for encoders that use
+  one; in one call, or streamed in two passes), AWQ's channel scales, the report's dequantized
+  weight (convert's encoder, calibration, the fresh encode);
+- ``grid``: the int8 grid the int8 runtime multiplies, and what convert's relayout, verify's
+  reference-free check, provenance and inspect ask about it;
+- ``emulator``: the forward ComfyUI emulates where it has no kernel (the runtime, calibration);
+- ``checks``: the rules on tensor values (convert, verify, ``validate --deep``).
+
+Every switch about that work is the spec's, in the facet of the engine that reads it
+(``spec.encoding.calibrates``, ``spec.runtime.decodes``, ``kernel``, ``emulation``,
+``needs_row0`` ...), as are the header facts (name, targets, limits, planned tensors, the
+tensors to transpose or to read for a grid ...): callers read them as
+``codec.spec.<facet>.<field>``; a codec does not forward them. The spec's facets hold data and
+header rules, the codec's facets tensor work: ``spec.encoding`` says how convert cuts a layer
+into work, ``codec.encoder`` does the work. Importing a codec never imports torch; its methods
+do, on first use.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
+from h3quant.errors import UnsupportedError
 from h3quant.formats.spec import FormatSpec, RowRange, Violation
 
 if TYPE_CHECKING:
     import torch
 
 
-class Codec:
-    """Tensor work of one format; the defaults are a plain float layer's."""
+class CodecFacet:
+    """A facet of a codec's tensor work a format may override (subclass the facet, pass an
+    instance to ``Codec``). The codec binds its own copy of the facet when it is made, so a
+    method reads its format's spec as ``self.spec``."""
 
-    if TYPE_CHECKING:  # defined by the codecs that decode; ``runtime.decoded`` asks hasattr
+    spec: FormatSpec
+
+
+class Decoder(CodecFacet):
+    """Decoding stored tensors back to float rows (convert's decoder, ``validate --deep``,
+    plan's sensitivity) and the whole float weight (the runtime's float path)."""
+
+    if TYPE_CHECKING:  # defined by the decoders of formats the runtime runs decoded
         def decode_weight(self, tensors: dict, fields: dict | None,
                           dtype: torch.dtype) -> torch.Tensor: ...
-
-    def __init__(self, spec: FormatSpec) -> None:
-        self.spec = spec
-
-    def __repr__(self) -> str:
-        return f"<codec {self.spec.name}>"
 
     def source_tensors(self, fields: dict | None, tensors: dict) -> tuple[list[str], list[str]]:
         """(suffixes read row by row, suffixes read whole) to decode rows of a stored weight."""
@@ -46,6 +63,11 @@ class Codec:
     def decode_rows(self, rows: dict, whole: dict, fields: dict | None) -> torch.Tensor:
         """Rows of the weight in the original basis (fp32 for quantized formats)."""
         return rows["weight"]
+
+
+class Encoder(CodecFacet):
+    """Encoding float rows into the format's tensors (convert's encoder, calibration, the fresh
+    encode), in one call or streamed in two passes, and the report's view of the result."""
 
     def channel_scale(self, w: torch.Tensor, marker: dict | None, calibration
                       ) -> tuple[torch.Tensor | None, Any, dict]:
@@ -64,11 +86,6 @@ class Codec:
         import torch
 
         return {"weight": w.to(torch.bfloat16)}
-
-    def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T + b`` as ComfyUI computes it on the devices ``spec.runtime.emulation`` names."""
-        raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
 
     def scan_rows(self, w: torch.Tensor) -> Any:
         """A streamed codec's first pass (``spec.encoding.streamed``): what rows ``w`` contribute to the
@@ -90,6 +107,11 @@ class Codec:
     def report_grid(self, out: dict, marker: dict | None):
         """(dequantized weight fp32, int8 grid ``(q, s, convrot, g)`` or None) of encoded ``out``."""
         return out["weight"].float(), None
+
+
+class Grid(CodecFacet):
+    """The int8 grid the int8 runtime multiplies, and what the engines ask about it: convert's
+    relayout through a decoded grid, verify's reference-free check, provenance, inspect."""
 
     def int8_grid(self, tensors: dict, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes [N, K], fp32 per-row scales [N]) the int8 runtime multiplies."""
@@ -113,6 +135,32 @@ class Codec:
         """verify's reference-free check of the int8 grid: the legal per-row code peak."""
         return RowRange(per_tensor=False, low=127, high=127, no_min128=True, text="max|q| = 127 per row")
 
+    def nz_eligible(self, n: int, k: int) -> bool | None:
+        """Whether the layer's weight can run in the NPU's NZ layout (None: not a question)."""
+        return None
+
+
+class DecodedGrid(Grid):
+    """A format the runtime runs through its float decode: it has no int8 grid."""
+
+    def int8_grid(self, tensors, fields):
+        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
+        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
+                               "them through their float decode (dequant)", code="Q105")
+
+
+class Emulator(CodecFacet):
+    """The forward ComfyUI computes where it emulates the format (the runtime, calibration)."""
+
+    def emulated_linear(self, x: torch.Tensor, tensors: dict, fields: dict | None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` as ComfyUI computes it on the devices ``spec.runtime.emulation`` names."""
+        raise NotImplementedError(f"{self.spec.name} layers have no emulated forward")
+
+
+class Checks(CodecFacet):
+    """The rules on tensor values (convert, verify, ``validate --deep``)."""
+
     def data_violation(self, suffix: str, values: torch.Tensor) -> Violation | None:
         """The rule on the values of a ``spec.verify.deep_whole`` tensor (None: they pass)."""
         return None
@@ -122,6 +170,33 @@ class Codec:
         against codes); ``read(info, dtype=None)`` gives a tensor's values, 1-D."""
         return []
 
-    def nz_eligible(self, n: int, k: int) -> bool | None:
-        """Whether the layer's weight can run in the NPU's NZ layout (None: not a question)."""
-        return None
+
+# the codec's facets and their defaults (a plain float layer's tensor work)
+CODEC_FACETS: dict[str, type[CodecFacet]] = {"decoder": Decoder, "encoder": Encoder,
+                                             "grid": Grid, "emulator": Emulator, "checks": Checks}
+
+
+class Codec:
+    """Tensor work of one format: its spec and one object per facet (``decoder``, ``encoder``,
+    ``grid``, ``emulator``, ``checks``); a facet not given is the plain float layer's."""
+
+    decoder: Decoder
+    encoder: Encoder
+    grid: Grid
+    emulator: Emulator
+    checks: Checks
+
+    def __init__(self, spec: FormatSpec, *, decoder: Decoder | None = None,
+                 encoder: Encoder | None = None, grid: Grid | None = None,
+                 emulator: Emulator | None = None, checks: Checks | None = None) -> None:
+        self.spec = spec
+        given = {"decoder": decoder, "encoder": encoder, "grid": grid, "emulator": emulator,
+                 "checks": checks}
+        for name, default in CODEC_FACETS.items():  # each codec binds its own copy
+            chosen = given[name]
+            facet: CodecFacet = copy.copy(chosen) if chosen is not None else default()
+            facet.spec = spec
+            setattr(self, name, facet)
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec.name}>"

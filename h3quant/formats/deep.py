@@ -117,7 +117,7 @@ def _check_int8_codes(src, info, out: list[Finding]) -> None:
 
 
 def _check_whole(src, codec, suffix: str, info, out: list[Finding]) -> None:
-    v = codec.data_violation(suffix, _read(src, info).reshape(tuple(info.shape)))  # as convert
+    v = codec.checks.data_violation(suffix, _read(src, info).reshape(tuple(info.shape)))  # as convert
     # and verify see it: the same rule
     if v is not None:
         out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
@@ -154,12 +154,12 @@ def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
     w = t.get("weight")
     if not n or not k or w is None:
         return
-    row_names, whole_names = codec.source_tensors(f, t)
+    row_names, whole_names = codec.decoder.source_tensors(f, t)
     if any(s not in t for s in (*row_names, *whole_names, *codec.spec.storage.column_sources)):
         return  # the header rules report what is missing
     whole = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in whole_names}
     cols = {s: _read(src, t[s]).reshape(tuple(t[s].shape)) for s in codec.spec.storage.column_sources}
-    views = codec.row_views(whole, f)
+    views = codec.decoder.row_views(whole, f)
     step = max(1, DECODE_BYTES // (4 * k))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -168,7 +168,7 @@ def _check_decoded(src, layer, codec, out: list[Finding]) -> None:
         if codec.spec.runtime.needs_row0:
             rows["_row0"] = r0
         rows.update({s: v[r0:r1] for s, v in views.items()})
-        v = rules.weight_violation(codec.decode_rows(rows, whole, f), r0 * k)
+        v = rules.weight_violation(codec.decoder.decode_rows(rows, whole, f), r0 * k)
         if v is not None:
             out.append(Finding(v.code, f"{v.message} once decoded from the stored "
                                f"{codec.spec.name} tensors (as convert and verify decode them)",
@@ -190,8 +190,8 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             dtype = torch.float8_e4m3fn if info.dtype in ("F8_E4M3", "U8") else None
             _check_scale(_read(src, info, dtype), info, out)
             checked.add(info.name)
-        if hasattr(codec, "deep_findings"):  # a format package's own data rules
-            for v in codec.deep_findings(lambda i, dt: _chunks(src, i, dt), t):
+        if hasattr(codec.checks, "deep_findings"):  # a format package's own data rules
+            for v in codec.checks.deep_findings(lambda i, dt: _chunks(src, i, dt), t):
                 info = t.get(v.suffix) or t.get("weight")
                 out.append(Finding(v.code, v.message, tensor=info.name, file=str(info.file)))
                 checked.add(info.name)
@@ -203,7 +203,7 @@ def _check_layer(src, layer, checked: set[str], out: list[Finding]) -> None:
             if info is not None and (info.dtype in FLOAT_DTYPES or info.dtype == "I8"):
                 _check_whole(src, codec, suffix, info, out)
                 checked.add(info.name)
-        for v in codec.layer_data_violations(t, lambda info, dtype=None: _read(src, info, dtype),
+        for v in codec.checks.layer_data_violations(t, lambda info, dtype=None: _read(src, info, dtype),
                                              layer.fields or {}):
             info = t.get(v.suffix) or t.get("weight")
             out.append(Finding(v.code, v.message, tensor=layer.tensor_name(v.suffix),

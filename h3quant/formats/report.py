@@ -51,7 +51,7 @@ def layer_report(layer) -> LayerReport:
     nz = None
     codec = registry.get(fmt) if quantized else None
     if codec is not None and n is not None and k is not None:
-        nz = codec.nz_eligible(n, k)
+        nz = codec.grid.nz_eligible(n, k)
     return LayerReport(
         name=layer.name, format=fmt, N=n, K=k,
         dtypes={s: t.dtype for s, t in sorted(layer.tensors.items())},

@@ -171,7 +171,7 @@ class EncodingFacet:
     targets: tuple[Target, ...] = ()
     chunked: bool = True  # encodes independent row chunks (else the whole layer at once)
     # not chunked, yet encoded in row chunks: a first pass over the rows gives the layer-wide
-    # value (an amax: ``Codec.scan_rows`` / ``layer_value``), then ``Codec.encode_rows`` encodes
+    # value (an amax: ``codec.encoder.scan_rows`` / ``layer_value``), then ``codec.encoder.encode_rows`` encodes
     # chunks of a multiple of ``chunk_rows`` rows with it (bounded memory, same bytes)
     streamed: bool = False
     chunk_rows: int = 1
@@ -184,7 +184,7 @@ class EncodingFacet:
     # the codec's channel_scale() searches per-input-channel scales s (the weight stored as
     # W diag(s), its input divided by s in the layer before): AWQ's scaling
     scales_channels: bool = False
-    scans: bool = False  # a streamed encoder needs a first pass (``Codec.scan_rows``)
+    scans: bool = False  # a streamed encoder needs a first pass (``codec.encoder.scan_rows``)
     sampled_by_column: tuple[str, ...] = ()  # outputs stored [*, N]: the report samples columns
     linear_dtype_cost: str = ""  # what asking for int8 activations costs (``with_linear_dtype``)
 
@@ -220,11 +220,11 @@ class RuntimeFacet:
     required: tuple[str, ...] = ()  # of those, the ones a layer must have
     kitchen: KitchenFacts | None = None  # how ComfyUI runs it (None: ComfyUI does not load it)
     load_note: str = ""  # for a format ComfyUI does not load: what does, and what to make instead
-    decodes: bool = False  # the runtime may run the layer through ``Codec.decode_weight`` (float)
+    decodes: bool = False  # the runtime may run the layer through ``codec.decoder.decode_weight`` (float)
     kernel: tuple[str, tuple[int, int]] | None = None  # (ComfyUI's kernel, min CUDA capability)
     # (what ComfyUI runs, device kinds) where ComfyUI runs this format's emulated forward (its
     # activation quantization included) instead of a dequantized weight: the runtime then calls
-    # ``Codec.emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
+    # ``codec.emulator.emulated_linear`` there. None: ComfyUI dequantizes wherever it has no kernel.
     emulation: tuple[str, tuple[str, ...]] | None = None
     needs_row0: bool = False  # decode_rows gets the chunk's first row (``_row0``): scales tiled by rows
 

@@ -168,7 +168,7 @@ def file_layers(path: str) -> tuple[dict[str, dict], bool, dict[str, str]]:
             if n in why or not origin.is_int8(f.get("format")) or not f.get("convrot"):
                 continue
             tensors = {s: ck.read(f"{n}.{s}") for s in ("weight", "weight_scale")}
-            q, _ = registry.codec_for(f, tensor=n + ".weight").int8_grid(tensors, f)  # [N, K]
+            q, _ = registry.codec_for(f, tensor=n + ".weight").grid.int8_grid(tensors, f)  # [N, K]
             grid = rule.sampled_grid_origin(q)
             if grid is not None:
                 why[n] = f"{rule.REASON_GRID} ({grid})"
@@ -289,7 +289,7 @@ def _plan_jobs(ref, layers: dict[str, dict], gguf: bool, result: FreshEncode) ->
         entries = [Entry(f"{layer}.{s}", d, tuple(sh)) for s, (d, sh) in planned.items()]
         entries.append(Entry(layer + ".comfy_quant", "U8", (len(marker_bytes(fields)),)))
         stored = ref.tensors[wname].dtype
-        in_dtype = stored if (getattr(codec, "encode_in_dtype", None) is not None
+        in_dtype = stored if (getattr(codec.encoder, "encode_in_dtype", None) is not None
                               and stored in NATIVE_DTYPES) else None
         jobs.append(_Job(layer, wname, fields, entries, in_dtype=in_dtype))
     return jobs
@@ -311,10 +311,10 @@ def _encode(job: _Job, ref, in_dtype: bool = False) -> dict:
         return {job.wname: got}
     codec = registry.codec_for(job.fields, tensor=job.wname)
     if in_dtype and job.in_dtype:
-        encode_in_dtype = getattr(codec, "encode_in_dtype")
+        encode_in_dtype = getattr(codec.encoder, "encode_in_dtype")
         made = encode_in_dtype(raw.to(getattr(torch, NATIVE_DTYPES[job.in_dtype])), job.fields)
     else:
-        made = codec.encode(raw.float(), job.fields, "exact")
+        made = codec.encoder.encode(raw.float(), job.fields, "exact")
     out = {f"{job.layer}.{suffix}": value.contiguous() for suffix, value in made.items()}
     out[job.layer + ".comfy_quant"] = marker_tensor(job.fields)
     return out

@@ -33,7 +33,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def decodes(codec) -> bool:
     """Whether the runtime runs layers of ``codec`` through its float decode."""
-    return bool(codec.spec.runtime.decodes) and hasattr(codec, "decode_weight")
+    return bool(codec.spec.runtime.decodes) and hasattr(codec.decoder, "decode_weight")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class DecodedLinear(torch.nn.Module):
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         if self._cached is None or self._cached.dtype != dtype:
             self._cached = None  # drop the old copy before building the new one
-            w = self.codec.decode_weight(self._tensors, self.fields, dtype)
+            w = self.codec.decoder.decode_weight(self._tensors, self.fields, dtype)
             if tuple(w.shape) != self._shape:
                 raise FormatError(f"decoded weight is {list(w.shape)}, expected "
                                   f"{list(self._shape)}")
@@ -144,9 +144,9 @@ class DecodedLinear(torch.nn.Module):
         bias = None if self.bias is None else torch.as_tensor(self.bias).to(x.dtype)
         if self.emulated:
             if self.kernel_capability is not None:  # a GPU kernel's arithmetic (paths.kernel_layer)
-                return self.codec.emulated_linear(x, self._tensors, self.fields, bias,
+                return self.codec.emulator.emulated_linear(x, self._tensors, self.fields, bias,
                                                   capability=self.kernel_capability)
-            return self.codec.emulated_linear(x, self._tensors, self.fields, bias)
+            return self.codec.emulator.emulated_linear(x, self._tensors, self.fields, bias)
         return F.linear(x, self.weight_for(x.dtype), bias)
 
     def extra_repr(self) -> str:

@@ -124,14 +124,14 @@ class LoadedLayer:
             raise VerifyError(f"{self.fields['format']} layers have no int8 grid (the runtime "
                               "runs them through their decode)", tensor=self.name)
         if self._grid is None:
-            self._grid = self.codec.int8_grid(self.tensors, self.fields)
+            self._grid = self.codec.grid.int8_grid(self.tensors, self.fields)
         return self._grid
 
     def runtime_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 codes, fp32 scale) to build the runtime layer from: int8 layers pass the stored
         scale tensor in its stored shape ([N, 1], [N] or []); W4A8 the decoded grid and
         ``weight_s_channel``."""
-        return self.codec.runtime_weights(self.tensors, self.int8_grid())
+        return self.codec.grid.runtime_weights(self.tensors, self.int8_grid())
 
     @property
     def decodes(self) -> bool:
@@ -144,7 +144,7 @@ class LoadedLayer:
         if not self.is_quantized:
             return self.weight.to(dtype)
         if self.decodes:
-            return self.codec.decode_weight(self.tensors, self.fields, torch.float32).to(dtype)
+            return self.codec.decoder.decode_weight(self.tensors, self.fields, torch.float32).to(dtype)
         q, s = self.int8_grid()
         w = q.to(torch.float32) * s[:, None]
         if self.convrot:
@@ -251,7 +251,7 @@ def load_layer(ckpt: Checkpoint, layer: Layer, *, quantize_on_load: bool = False
                    if s != "comfy_quant"}
         codec = registry.codec_for(layer.fields, tensor=layer.name)
         for suffix in codec.spec.verify.deep_whole:  # the rules validate --deep and convert apply too
-            v = codec.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
+            v = codec.checks.data_violation(suffix, tensors[suffix]) if suffix in tensors else None
             if v is not None:
                 raise FindingError(v.message, path=path, tensor=layer.tensor_name(v.suffix),
                                    code=v.code)

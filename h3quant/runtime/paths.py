@@ -73,7 +73,7 @@ def on_kernel_route(module: torch.nn.Module, capability: tuple[int, int]) -> tor
     the arithmetic of comfy-kitchen's kernels on a GPU of ``capability``, emulated."""
     from h3quant.runtime.decoded import DecodedLinear
 
-    if not isinstance(module, DecodedLinear) or not hasattr(module.codec, "kernel_route"):
+    if not isinstance(module, DecodedLinear) or not hasattr(module.codec.emulator, "kernel_route"):
         raise ValueError(f"{module!r} has no emulated GPU kernel route")
     module.emulated, module.backend_name = True, "emulated"
     module.kernel_capability = (int(capability[0]), int(capability[1]))
@@ -92,7 +92,7 @@ def layer_path(module: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloa
         fmt = module.codec.spec.name
         cap = module.kernel_capability
         if cap is not None:
-            bits, runs = module.codec.kernel_route(module.fields, cap)
+            bits, runs = module.codec.emulator.kernel_route(module.fields, cap)
             return LayerPath(fmt, f"sm_{cap[0]}{cap[1]} kernel arithmetic (emulated)",
                              f"int{bits} per token (rotated; {runs})")
         if module.emulated:
@@ -121,7 +121,7 @@ def path_for(target: str, k: int = 1024, n: int = 64, device: str | Device = "cp
     if not marker:
         return LayerPath("float", "float", "float")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
-    tensors = codec.encode(w, marker, "exact", calibration=calibration)
+    tensors = codec.encoder.encode(w, marker, "exact", calibration=calibration)
     return layer_path(runtime_layer(tensors, marker, device=device), format_name=marker["format"])
 
 

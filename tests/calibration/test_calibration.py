@@ -42,7 +42,7 @@ def _encode(target, g, w, calibration=None):
     codec = registry.target_codec(target)
     marker = codec.spec.planning.marker(registry.target(target), g)
     kw = {} if calibration is None else {"calibration": calibration}
-    return codec, marker, codec.encode(w, marker, "exact", **kw)
+    return codec, marker, codec.encoder.encode(w, marker, "exact", **kw)
 
 
 # ------------------------------------------------------------------------- the algorithm
@@ -125,8 +125,8 @@ def test_calibrated_codes_lower_the_output_error(target, g):
     for key in rtn:
         if key != "weight":
             assert torch.equal(_raw(cal[key]), _raw(rtn[key])), key
-    w_rtn, _ = codec.report_grid(rtn, marker)
-    w_cal, _ = codec.report_grid(cal, marker)
+    w_rtn, _ = codec.encoder.report_grid(rtn, marker)
+    w_cal, _ = codec.encoder.report_grid(cal, marker)
     assert output_sqnr_db(w, w_cal, h) > output_sqnr_db(w, w_rtn, h) + 3.0
     assert output_sqnr_db(w, w_cal, torch.eye(512)) < output_sqnr_db(w, w_rtn, torch.eye(512))
 

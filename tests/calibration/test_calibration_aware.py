@@ -115,17 +115,17 @@ def test_codec_with_runtime_rounding_lowers_the_objective():
     codec = registry.target_codec("int4-convrot")
     marker = codec.spec.planning.marker(registry.target("int4-convrot"), g)
     st = _stats(x)
-    plain = codec.encode(w, marker, "exact", calibration=st)
+    plain = codec.encoder.encode(w, marker, "exact", calibration=st)
     rounding = input_rounding(codec, marker)
     assert rounding is not None
-    aware = codec.encode(w, marker, "exact", calibration=st.rounded_by(rounding))
+    aware = codec.encoder.encode(w, marker, "exact", calibration=st.rounded_by(rounding))
     r = _hadamard_rotation(k, g)
     xr = x.double() @ r
     xq = _round_per_token(xr, 7)
     wr = w.double() @ r
 
     def objective(tensors):
-        w_hat, _ = codec.report_grid(tensors, marker)
+        w_hat, _ = codec.encoder.report_grid(tensors, marker)
         return _objective(xr, xq, wr, w_hat.double() @ r)
 
     gain = 10 * math.log10(objective(plain) / objective(aware))
@@ -140,14 +140,14 @@ def test_unrounded_inputs_give_the_plain_feedback_bytes(target):
     codec = registry.target_codec(target)
     marker = codec.spec.planning.marker(registry.target(target), g)
     st = _stats(x)
-    plain = codec.encode(w, marker, "exact", calibration=st)
-    ident = codec.encode(w, marker, "exact", calibration=st.rounded_by(lambda s: (s, s.clone())))
+    plain = codec.encoder.encode(w, marker, "exact", calibration=st)
+    ident = codec.encoder.encode(w, marker, "exact", calibration=st.rounded_by(lambda s: (s, s.clone())))
     assert plain.keys() == ident.keys()
     for name in plain:
         assert torch.equal(plain[name], ident[name]), name
     rounding = input_rounding(codec, marker)
     assert rounding is not None
-    changed = codec.encode(w, marker, "exact", calibration=st.rounded_by(rounding))
+    changed = codec.encoder.encode(w, marker, "exact", calibration=st.rounded_by(rounding))
     assert not torch.equal(plain["weight"], changed["weight"])  # the rounding is seen
 
 
@@ -161,8 +161,8 @@ def test_float_activation_formats_and_version_1_statistics_keep_the_plain_feedba
     w = _weight(32, 256)
     aware = st.rounded_by(input_rounding(codec, marker))
     assert aware.aware_system(True, 64) is None
-    a = codec.encode(w, marker, "exact", calibration=st)
-    b = codec.encode(w, marker, "exact", calibration=aware)
+    a = codec.encoder.encode(w, marker, "exact", calibration=st)
+    b = codec.encoder.encode(w, marker, "exact", calibration=aware)
     assert all(torch.equal(a[t], b[t]) for t in a)
 
 

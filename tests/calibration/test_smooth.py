@@ -316,14 +316,14 @@ def test_runtime_output_is_the_runtimes_layer(name):
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(64, 512, generator=g), torch.randn(16, 512, generator=g) * 3
     codec, marker = _target(name)
-    out = codec.encode(w, marker, "exact")
+    out = codec.encoder.encode(w, marker, "exact")
     got = smooth.runtime_output(codec, marker, out, x)
     if name == "int4-convrot":
         from h3quant.formats.int4_convrot.tensors import w4a4_linear
 
         want = w4a4_linear(x, out["weight"].view(torch.int8), out["weight_scale"], 256)
     else:
-        q, s = codec.int8_grid(out, marker)
+        q, s = codec.grid.int8_grid(out, marker)
         lin = QuantizedLinear.from_int8(q, s, convrot=True, group_size=256, device="cpu")
         want = lin(x)
     assert torch.allclose(got, want.float(), rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,7 +1,10 @@
 """The format contract stays grouped by the engine that reads it: ``FormatSpec`` holds its
 identity and its facets only (no header-rule methods of its own), each facet holds at most 12
 names (dataclass fields + public methods and properties), every format package fills its
-facets with facet objects, each method facet is bound to its own spec, and a codec holds no
+facets with facet objects, each method facet is bound to its own spec, and no format subclasses
+``FormatSpec``. The codec likewise: ``Codec`` holds its spec and its facets only (no method of
+its own), every codec facet (and every format's subclass of one) holds at most 12 names, no
+format subclasses ``Codec``, each codec facet is bound to its codec's spec, and a codec holds no
 switches of its own."""
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import inspect
 import pytest
 
 from h3quant.formats import registry
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, Decoder, Emulator, Encoder, Grid
 from h3quant.formats.spec import (
     EncodingFacet,
     FormatSpec,
@@ -32,6 +35,9 @@ DATA_FACETS = {"storage": StorageFacet, "encoding": EncodingFacet, "relayout": R
 METHOD_FACETS = {"reading": ReadingFacet, "planning": PlanningFacet, "rules": RulesFacet}
 FACETS = {**DATA_FACETS, **METHOD_FACETS}
 IDENTITY = {"name", "description", "quantized", "comfy", "layout", "canonical", "alias_of"}
+# the codec's facets of tensor work, by the engine that calls them
+CODEC_FACETS = {"decoder": Decoder, "encoder": Encoder, "grid": Grid, "emulator": Emulator,
+                "checks": Checks}
 
 
 def names(cls) -> set[str]:
@@ -108,10 +114,70 @@ def test_each_spec_binds_its_own_method_facets():
             assert getattr(spec, facet).spec is spec, (spec.name, facet)
 
 
+def test_no_format_subclasses_format_spec():
+    """A format's own data goes into a facet (fp8's codes: its planning facet), not into a
+    ``FormatSpec`` subclass."""
+    for spec in registry.specs():
+        assert type(spec) is FormatSpec, (spec.name, type(spec).__name__)
+
+
+def _codecs():
+    return [c for c in (registry.get(s.name) for s in registry.specs()) if c is not None]
+
+
+@pytest.mark.parametrize("facet", sorted(CODEC_FACETS))
+def test_codec_facet_stays_small(facet):
+    found = names(CODEC_FACETS[facet])
+    assert len(found) <= LIMIT, (f"codec.{facet} has {len(found)} names (at most {LIMIT}): "
+                                 f"{sorted(found)}; split the facet instead of growing it")
+
+
+@pytest.mark.parametrize("codec", _codecs(), ids=lambda c: c.spec.name)
+def test_a_format_s_codec_facets_stay_small(codec):
+    """A format's own codec facet subclass adds no names beyond the limit either."""
+    for facet in CODEC_FACETS:
+        found = names(type(getattr(codec, facet)))
+        assert len(found) <= LIMIT, (codec.spec.name, facet, sorted(found))
+
+
+def test_codec_holds_its_spec_and_the_facets_only():
+    """No method returns to ``Codec`` itself, and no format subclasses it: a format's tensor
+    work goes to the facet of the engine that calls it."""
+    assert names(Codec) == set(), sorted(names(Codec))
+    assert {n for n in vars(Codec) if not n.startswith("_")} <= set(CODEC_FACETS), sorted(vars(Codec))
+    for codec in _codecs():
+        assert type(codec) is Codec, (codec.spec.name, type(codec).__name__)
+        assert set(vars(codec)) == {"spec"} | set(CODEC_FACETS), (codec.spec.name, sorted(vars(codec)))
+
+
+@pytest.mark.parametrize("codec", _codecs(), ids=lambda c: c.spec.name)
+def test_every_codec_fills_its_facets_with_facet_objects_bound_to_its_spec(codec):
+    for facet, cls in CODEC_FACETS.items():
+        obj = getattr(codec, facet)
+        assert isinstance(obj, cls), (codec.spec.name, facet, type(obj).__name__)
+        assert obj.spec is codec.spec, (codec.spec.name, facet)
+
+
+def test_each_codec_binds_its_own_facets():
+    """A facet object handed to two codecs reads each codec's own spec (``self.spec``)."""
+
+    class Named(Grid):
+        def grid_origin(self, q):
+            return self.spec.name
+
+    shared = Named()
+    a = Codec(FormatSpec(name="fmt_a", description=""), grid=shared)
+    b = Codec(FormatSpec(name="fmt_b", description=""), grid=shared)
+    assert (a.grid.grid_origin(None), b.grid.grid_origin(None)) == ("fmt_a", "fmt_b")
+    assert isinstance(a.encoder, Encoder) and a.encoder is not b.encoder  # defaults, each its own
+
+
 def test_codec_holds_no_switches():
     """Every switch about a format's tensor work is in the spec's facets, not on the codec."""
-    for codec in {type(registry.get(s.name)) for s in registry.specs() if registry.get(s.name)}:
-        data = {n for n, v in vars(codec).items() if not n.startswith("_") and not callable(v)
-                and not isinstance(v, (property, staticmethod, classmethod))}
-        assert not data, (codec.__name__, sorted(data))
+    classes = {type(getattr(c, f)) for c in _codecs() for f in CODEC_FACETS}
+    for cls in classes | set(CODEC_FACETS.values()):
+        for klass in cls.__mro__[:-1]:  # the facet, its bases up to object
+            data = {n for n, v in vars(klass).items() if not n.startswith("_") and not callable(v)
+                    and not isinstance(v, (property, staticmethod, classmethod))}
+            assert not data, (klass.__name__, sorted(data))
     assert {n for n, v in vars(Codec).items() if not n.startswith("_") and not callable(v)} == set()

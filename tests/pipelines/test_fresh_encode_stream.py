@@ -55,7 +55,7 @@ def _in_memory_encode(file: Path, ref: Path, out: Path) -> None:
     for layer, fields in layers.items():
         w = tensors.pop(layer + ".weight")
         codec = registry.codec_for(fields, tensor=layer + ".weight")
-        for suffix, value in codec.encode(w.float(), fields, "exact").items():
+        for suffix, value in codec.encoder.encode(w.float(), fields, "exact").items():
             tensors[f"{layer}.{suffix}"] = value.contiguous()
         tensors[layer + ".comfy_quant"] = marker_tensor(fields)
         header[layer] = fields

@@ -96,7 +96,7 @@ def _layer(target, n=64, k=512, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     w[:, 7] *= 20  # an outlier input channel
-    return codec, marker, w, codec.encode(w, marker, "exact")
+    return codec, marker, w, codec.encoder.encode(w, marker, "exact")
 
 
 def _x(k=512, rows=9, seed=1):
@@ -116,7 +116,7 @@ def test_int4_convrot_runs_kitchens_eager_w4a4():
     got = mod(x)
     want = convrot_w4a4_linear(x, t["weight"], t["weight_scale"], None, 256)
     assert torch.equal(got, want)
-    dequant = x @ codec.decode_weight(t, marker, torch.float32).t()
+    dequant = x @ codec.decoder.decode_weight(t, marker, torch.float32).t()
     assert (got - dequant).abs().max() > 1e-2 * dequant.abs().max()
 
 
@@ -139,7 +139,7 @@ def test_int8_grids_run_with_int8_activations(target):
     mod = runtime_layer(t, marker, compute_dtype=torch.float32)
     p = layer_path(mod, torch.float32, marker["format"])
     assert p.backend == "torch-int8" and p.activations.startswith("int8 per token")
-    q, s = codec.int8_grid(t, effective_fields(marker))
+    q, s = codec.grid.int8_grid(t, effective_fields(marker))
     g = marker.get("convrot_groupsize", 256) if codec.spec.reading.uses_convrot(marker) else 0
     x = _x()
     got, want = mod(x), _w8a8(x, q, s, g)
@@ -157,7 +157,7 @@ def test_float_formats_run_their_decode(target):
     mod = runtime_layer(t, marker, compute_dtype=torch.float32)
     assert layer_path(mod, torch.float32).backend == "dequant"
     x = _x()
-    assert torch.equal(mod(x), x @ codec.decode_weight(t, marker, torch.float32).t())
+    assert torch.equal(mod(x), x @ codec.decoder.decode_weight(t, marker, torch.float32).t())
 
 
 def test_path_for_names_each_formats_cpu_path():

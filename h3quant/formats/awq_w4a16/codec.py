@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from h3quant.errors import UnsupportedError
 from h3quant.formats.awq_w4a16.spec import REFUSAL, SPEC
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Codec, DecodedGrid, Decoder, Emulator, Encoder
 
 
 def _g(fields) -> int:
     return int((fields or {}).get("group_size", 64))
 
 
-class AWQW4A16Codec(Codec):
+class AWQW4A16Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale", "weight_zeros"]
 
@@ -40,6 +40,8 @@ class AWQW4A16Codec(Codec):
         return decode_awq(tensors["weight"].view(torch.int8), tensors["weight_scale"].t(),
                           tensors["weight_zeros"].t(), _g(fields), dtype=dtype)
 
+
+class AWQW4A16Emulator(Emulator):
     def emulated_linear(self, x, tensors, fields, bias=None):
         """``x W^T + b`` as comfy-kitchen's eager ``gemv_awq_w4a16`` computes it (in the
         scales' dtype), returned in ``x.dtype``."""
@@ -50,13 +52,8 @@ class AWQW4A16Codec(Codec):
         return awq_linear(x, tensors["weight"].view(torch.int8), tensors["weight_scale"],
                           tensors["weight_zeros"], _g(fields), bias)
 
-    def int8_grid(self, tensors, fields):
-        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
-        from h3quant.errors import UnsupportedError
 
-        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
-                               "them through their float decode (dequant)", code="Q105")
-
+class AWQW4A16Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is None:
             raise UnsupportedError(REFUSAL, code="Q105")
@@ -80,4 +77,5 @@ class AWQW4A16Codec(Codec):
         return decode_awq_w4a16(t, _g(marker)), None
 
 
-CODEC = AWQW4A16Codec(SPEC)
+CODEC = Codec(SPEC, decoder=AWQW4A16Decoder(), encoder=AWQW4A16Encoder(), grid=DecodedGrid(),
+              emulator=AWQW4A16Emulator())

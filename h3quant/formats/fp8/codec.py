@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, Decoder, Encoder
 from h3quant.formats.fp8 import rules
-from h3quant.formats.fp8.spec import E4M3, E5M2
+from h3quant.formats.fp8.spec import E4M3, E5M2, codes_of
 
 
-class Fp8Codec(Codec):
-    """A per-tensor-scaled fp8 layer: one amax over the whole layer (a first pass over its
-    rows), then row chunks."""
+def _dtype(spec):
+    import torch
 
-    def _dtype(self):
-        import torch
+    return getattr(torch, codes_of(spec).torch_dtype)
 
-        return getattr(torch, self.spec.torch_dtype)
 
+class Fp8Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         s = tensors["weight_scale"]
         return (["weight"], ["weight_scale"]) if s.numel == 1 else (["weight", "weight_scale"], [])
@@ -40,10 +38,15 @@ class Fp8Codec(Codec):
         s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
         return decode_fp8(tensors["weight"], s, dtype)
 
+
+class Fp8Encoder(Encoder):
+    """A per-tensor-scaled fp8 layer: one amax over the whole layer (a first pass over its
+    rows), then row chunks."""
+
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.fp8.tensors import encode_fp8
 
-        q, s = encode_fp8(w, self._dtype(), pool=pool)
+        q, s = encode_fp8(w, _dtype(self.spec), pool=pool)
         return {"weight": q, "weight_scale": s}
 
     def encode_in_dtype(self, w, marker):
@@ -61,12 +64,12 @@ class Fp8Codec(Codec):
 
         from h3quant.formats.fp8.tensors import scale_from_amax
 
-        return scale_from_amax(torch.stack(parts).amax(), self._dtype())
+        return scale_from_amax(torch.stack(parts).amax(), _dtype(self.spec))
 
     def encode_rows(self, w, marker, method, value):
         from h3quant.formats.fp8.tensors import encode_fp8
 
-        q, s = encode_fp8(w, self._dtype(), scale=value)
+        q, s = encode_fp8(w, _dtype(self.spec), scale=value)
         return {"weight": q, "weight_scale": s}
 
     def report_grid(self, out, marker):
@@ -76,6 +79,8 @@ class Fp8Codec(Codec):
 
         return decode_fp8(out["weight"], out["weight_scale"], torch.float32), None
 
+
+class Fp8Checks(Checks):
     def value_violations(self, tensors: dict) -> list:
         """Data rules over loaded tensors (verify): scales finite and > 0, codes finite."""
         out = [replace(v, suffix=s) for s in ("weight_scale", "input_scale") if s in tensors
@@ -86,15 +91,19 @@ class Fp8Codec(Codec):
     def deep_findings(self, read, tensors: dict) -> list:
         """``validate --deep`` beyond the scales: D130 for codes that decode to NaN or inf."""
         w = tensors.get("weight")
-        if w is None or w.dtype != getattr(self.spec, "code_dtype", None):
+        if w is None or w.dtype != codes_of(self.spec).code_dtype:
             return []
-        for chunk in read(w, self._dtype()):
+        for chunk in read(w, _dtype(self.spec)):
             v = rules.nonfinite_codes(chunk)
             if v is not None:
                 return [v]
         return []
 
 
-E4M3_CODEC = Fp8Codec(E4M3)
-E5M2_CODEC = Fp8Codec(E5M2)
+def _codec(spec):
+    return Codec(spec, decoder=Fp8Decoder(), encoder=Fp8Encoder(), checks=Fp8Checks())
+
+
+E4M3_CODEC = _codec(E4M3)
+E5M2_CODEC = _codec(E5M2)
 CODEC = E4M3_CODEC

@@ -40,9 +40,9 @@ def _scale_shapes(n: int, k: int, f: dict) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
-class Fp8Spec(FormatSpec):
-    """A per-tensor-scaled fp8 format: its codes' dtype (its header rules: ``Fp8Planning``,
-    ``Fp8Rules``)."""
+class Fp8Codes:
+    """The codes of a per-tensor-scaled fp8 format, held by its planning facet (``codes_of``):
+    its planner and its codec read them."""
 
     code_dtype: str = "F8_E4M3"  # safetensors dtype of the codes
     torch_dtype: str = "float8_e4m3fn"
@@ -50,12 +50,14 @@ class Fp8Spec(FormatSpec):
 
 
 class Fp8Planning(PlanningFacet):
-    """A per-tensor-scaled fp8 format: what convert plans for it."""
+    """A per-tensor-scaled fp8 format: what convert plans for it, with its ``codes``."""
+
+    def __init__(self, codes: Fp8Codes) -> None:
+        self.codes = codes
 
     @property
     def code_dtype(self) -> str:
-        assert isinstance(self.spec, Fp8Spec)
-        return self.spec.code_dtype
+        return self.codes.code_dtype
 
     def marker(self, target, group_size):
         return {"format": self.spec.name}
@@ -79,10 +81,9 @@ class Fp8Rules(RulesFacet):
 
 
 def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: VerifyLimits,
-          text: str) -> Fp8Spec:
-    return Fp8Spec(
+          text: str) -> FormatSpec:
+    return FormatSpec(
         name=name, description=text,
-        code_dtype=code_dtype, torch_dtype=name, max_value=max_value,
         storage=StorageFacet(
             tensors=(
                 TensorSpec("weight", (code_dtype,), lambda n, k, f: [(n, k)], "[N, K]"),
@@ -112,7 +113,7 @@ def _spec(name: str, target: str, code_dtype: str, max_value: float, limits: Ver
             weight_bits=8,
             whole_model=True,
         ),
-        planning=Fp8Planning(),
+        planning=Fp8Planning(Fp8Codes(code_dtype=code_dtype, torch_dtype=name, max_value=max_value)),
         rules=Fp8Rules(),
     )
 
@@ -126,4 +127,10 @@ E5M2 = _spec("float8_e5m2", "fp8-e5m2", "F8_E5M2", 57344.0, VerifyLimits(0.12, 1
              "fp8 e5m2 codes with one fp32 scale per tensor (ComfyUI's float8_e5m2)")
 SPECS = (E4M3, E5M2)
 SPEC = E4M3
+
+
+def codes_of(spec: FormatSpec) -> Fp8Codes:
+    """The fp8 codes of ``spec``, one of ``SPECS``."""
+    assert isinstance(spec.planning, Fp8Planning), spec.name
+    return spec.planning.codes
 

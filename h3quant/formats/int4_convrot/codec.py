@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, DecodedGrid, Decoder, Emulator, Encoder
 from h3quant.formats.int4_convrot.spec import ALIAS_SPEC, SPEC
 from h3quant.formats.spec import Violation
 
@@ -11,7 +11,7 @@ def _g(fields) -> int:
     return int((fields or {}).get("convrot_groupsize", 256))
 
 
-class ConvRotW4A4Codec(Codec):
+class ConvRotW4A4Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         return ["weight", "weight_scale"], []
 
@@ -32,6 +32,8 @@ class ConvRotW4A4Codec(Codec):
         return decode_int4_convrot(tensors["weight"].view(torch.int8),
                                    tensors["weight_scale"].reshape(-1), _g(fields), dtype=dtype)
 
+
+class ConvRotW4A4Emulator(Emulator):
     def kernel_route(self, fields, capability):
         """(activation bits, what runs) for a layer under ``fields`` in comfy-kitchen 0.2.40's
         CUDA ``convrot_w4a4_linear`` on a GPU of compute ``capability`` (major, minor), for
@@ -70,13 +72,8 @@ class ConvRotW4A4Codec(Codec):
         bits = 4 if capability is None else self.kernel_route(fields, capability)[0]
         return rounded_activations(x, _g(fields), bits)
 
-    def int8_grid(self, tensors, fields):
-        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
-        from h3quant.errors import UnsupportedError
 
-        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
-                               "them through their float decode (dequant)", code="Q105")
-
+class ConvRotW4A4Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same rotation and scales, codes by error feedback
             from h3quant.formats.int4_convrot.calibrated import encode_int4_convrot_calibrated
@@ -93,6 +90,8 @@ class ConvRotW4A4Codec(Codec):
 
         return decode_int4_convrot(out["weight"], out["weight_scale"].reshape(-1), _g(marker)), None
 
+
+class ConvRotW4A4Checks(Checks):
     def layer_data_violations(self, tensors, read, fields):
         import torch
 
@@ -108,5 +107,10 @@ class ConvRotW4A4Codec(Codec):
                           "codes in [-7, 7] (legal storage, but not the reference encoder's)")]
 
 
-CODEC = ConvRotW4A4Codec(SPEC)
-ALIAS_CODEC = ConvRotW4A4Codec(ALIAS_SPEC)  # int4_tensorwise: the same tensor work
+def _codec(spec):
+    return Codec(spec, decoder=ConvRotW4A4Decoder(), encoder=ConvRotW4A4Encoder(),
+                 grid=DecodedGrid(), emulator=ConvRotW4A4Emulator(), checks=ConvRotW4A4Checks())
+
+
+CODEC = _codec(SPEC)
+ALIAS_CODEC = _codec(ALIAS_SPEC)  # int4_tensorwise: the same tensor work

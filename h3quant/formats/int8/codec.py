@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Codec, Decoder, Encoder, Grid
 from h3quant.formats.int8.spec import NAME, SPEC, int8_marker  # noqa: F401  (re-exported)
 from h3quant.formats.spec import RowRange
 
 
-class Int8Codec(Codec):
+class Int8Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         if tensors["weight_scale"].numel == 1:
             return ["weight"], ["weight_scale"]
@@ -26,6 +26,8 @@ class Int8Codec(Codec):
         return decode_int8(q, s, convrot=bool(fields.get("convrot")),
                            group_size=fields.get("convrot_groupsize", 256), dtype=torch.float32)
 
+
+class Int8Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same scales, codes by error feedback
             from h3quant.formats.int8.tensors import encode_int8_calibrated
@@ -61,6 +63,8 @@ class Int8Codec(Codec):
                             dtype=torch.float32)
         return w_hat, (q, s, convrot, g)
 
+
+class Int8Grid(Grid):
     def int8_grid(self, tensors, fields):
         import torch
 
@@ -91,4 +95,4 @@ class Int8Codec(Codec):
                         "was computed in bf16)", alt=w4a8_grid)
 
 
-CODEC = Int8Codec(SPEC)
+CODEC = Codec(SPEC, decoder=Int8Decoder(), encoder=Int8Encoder(), grid=Int8Grid())

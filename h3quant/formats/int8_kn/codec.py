@@ -7,26 +7,38 @@ The encoder returns canonical row chunks (``weight`` rows ``[n, K]``); the spec'
 
 from __future__ import annotations
 
-from h3quant.formats.int8.codec import Int8Codec
+from h3quant.formats.codec import Checks, Codec
+from h3quant.formats.int8.codec import Int8Decoder, Int8Encoder, Int8Grid
 from h3quant.formats.int8_kn.spec import NAME, SPEC  # noqa: F401  (re-exported)
 
 
-class Int8KnCodec(Int8Codec):
+class Int8KnDecoder(Int8Decoder):
     def source_tensors(self, fields, tensors):
         # the weight is read through column_sources: layer rows are columns of [K, N]
         return ["weight_scale"], []
 
+
+class Int8KnEncoder(Int8Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         out = super().encode(w, marker, method, pool, calibration)
         out["weight_scale"] = out["weight_scale"].reshape(-1)
         return out
 
+
+class Int8KnGrid(Int8Grid):
     def int8_grid(self, tensors, fields):
         import torch
 
         q = tensors["weight"].t()  # [N, K] view of the stored [K, N]: no copy
         return q, tensors["weight_scale"].to(torch.float32).reshape(-1)
 
+    def nz_eligible(self, n, k):
+        from h3quant.formats.int8_kn.tensors import nz_eligible
+
+        return nz_eligible(n, k)
+
+
+class Int8KnChecks(Checks):
     def data_violation(self, suffix, values):
         """D107: the weight is stored untransposed. The encoder scales each output channel by
         its absmax / 127, so in canonical [N, K] codes every row peaks at |q| = 127. A kn weight
@@ -55,10 +67,6 @@ class Int8KnCodec(Int8Codec):
                          "the int8_tensorwise_kn name (a square layer's shape cannot tell)",
                          "weight")
 
-    def nz_eligible(self, n, k):
-        from h3quant.formats.int8_kn.tensors import nz_eligible
 
-        return nz_eligible(n, k)
-
-
-CODEC = Int8KnCodec(SPEC)
+CODEC = Codec(SPEC, decoder=Int8KnDecoder(), encoder=Int8KnEncoder(), grid=Int8KnGrid(),
+              checks=Int8KnChecks())

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, Decoder, Encoder
 from h3quant.formats.fp8 import rules
 from h3quant.formats.mxfp8.spec import BLOCK, SPEC
 
 
-class MxFp8Codec(Codec):
+class MxFp8Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale"]
 
@@ -26,6 +26,8 @@ class MxFp8Codec(Codec):
 
         return decode_mxfp8(tensors["weight"], tensors["weight_scale"], dtype)
 
+
+class MxFp8Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         from h3quant.formats.mxfp8.tensors import encode_mxfp8
 
@@ -50,6 +52,8 @@ class MxFp8Codec(Codec):
         w = q.to(torch.float32).reshape(q.shape[0], k // BLOCK, BLOCK) * s.unsqueeze(-1)
         return w.reshape(q.shape[0], k), None
 
+
+class MxFp8Checks(Checks):
     def value_violations(self, tensors: dict) -> list:
         """Data rules over loaded tensors (verify): e8m0 scales not NaN, codes finite."""
         out = [replace(v, suffix="input_scale") for v in rules.scale_violations(
@@ -81,4 +85,4 @@ class MxFp8Codec(Codec):
         return out
 
 
-CODEC = MxFp8Codec(SPEC)
+CODEC = Codec(SPEC, decoder=MxFp8Decoder(), encoder=MxFp8Encoder(), checks=MxFp8Checks())

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, DecodedGrid, Decoder, Encoder
 from h3quant.formats.nvfp4.spec import BLOCK, SPEC
 from h3quant.formats.spec import Violation
 
 
-class NVFP4Codec(Codec):
+class NVFP4Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         return ["weight"], ["weight_scale", "weight_scale_2"]
 
@@ -44,13 +44,8 @@ class NVFP4Codec(Codec):
         return decode_nvfp4(tensors["weight"].view(torch.uint8), tensors["weight_scale"],
                             tensors["weight_scale_2"], dtype=dtype)
 
-    def int8_grid(self, tensors, fields):
-        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
-        from h3quant.errors import UnsupportedError
 
-        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
-                               "them through their float decode (dequant)", code="Q105")
-
+class NVFP4Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the same scales, e2m1 codes by error feedback
             from h3quant.formats.nvfp4.calibrated import encode_nvfp4_calibrated
@@ -83,6 +78,8 @@ class NVFP4Codec(Codec):
         return decode_nvfp4(out["weight"], out["weight_scale"], out["weight_scale_2"],
                             rows=out.get("_rows")), None
 
+
+class NVFP4Checks(Checks):
     def layer_data_violations(self, tensors, read, fields):
         import torch
 
@@ -97,4 +94,5 @@ class NVFP4Codec(Codec):
         return [Violation(c, m, sfx) for c, m, sfx in deep_violations(q, raw)]
 
 
-CODEC = NVFP4Codec(SPEC)
+CODEC = Codec(SPEC, decoder=NVFP4Decoder(), encoder=NVFP4Encoder(), grid=DecodedGrid(),
+              checks=NVFP4Checks())

@@ -5,4 +5,4 @@ from __future__ import annotations
 from h3quant.formats.codec import Codec
 from h3quant.formats.plain.spec import SPEC
 
-CODEC = Codec(SPEC)  # the base codec's tensor work is the plain layer's
+CODEC = Codec(SPEC)  # the default facets' tensor work is the plain layer's

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h3quant.errors import UnsupportedError
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Codec, DecodedGrid, Decoder, Encoder
 from h3quant.formats.svdquant_w4a4.spec import READ_ONLY, SPEC, SPELLINGS, spelling
 
 
@@ -15,7 +15,7 @@ def _names(tensors) -> tuple[str, str, str]:
     return names
 
 
-class SVDQuantW4A4Codec(Codec):
+class SVDQuantW4A4Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         down, up, smooth = spelling(tensors) or SPELLINGS[0]  # missing ones: the rules say so
         return ["weight"], ["weight_scale", down, up, smooth]
@@ -53,13 +53,11 @@ class SVDQuantW4A4Codec(Codec):
                          tensors[down], tensors[up], tensors[smooth])
         return w.to(dtype)
 
-    def int8_grid(self, tensors, fields):
-        """No int8 grid: the runtime runs these layers through ``decode_weight`` (dequant)."""
-        raise UnsupportedError(f"{self.spec.name} layers have no int8 grid; the runtime runs "
-                               "them through their float decode (dequant)", code="Q105")
 
+class SVDQuantW4A4Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         raise UnsupportedError(READ_ONLY, code="Q105")
 
 
-CODEC = SVDQuantW4A4Codec(SPEC)
+CODEC = Codec(SPEC, decoder=SVDQuantW4A4Decoder(), encoder=SVDQuantW4A4Encoder(),
+              grid=DecodedGrid())

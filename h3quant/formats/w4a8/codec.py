@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from h3quant.formats.codec import Codec
+from h3quant.formats.codec import Checks, Codec, Decoder, Encoder, Grid
 from h3quant.formats.spec import RowRange
 from h3quant.formats.w4a8.spec import GROUP, NAME, SPEC, w4a8_marker  # noqa: F401  (re-exported)
 
 
-class W4A8Codec(Codec):
+class W4A8Decoder(Decoder):
     def source_tensors(self, fields, tensors):
         whole = ["weight_codebook"] if "weight_codebook" in tensors else []
         return ["weight", "weight_s_rel", "weight_s_channel"], whole
@@ -25,6 +25,8 @@ class W4A8Codec(Codec):
                            convrot_groupsize=fields.get("convrot_groupsize", 256),
                            dtype=torch.float32)
 
+
+class W4A8Encoder(Encoder):
     def encode(self, w, marker, method, pool=None, calibration=None):
         if calibration is not None:  # the codebook and scales as always, codes by feedback
             from h3quant.formats.w4a8.calibrated import encode_w4a8_calibrated
@@ -50,6 +52,8 @@ class W4A8Codec(Codec):
         q = decode_w4a8_int8(out["weight"], out["weight_s_rel"], group_size=g, codebook=cb)
         return w_hat, (q, out["weight_s_channel"], True, cg)
 
+
+class W4A8Grid(Grid):
     def int8_grid(self, tensors, fields):
         import torch
 
@@ -79,6 +83,8 @@ class W4A8Codec(Codec):
         low = th.w4a8_row_peak_min
         return RowRange(False, low, 127, False, f"row peak in [{low}, 127]")
 
+
+class W4A8Checks(Checks):
     def data_violation(self, suffix, values):
         if suffix != "weight_codebook":
             return None
@@ -87,4 +93,5 @@ class W4A8Codec(Codec):
         return codebook_violation(values)
 
 
-CODEC = W4A8Codec(SPEC)
+CODEC = Codec(SPEC, decoder=W4A8Decoder(), encoder=W4A8Encoder(), grid=W4A8Grid(),
+              checks=W4A8Checks())

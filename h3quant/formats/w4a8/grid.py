@@ -53,6 +53,6 @@ def grid_table(q: torch.Tensor, group: int = GROUP) -> str | None:
 
 
 def grid_origin(q: torch.Tensor) -> str | None:
-    """What ``Codec.grid_origin`` says for W4A8: the table and group of the grid ``q`` lies on."""
+    """What ``codec.grid.grid_origin`` says for W4A8: the table and group of the grid ``q`` lies on."""
     table = grid_table(q)
     return None if table is None else f"{table} levels, groups of {GROUP}"

@@ -77,14 +77,14 @@ class SourceRows:
         self.f = lp.src_fields
         self.t = lp.inputs
         self.codec = registry.codec_for(self.f, tensor=lp.name)
-        row_names, whole_names = self.codec.source_tensors(self.f, self.t)
+        row_names, whole_names = self.codec.decoder.source_tensors(self.f, self.t)
         self._rows = [self.t[n] for n in row_names]
         self._whole = {n: reader.whole(self.t[n]).clone() for n in whole_names}
         # Stored [K, N] (int8_tensorwise_kn): layer rows are columns, sliced from one read of
         # the tensor (one layer's codes; mapped pages are dropped after the last row).
         self._cols = {n: reader.whole(self.t[n]) for n in self.codec.spec.storage.column_sources}
         # row-indexed views the codec derives from whole tensors (nvfp4's unswizzled scales)
-        self._views = self.codec.row_views(self._whole, self.f)
+        self._views = self.codec.decoder.row_views(self._whole, self.f)
 
     def used(self) -> list:
         """The tensors read row by row (what progress, prefetch and release cover)."""
@@ -109,7 +109,7 @@ class SourceRows:
         if self.codec.spec.runtime.needs_row0:  # block scales laid out across rows
             rows["_row0"] = r0
         rows.update({name: view[r0:r1] for name, view in self._views.items()})
-        return self.codec.decode_rows(rows, self._whole, self.f)
+        return self.codec.decoder.decode_rows(rows, self._whole, self.f)
 
 
 def _chunked(n: int, k: int, task, workers: int, pool: ThreadPoolExecutor | None,
@@ -199,8 +199,8 @@ def encode_chunked(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, p
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        out = codec.encode(w, marker, opts.rotation, calibration=calibration) \
-            if calibration is not None else codec.encode(w, marker, opts.rotation)
+        out = codec.encoder.encode(w, marker, opts.rotation, calibration=calibration) \
+            if calibration is not None else codec.encoder.encode(w, marker, opts.rotation)
         with lock:
             samples.take(r0, r1, w, **out)
         src.release(r0, r1)
@@ -238,9 +238,9 @@ def encode_whole(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, pro
         for r0, r1, rows in _chunked(n, k, lambda a, b: (a, b, src.rows(a, b)), workers, pool):
             w[r0:r1] = rows
     if calibration is not None:
-        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
+        out = opts.codec.encoder.encode(w, lp.out_fields, opts.rotation, pool=pool, calibration=calibration)
     else:
-        out = opts.codec.encode(w, lp.out_fields, opts.rotation, pool=pool)
+        out = opts.codec.encoder.encode(w, lp.out_fields, opts.rotation, pool=pool)
     _check_finite(lp, {s: v for s, v in out.items() if s not in opts.codec.spec.encoding.unrowed_outputs}, 0)
     _check_planned(lp, out, n, opts.codec.spec.encoding.unrowed_outputs)
     samples = Samples.for_layer(n, opts.report)
@@ -282,11 +282,11 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
     if codec.spec.encoding.scans:  # the first pass: the layer-wide value
 
         def scan(r0, r1):
-            part = codec.scan_rows(src.rows(r0, r1))
+            part = codec.encoder.scan_rows(src.rows(r0, r1))
             src.release(r0, r1)
             return part
 
-        value = codec.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
+        value = codec.encoder.layer_value(list(_chunked(n, k, scan, workers, pool, step)))
     planned = _planned(lp)
     unrowed = spec.encoding.unrowed_outputs
     gathered: dict[str, torch.Tensor] = {}
@@ -297,7 +297,7 @@ def encode_streamed(lp: LayerPlan, src: SourceRows, opts: ConvertOptions, sink, 
         if r1 < n:
             src.prefetch(r1, min(n, r1 + step))
         w = src.rows(r0, r1)
-        out = codec.encode_rows(w, marker, opts.rotation, value)
+        out = codec.encoder.encode_rows(w, marker, opts.rotation, value)
         with lock:
             samples.take(r0, r1, w, **{s: v[:r1 - r0] for s, v in out.items() if s not in unrowed})
         src.release(r0, r1)

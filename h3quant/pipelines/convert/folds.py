@@ -113,7 +113,7 @@ class ChannelScales:
                 src = self.make_rows(lp)
                 w = src.rows(0, lp.n).float()
                 src.release(0, lp.n)
-                s, scaled, info = codec.channel_scale(w, lp.out_fields, st)
+                s, scaled, info = codec.encoder.channel_scale(w, lp.out_fields, st)
                 del w
                 info = {"predecessor": fold.predecessor, **info}
                 self._found[fold.consumer] = (s, scaled, info)

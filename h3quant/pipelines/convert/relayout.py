@@ -111,7 +111,7 @@ def grid_layer(lp, reader, sink, progress, codec) -> None:
     step = max(1, TRANSPOSE_BYTES // max(k, 1))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        q = src.grid_rows({s: reader.rows(t[s], r0, r1) for s in spec.relayout.grid_rows}, whole, f)
+        q = src.grid.grid_rows({s: reader.rows(t[s], r0, r1) for s in spec.relayout.grid_rows}, whole, f)
         if transposer is not None:
             transposer.add(q)
         else:

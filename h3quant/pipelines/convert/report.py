@@ -44,7 +44,7 @@ def layer_metrics(codec, lp, ref: torch.Tensor, out: dict) -> dict:
     """Metrics of one converted layer from its sampled rows (see the module docstring)."""
     x = activation(lp.k)
     y_ref = x @ ref.t()
-    w_hat, grid = codec.report_grid(out, lp.out_fields or {})
+    w_hat, grid = codec.encoder.report_grid(out, lp.out_fields or {})
     if grid is None:
         y = x @ w_hat.t()
     else:

@@ -53,7 +53,7 @@ def check_source_scales(lp, reader) -> None:
         t = reader.whole(info).contiguous().reshape(-1)
         return t.view(dtype) if dtype is not None else t
 
-    for v in codec.layer_data_violations(lp.inputs, read, lp.src_fields or {}):
+    for v in codec.checks.layer_data_violations(lp.inputs, read, lp.src_fields or {}):
         if rule(v.code).severity is Severity.ERROR:  # nvfp4 block scales against codes ...
             info = lp.inputs.get(v.suffix)
             raise FormatError(f"[{v.code}] source {v.suffix}: {v.message}; nothing written",
@@ -71,7 +71,7 @@ def check_source_codebook(lp, reader) -> None:
         info = lp.inputs.get(suffix)
         if info is None:
             continue
-        v = codec.data_violation(suffix, reader.whole(info))
+        v = codec.checks.data_violation(suffix, reader.whole(info))
         if v is not None:
             raise FindingError(f"[{v.code}] source {suffix}: {v.message}; nothing written",
                                tensor=info.name, code=v.code)
@@ -212,7 +212,7 @@ def _run_layer(lp, *, plan, reader, sinks, bar, pool, results, failures, scales=
                 ref, out = samples.cat()
                 args = (opts.codec, lp, ref, out)
                 if info is not None:
-                    w_hat, _ = opts.codec.report_grid(out, lp.out_fields or {})
+                    w_hat, _ = opts.codec.encoder.report_grid(out, lp.out_fields or {})
                     if s is not None:  # the error of W diag(s) on x / s: in the plain basis
                         ref, w_hat = ref / s, w_hat / s
                     info["output_sqnr_db"] = plan.calibration.output_sqnr(lp, ref, w_hat)

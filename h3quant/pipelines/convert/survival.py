@@ -35,8 +35,8 @@ def _rows(x, r0: int, r1: int):
 
 def _encoded(codec, marker, w, method):
     """(decoded fp32 weight, stored codes) of ``w`` in the target format."""
-    out = codec.encode(w, marker, method)
-    deq, grid = codec.report_grid(out, marker)
+    out = codec.encoder.encode(w, marker, method)
+    deq, grid = codec.encoder.report_grid(out, marker)
     return deq, (grid[0] if grid is not None else out["weight"])
 
 

@@ -278,10 +278,10 @@ def _encoded_layer(layer, cand: Candidate, calibration=None):
         # convert's own per-layer decision (no statistics, too few rows: rounded to nearest)
         st, _ = calibration.for_layer(layer.name, k, codec, marker)
     if st is not None:
-        tensors = dict(codec.encode(layer.weight, marker, "exact", calibration=st))
+        tensors = dict(codec.encoder.encode(layer.weight, marker, "exact", calibration=st))
         st.release()
     else:
-        tensors = dict(codec.encode(layer.weight, marker, "exact"))
+        tensors = dict(codec.encoder.encode(layer.weight, marker, "exact"))
     if layer.bias is not None:
         tensors["bias"] = layer.bias
     return LoadedLayer(layer.name, tensors, effective_fields(marker), "plan")
@@ -306,11 +306,11 @@ def _candidate_linear(layer, device, compute_dtype, runtime: bool = False):
         if (layer.fields or {}).get("linear_dtype") == "int8":
             mod = on_kernel_route(mod, A8_ROUTE)
         return mod
-    rows, whole = codec.source_tensors(layer.fields, layer.tensors)
+    rows, whole = codec.decoder.source_tensors(layer.fields, layer.tensors)
     whole_t = {s: layer.tensors[s] for s in whole}
     local = {s: layer.tensors[s] for s in rows}
-    local.update(codec.row_views(whole_t, layer.fields))
-    w = codec.decode_rows(local, whole_t, layer.fields)
+    local.update(codec.decoder.row_views(whole_t, layer.fields))
+    w = codec.decoder.decode_rows(local, whole_t, layer.fields)
     return FloatLinear(w.to(torch.bfloat16), layer.bias)  # cast in chunks per call
 
 

@@ -200,8 +200,8 @@ def _decoded_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, floa
     """A layer run through its decode (fp8, mxfp8, ...): its codec's value rules (scales,
     codes) and the magnitude of its decoded rows against the float siblings."""
     name = layer.name
-    found = layer.codec.value_violations(layer.tensors) \
-        if hasattr(layer.codec, "value_violations") else []
+    found = layer.codec.checks.value_violations(layer.tensors) \
+        if hasattr(layer.codec.checks, "value_violations") else []
     text = "; ".join(f"[{v.code}] {v.suffix}: {v.message}" for v in found)
     out = [DataCheck(name, "scales", None, "finite, > 0; codes finite", not found, text)]
     ref = siblings.get(_role(name) or "")
@@ -235,7 +235,7 @@ def data_checks(layer: LoadedLayer, th: Thresholds, siblings: dict[str, float]) 
         peak = torch.maximum(q.amax(1).to(torch.int32), -qmin)
     else:
         qmin = peak = torch.zeros(0, dtype=torch.int32)
-    rule = layer.codec.row_range(layer.tensors, th)
+    rule = layer.codec.grid.row_range(layer.tensors, th)
     if rule.per_tensor:
         peak = peak.max().reshape(1) if peak.numel() else peak  # one scale: one peak per tensor
         qmin = qmin.min().reshape(1) if qmin.numel() else qmin

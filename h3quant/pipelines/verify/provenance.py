@@ -8,7 +8,7 @@ when either
 - the header says so: its name is listed in ``h3quant.from_w4a8`` (written by ``convert``), or
 - its data says so: it is a ConvRot int8 layer and its sampled rows (``SAMPLE_ROWS`` rows, their
   first ``SAMPLE_COLS`` codes) lie on W4A8's decoded grid, as W4A8's codec tells
-  (``Codec.grid_origin``, found through the registry).
+  (``codec.grid.grid_origin``, found through the registry).
 
 Everything else (a float layer, a W4A8 layer, an int8 layer made from floats) is judged as
 stored. The rule is in docs/verify.md.
@@ -41,7 +41,7 @@ class Judgement:
 def grid_origin(q: torch.Tensor) -> str | None:
     """The W4A8 grid int8 codes ``q`` [n, K] lie on (its codec's description), or None."""
     codec = registry.get(W4A8)
-    return codec.grid_origin(q) if codec is not None else None
+    return codec.grid.grid_origin(q) if codec is not None else None
 
 
 def sampled_grid_origin(q: torch.Tensor) -> str | None:

@@ -73,7 +73,7 @@ def test_full_dims_layer_matches_kitchen():
 
     w = (torch.randn(5376, 5376, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()
     kq, kp = TensorCoreMXFP8Layout.quantize(w)
-    out = registry.get("mxfp8").encode(w, MX, None)
+    out = registry.get("mxfp8").encoder.encode(w, MX, None)
     assert torch.equal(_bits(out["weight"]), _bits(kq))
     assert torch.equal(_bits(out["weight_scale"]), _bits(kp.scale))
 
@@ -119,7 +119,7 @@ def test_kitchen_written_file_inspects_validates_verifies(src, tmp_path, u8):
         q, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
         p = TensorCoreMXFP8Layout.Params(scale=s.view(torch.float8_e8m0fnu), orig_dtype=torch.bfloat16,
                                          orig_shape=tuple(q.shape))
-        assert torch.equal(codec.decode_weight({"weight": q, "weight_scale": s}, None, torch.bfloat16),
+        assert torch.equal(codec.decoder.decode_weight({"weight": q, "weight_scale": s}, None, torch.bfloat16),
                            TensorCoreMXFP8Layout.dequantize(q, p))
 
 

@@ -196,12 +196,12 @@ def test_row_chunks_decode_with_their_tiles_scales():
 
     out = encode_nvfp4(_weight(512, 256, seed=12))
     whole = {"weight_scale": out["weight_scale"], "weight_scale_2": out["weight_scale_2"]}
-    full = CODEC.decode_rows({"weight": out["weight"]}, whole, {})
-    views = CODEC.row_views(whole, {})
+    full = CODEC.decoder.decode_rows({"weight": out["weight"]}, whole, {})
+    views = CODEC.decoder.row_views(whole, {})
     for r0, r1 in ((0, 128), (130, 300), (500, 512)):
         q = out["weight"][r0:r1]
-        by_view = CODEC.decode_rows({"weight": q, "block_grid": views["block_grid"][r0:r1]}, whole, {})
-        by_row0 = CODEC.decode_rows({"weight": q, "_row0": r0}, whole, {})
+        by_view = CODEC.decoder.decode_rows({"weight": q, "block_grid": views["block_grid"][r0:r1]}, whole, {})
+        by_row0 = CODEC.decoder.decode_rows({"weight": q, "_row0": r0}, whole, {})
         assert torch.equal(by_view, full[r0:r1]) and torch.equal(by_row0, full[r0:r1])
 
 

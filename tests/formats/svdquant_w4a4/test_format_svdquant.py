@@ -75,14 +75,14 @@ def test_decode_is_kitchens_dequantize(dtype, n, k, rank):
          "weight_smooth_factor": (torch.rand(k, generator=gen) + 0.5).to(dtype)}
     want = kitchen_dequant(t)
     codec = registry.get("svdquant_w4a4")
-    got = codec.decode_weight(t, {"format": "svdquant_w4a4"}, dtype)
+    got = codec.decoder.decode_weight(t, {"format": "svdquant_w4a4"}, dtype)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     # convert's way: row chunks through the codec's views (the low-rank branch is computed
     # for the whole layer once: a matmul over fewer rows may sum in another order)
-    rows, whole = codec.source_tensors(None, t)
+    rows, whole = codec.decoder.source_tensors(None, t)
     whole_t = {s: t[s] for s in whole}
-    views = codec.row_views(whole_t, None)
-    parts = [codec.decode_rows({"weight": t["weight"][r:r + 7],
+    views = codec.decoder.row_views(whole_t, None)
+    parts = [codec.decoder.decode_rows({"weight": t["weight"][r:r + 7],
                                 **{s: v[r:r + 7] for s, v in views.items()}}, whole_t, None)
              for r in range(0, n, 7)]
     assert torch.equal(torch.cat(parts), want.float())

@@ -72,12 +72,13 @@ def test_chunks_with_a_partial_last_tile_give_kitchens_bytes(target):
     assert spec.encoding.streamed and not spec.encoding.chunked
     step = max(spec.encoding.chunk_rows, 128)
     spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    value = codec.layer_value([codec.scan_rows(w[a:b]) for a, b in spans]) if codec.spec.encoding.scans else None
+    enc = codec.encoder
+    value = enc.layer_value([enc.scan_rows(w[a:b]) for a, b in spans]) if codec.spec.encoding.scans else None
     layout, kw = LAYOUTS[target]
     want = kitchen_state(w, layout, "x", **kw)
     got: dict[str, torch.Tensor] = {}
     for r0, r1 in spans:
-        for suffix, t in codec.encode_rows(w[r0:r1], None, "exact", value).items():
+        for suffix, t in codec.encoder.encode_rows(w[r0:r1], None, "exact", value).items():
             key = f"x.{suffix}"
             if t.dim() == 0:
                 got[key] = t
