@@ -38,9 +38,11 @@ from pathlib import Path
 
 import torch
 
-from bench_onepass import byte_diff, make_inputs, whole_model
+from bench_onepass import byte_diff, make_inputs
 from h3quant.calibration.gptq import damped
+from h3quant.errors import H3QuantError
 from h3quant.h3.topology import BLOCK_LINEARS, config_for
+from h3quant.pipelines.verify.model import ModelInputs, verify_model
 
 FORMS = {"float32 whole (v1-2)": (4, False), "float32 upper half (v3)": (4, True),
          "16-bit whole": (2, False), "16-bit upper half": (2, True)}
@@ -98,6 +100,15 @@ def inverse_factor_float32(h: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     return torch.linalg.cholesky(li.t() @ li, upper=True)
 
 
+def model_sqnr(path, src, inputs) -> dict[str, float]:
+    """``verify --model --reference src`` on each held-out call (the runtime path, CPU): the
+    mean output SQNR per output."""
+    runs = [verify_model(path, reference=src, device="cpu", inputs=ModelInputs.from_file(p))
+            for p in inputs]
+    return {o.name: statistics.mean(o2.sqnr_db for r in runs for o2 in r.outputs
+                                    if o2.name == o.name) for o in runs[0].outputs}
+
+
 def layer_sqnr(report) -> dict[str, float]:
     rep = report.to_dict()
     layers = rep["layers"] if isinstance(rep["layers"], list) else list(rep["layers"].values())
@@ -115,13 +126,15 @@ def quality(args) -> None:
     d = args.dir
     d.mkdir(parents=True, exist_ok=True)
     src = d / "float.safetensors"
-    synth_checkpoint(src, preset="tiny", blocks=args.blocks, seed=0)
+    if not (args.reuse and src.exists()):
+        synth_checkpoint(src, preset="tiny", blocks=args.blocks, seed=0)
     for sub in ("A", "B"):
         (d / sub).mkdir(exist_ok=True)
     a = make_inputs(d / "A", src, range(args.calls), 64, (16, 16), 32)
     b = make_inputs(d / "B", src, range(100, 103), 40, (12, 20), 24)
     for name, ins in (("A", a), ("B", b)):
-        capture_statistics(src, ins, d / f"{name}.stats", predict=False, overwrite=True)
+        if not (args.reuse and (d / f"{name}.stats").exists()):
+            capture_statistics(src, ins, d / f"{name}.stats", predict=False, overwrite=True)
     variants = {"float32 whole (v2, reference)": rewrite(d / "A.stats", d / "A_whole.stats", "whole"),
                 "float32 upper half (v3)": d / "A.stats",
                 "bf16": rewrite(d / "A.stats", d / "A_bf16.stats", "bf16"),
@@ -143,10 +156,13 @@ def quality(args) -> None:
                 rep = convert(src, out, ConvertOptions(
                     target=fmt, calibration=str(stats), calibration_heldout=str(d / "B.stats"),
                     overwrite=True))
+            except H3QuantError as exc:  # e.g. a rounded H no longer positive definite
+                print(f"| {fmt} | {label} | refused: {str(exc).split(';')[0][:150]} | | | | | | |")
+                continue
             finally:
                 gptq.inverse_factor = original
             per = layer_sqnr(rep)
-            q = whole_model(out, src, b)
+            q = model_sqnr(out, src, b)
             if ref is None:
                 ref = (out, per, q)
                 print(f"| {fmt} | {label} | - | {statistics.mean(per.values()):.3f} (mean) | - "
@@ -227,6 +243,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="*", default=["w4a8", "int8-convrot", "nvfp4"])
     ap.add_argument("--factor-k", type=int, default=14336)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="keep --dir's checkpoint, inputs and "
+                    "statistics from an earlier run (the same --blocks and --calls)")
     ap.add_argument("--skip-factor", action="store_true")
     args = ap.parse_args()
     sizes()
