@@ -65,7 +65,7 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
 
     Memory: at most two float64 ``K x K`` buffers at a time besides ``h`` (each step writes into
     the buffer it reads where torch allows it, and a buffer is dropped once used): 3.3 GB at
-    K = 14336. The values are those of the same steps with a fresh buffer each."""
+    K = 14336. The values are those of the same steps with a fresh buffer each (tested)."""
     lower = damped(h, damp)
     torch.linalg.cholesky(lower, out=lower)
     li = _lower_inverse(lower)
@@ -87,7 +87,9 @@ def _lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     """``L^-1`` (float64) by a triangular solve into a new buffer."""
     # H^-1 = L^-T L^-1 through a triangular solve and a GEMM: LAPACK's potri (cholesky_inverse)
     # was measured 5-25x slower on a busy two-core machine
-    li = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device)
+    # column-major, as torch lays out its own result: a row-major ``out`` was measured to take
+    # another path whose last bits differ (K = 4096)
+    li = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device).mT
     return torch.linalg.solve_triangular(lower, li, upper=False, out=li)
 
 
