@@ -18,7 +18,10 @@ int8 NPU ``kn`` layout converted from it):
 - ``calib-capture``: ``capture`` on the device against ``capture`` on the CPU (the Hessians of
   every linear agree to fp32 rounding), then ``model-<fmt>-calibrated``: ``convert
   --calibration`` (int8-convrot, w4a8) from the device's statistics, run by ``verify --model``
-  on the device; its SQNR is printed beside the uncalibrated file's (synthetic inputs).
+  on the device; its SQNR is printed beside the uncalibrated file's (synthetic inputs);
+- ``calib-onepass``: ``convert --calibrate-on`` (int8-convrot, float feedback) on the device
+  from the same inputs: every tensor must have the bytes of the two-step file above (capture on
+  the device, then ``convert --calibration``), and ``verify --model`` on the device passes.
 
 ``--device cpu`` runs the same checks on the CPU (kitchen's ``eager`` backend), a quick smoke
 test of this script for machines without a GPU (the test suite does that).
@@ -119,13 +122,39 @@ def calibration_checks(files, d: Path, device: str) -> None:
             continue
         model_check(f"model-{plain}-calibrated", out, src, device, None,
                     compare_with=files[plain])
+    onepass_check(files, ins, d, device)
+
+
+def onepass_check(files, ins, d: Path, device: str) -> None:
+    """convert --calibrate-on on the device: the two-step file's bytes, and verify --model."""
+    from h3quant.formats.container.reader import SafetensorsFile
+
+    src, two = files["bf16"], d / "int8-convrot-calibrated.safetensors"
+    out = d / "int8-onepass.safetensors"
+    try:
+        h3q("convert", src, out, "--to", "int8-convrot", "--device", device, "--calibrate-on",
+            *ins)
+        with SafetensorsFile(out, mmap=False) as a, SafetensorsFile(two, mmap=False) as b:
+            differ = [n for n in a.tensors if n not in b.tensors or a.read_bytes(
+                a.tensors[n], 0, a.tensors[n].nbytes) != b.read_bytes(b.tensors[n], 0,
+                                                                      b.tensors[n].nbytes)]
+            total = len(a.tensors)
+    except Exception as exc:  # a failed convert (or no two-step file) is a FAIL line
+        line("FAIL", "calib-onepass", f"{type(exc).__name__}: {exc}")
+        return
+    if differ:
+        line("FAIL", "calib-onepass", f"{len(differ)} of {total} tensors differ from capture "
+             f"+ convert --calibration on {device} (first {differ[0]})")
+        return
+    model_check("calib-onepass", out, src, device, None, compare_with=files["int8"],
+                note=f"{total} tensors equal the two-step file's")
 
 
 def _sqnr(res) -> dict[str, float]:
     return {o.name: o.sqnr_db for o in res.outputs}
 
 
-def model_check(name, path, ref, device, backend, compare_with=None) -> None:
+def model_check(name, path, ref, device, backend, compare_with=None, note: str = "") -> None:
     from h3quant.pipelines.verify import ModelInputs, verify_model
 
     inputs = ModelInputs(frames=2, height=16, width=16, audio_frames=32, text_tokens=64)
@@ -148,6 +177,7 @@ def model_check(name, path, ref, device, backend, compare_with=None) -> None:
          f"{SQNR_SPREAD_DB:g}) backends {backends}"
          + ("" if plain is None else " (uncalibrated on " + device + ": " + " ".join(
              f"{k} {v:.2f}" for k, v in _sqnr(plain).items()) + ")")
+         + (f"; {note}" if note else "")
          + ("" if dev.passed and cpu.passed else f" failures {dev.failures + cpu.failures}"))
 
 

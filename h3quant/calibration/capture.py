@@ -128,13 +128,16 @@ def layer_widths(model) -> dict[str, int]:
     return out
 
 
-def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: int | None = None):
+def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: int | None = None,
+                 *, packed: bool = False):
     """The statistics file's header, known before any tensor is computed (``sample_rows``:
     the rows sampled per layer; None writes the first version's layout, without the channel
-    maxima and the sample)."""
+    maxima and the sample; ``packed``: each Hessian as its upper triangle, version 3)."""
+    from h3quant.calibration.stats import packed_size
+
     entries = []
     for key, k in widths.items():
-        entries.append(Entry(f"{key}.hessian", "F32", (k, k)))
+        entries.append(Entry(f"{key}.hessian", "F32", (packed_size(k),) if packed else (k, k)))
         entries.append(Entry(f"{key}.absmean", "F32", (k,)))
         if sample_rows is not None:
             entries.append(Entry(f"{key}.absmax", "F32", (k,)))
@@ -175,7 +178,8 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     planned = {key: seq for key in widths}
     keep = sample_indices(seq)
     meta = {**meta, "version": VERSION, "rows": planned, "sample_rows": len(keep)}
-    layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep))
+    layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep),
+                          packed=True)
     rows: dict[str, int] = {}
     writer = BlockWriter(out_path, layout)
     ok = False
@@ -204,9 +208,15 @@ def recording_block(model, index: int, dtype, widths: dict[str, int], keep: list
 
 
 def write_recordings(writer, rec: dict) -> None:
-    """A block's recorded statistics, written at their planned places."""
+    """A block's recorded statistics, written at their planned places (the Hessian packed
+    where the layout plans it so)."""
+    from h3quant.calibration.stats import pack_upper
+
     for key, r in rec.items():
-        writer.write_tensor(f"{key}.hessian", r.h.cpu())
+        h = r.h.cpu()
+        packed = len(writer.layout.entries[f"{key}.hessian"].shape) == 1
+        writer.write_tensor(f"{key}.hessian", pack_upper(h) if packed else h)
+        del h
         writer.write_tensor(f"{key}.absmean", (r.abs_sum / max(r.rows, 1)).to(torch.float32).cpu())
         writer.write_tensor(f"{key}.absmax", r.abs_max.cpu())
         writer.write_tensor(f"{key}.sample", r.sample)

@@ -45,7 +45,7 @@ DAMP = 0.01  # damping: this share of the mean diagonal is added to the diagonal
 def damped(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     """``H + damp * mean(diag H) * I`` in float64; dead inputs (zero diagonal) get a unit diagonal
     (their columns take no feedback and are rounded to nearest)."""
-    h = h.to(torch.float64).clone()
+    h = h.to(torch.float64, copy=True)  # one copy, whatever the input's dtype
     diag = h.diagonal()
     dead = diag <= 0
     if bool(dead.any()):
@@ -61,18 +61,43 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + damping)^-1`` (``Hinv = U^T U``), fp32.
 
     Row ``j`` of ``U`` divided by ``U[j, j]`` is the optimal spread of column ``j``'s error over
-    the columns after it; ``U[j, j]^2`` is the inverse Hessian of the columns ``j..`` at ``j``."""
-    return factor_from_lower(torch.linalg.cholesky(damped(h, damp)))
+    the columns after it; ``U[j, j]^2`` is the inverse Hessian of the columns ``j..`` at ``j``.
+
+    Memory: at most two float64 ``K x K`` buffers at a time besides ``h`` (each step writes into
+    the buffer it reads where torch allows it, and a buffer is dropped once used), plus the
+    column-major copy Cholesky makes: 1.64 GB a buffer at K = 14336. The values are those of
+    the same steps with a fresh buffer each (tested)."""
+    lower = damped(h, damp)
+    torch.linalg.cholesky(lower, out=lower)
+    li = _lower_inverse(lower)
+    del lower
+    hinv = li.t() @ li
+    del li
+    return _upper_factor(hinv)
 
 
 def factor_from_lower(lower: torch.Tensor) -> torch.Tensor:
     """``inverse_factor`` from the lower Cholesky factor of the damped ``H`` (float64)."""
+    li = _lower_inverse(lower)
+    hinv = li.t() @ li
+    del li
+    return _upper_factor(hinv)
+
+
+def _lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """``L^-1`` (float64) by a triangular solve into a new buffer."""
     # H^-1 = L^-T L^-1 through a triangular solve and a GEMM: LAPACK's potri (cholesky_inverse)
     # was measured 5-25x slower on a busy two-core machine
-    eye = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device)
-    li = torch.linalg.solve_triangular(lower, eye, upper=False)
-    hinv = li.t() @ li
-    return torch.linalg.cholesky(hinv, upper=True).to(torch.float32)
+    # column-major, as torch lays out its own result: a row-major ``out`` was measured to take
+    # another path whose last bits differ (K = 4096)
+    li = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device).mT
+    return torch.linalg.solve_triangular(lower, li, upper=False, out=li)
+
+
+def _upper_factor(hinv: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of the inverse Hessian ``hinv`` (float64, overwritten), fp32."""
+    torch.linalg.cholesky(hinv, upper=True, out=hinv)
+    return hinv.to(torch.float32)
 
 
 @contextlib.contextmanager

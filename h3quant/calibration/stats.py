@@ -3,9 +3,11 @@
 A safetensors file. For each DiT block linear ``blocks.{i}.{attn.qkv_proj,attn.out_proj,
 mlp.fc1,mlp.fc2}`` (the name without the checkpoint's prefix):
 
-* ``{layer}.hessian``: F32 ``[K, K]``, ``H = X^T X`` summed over every input row the linear saw
-  (every call, every modality: text, audio and video rows alike), in the layer's plain input
-  basis. A format that quantizes in the ConvRot basis uses ``R^T H R`` (``R`` the block-diagonal
+* ``{layer}.hessian``: ``H = X^T X`` summed over every input row the linear saw (every call,
+  every modality: text, audio and video rows alike), in the layer's plain input basis. From
+  version 3 its upper triangle, row by row, F32 ``[K (K + 1) / 2]`` (``H`` is symmetric: half
+  the bytes, the same values; ``pack_upper`` / ``unpack_upper``); versions 1 and 2 hold the
+  whole F32 ``[K, K]`` matrix. A format that quantizes in the ConvRot basis uses ``R^T H R`` (``R`` the block-diagonal
   Hadamard of its group size), computed when the statistics are used, so one file serves every
   group size;
 * ``{layer}.absmean``: F32 ``[K]``, the mean ``|x|`` of each input channel (activation-aware
@@ -15,6 +17,7 @@ mlp.fc1,mlp.fc2}`` (the name without the checkpoint's prefix):
   layer saw (the same ``S`` for every layer, metadata ``sample_rows``): smoothing
   (``calibration.smooth``) models the target format's per-token activation rounding on them.
   A version 1 file serves error feedback and AWQ as before; smoothing refuses it.
+* version 3: version 2 with the Hessian packed (above).
 
 The metadata key ``h3quant.calibration`` holds JSON: ``version``, ``checkpoint`` (the header
 checksum of the checkpoint measured, ``calibration.fingerprint``), ``blocks`` (its block
@@ -44,8 +47,9 @@ import torch
 from h3quant.calibration.meta import META_KEY
 from h3quant.errors import UsageError
 
-VERSION = 2
-READABLE = (1, 2)  # version 1: no absmax / sample (smoothing refuses it)
+VERSION = 3
+READABLE = (1, 2, 3)  # 1: no absmax / sample (smoothing refuses it); 3: the Hessian packed
+PACKED_FROM = 3  # the first version whose Hessian is the packed upper triangle
 LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 MAX_K = 65536  # an input width beyond any H3 linear: refused from the header
 SYMMETRY_TOL = 1e-4  # |H - H^T| allowed, relative to H's largest diagonal entry
@@ -59,6 +63,40 @@ def layer_key(name: str) -> str | None:
     if m is None or name[:m.start(1)].endswith("token_refiner."):
         return None
     return m.group(1)
+
+
+def packed_size(k: int) -> int:
+    """Values in the upper triangle (diagonal included) of a ``[K, K]`` matrix."""
+    return k * (k + 1) // 2
+
+
+def pack_upper(h: torch.Tensor) -> torch.Tensor:
+    """The upper triangle of ``h`` ``[K, K]``, row by row: ``[K (K + 1) / 2]``, the same dtype."""
+    k = int(h.shape[0])
+    out = torch.empty(packed_size(k), dtype=h.dtype)
+    off = 0
+    for i in range(k):
+        out[off:off + k - i] = h[i, i:]
+        off += k - i
+    return out
+
+
+def unpack_upper(p: torch.Tensor, k: int) -> torch.Tensor:
+    """The symmetric ``[K, K]`` matrix whose upper triangle ``pack_upper`` gave: every value
+    copied, none computed (the lower triangle mirrors the upper, a band of rows at a time)."""
+    h = torch.empty(k, k, dtype=p.dtype)
+    off = 0
+    for i in range(k):
+        h[i, i:] = p[off:off + k - i]
+        off += k - i
+    step = max(1, (4 << 20) // max(k, 1))
+    for r0 in range(0, k, step):
+        r1 = min(k, r0 + step)
+        h[r0:r1, :r0] = h[:r0, r0:r1].t()
+        band = h[r0:r1, r0:r1]
+        upper = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool).triu()
+        band.copy_(torch.where(upper, band, band.t()))
+    return h
 
 
 def _fail(path, reason: str, tensor: str | None = None) -> UsageError:
@@ -296,10 +334,7 @@ class Statistics:
             key = name[:-len(".hessian")]
             if layer_key(key) != key:
                 raise _fail(self.path, "not a DiT block linear", name)
-            shape = tuple(info.shape)
-            if info.dtype != "F32" or len(shape) != 2 or shape[0] != shape[1] or not 0 < shape[0] <= MAX_K:
-                raise _fail(self.path, f"hessian is {info.dtype} {list(shape)}; a square F32 "
-                            f"matrix of side 1..{MAX_K} is needed", name)
+            shape = self._hessian_shape(name, info, tensors.get(key + ".absmean"))
             am = tensors.get(key + ".absmean")
             if am is None or am.dtype != "F32" or tuple(am.shape) != (shape[0],):
                 raise _fail(self.path, f"{key}.absmean is missing or not F32 [{shape[0]}]",
@@ -318,7 +353,7 @@ class Statistics:
             n = rows.get(key)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise _fail(self.path, f"metadata rows of {key} is {n!r}; a count is needed", name)
-            out[key] = LayerStats(key, shape[0], n, _load=self._reader(name),
+            out[key] = LayerStats(key, shape[0], n, _load=self._reader(name, shape[0] if self.packed else 0),
                                   _load_absmean=self._reader(key + ".absmean"), **extra)
         parts = ("hessian", "absmean") + (("absmax", "sample") if self.meta["version"] >= 2 else ())
         unexpected = sorted(set(tensors) - {f"{k}.{s}" for k in out for s in parts})
@@ -328,6 +363,35 @@ class Statistics:
         if not out:
             raise _fail(self.path, "the file holds no layer statistics")
         return out
+
+    @property
+    def packed(self) -> bool:
+        """Whether the Hessians are packed upper triangles (version 3)."""
+        return self.meta["version"] >= PACKED_FROM
+
+    def _hessian_shape(self, name: str, info, absmean) -> tuple[int, int]:
+        """``(K, K)`` of a Hessian from the header (a packed one's K from its ``.absmean``)."""
+        shape = tuple(info.shape)
+        if not self.packed:
+            if info.dtype != "F32" or len(shape) != 2 or shape[0] != shape[1] or not 0 < shape[0] <= MAX_K:
+                raise _fail(self.path, f"hessian is {info.dtype} {list(shape)}; a square F32 "
+                            f"matrix of side 1..{MAX_K} is needed", name)
+            return shape
+        k = int(absmean.shape[0]) if absmean is not None and len(absmean.shape) == 1 else 0
+        if not 0 < k <= MAX_K:
+            raise _fail(self.path, f"{name[:-len('.hessian')]}.absmean is missing or not F32 "
+                        f"[K] (K 1..{MAX_K}): a packed Hessian takes its side from it",
+                        name[:-len(".hessian")] + ".absmean")
+        if info.dtype != "F32" or shape != (packed_size(k),):
+            raise _fail(self.path, f"hessian is {info.dtype} {list(shape)}; version "
+                        f"{self.meta['version']} holds the upper triangle of the [{k}, {k}] "
+                        f"matrix, F32 [{packed_size(k)}]", name)
+        return (k, k)
+
+    def _hessian(self, key: str) -> torch.Tensor:
+        """Layer ``key``'s whole ``[K, K]`` Hessian, fp32, as the file holds it (unpacked)."""
+        t = self._fh.read(self._fh.tensors[key + ".hessian"]).float()
+        return unpack_upper(t, self.layers[key].k) if self.packed else t
 
     def _check_values(self) -> None:
         """Every layer's values against the rules above, one layer in memory at a time."""
@@ -349,7 +413,7 @@ class Statistics:
             if f"{key}.sample" in self._fh.tensors:
                 self._finite(self._fh.read(self._fh.tensors[f"{key}.sample"]).float(),
                              f"{key}.sample")
-            h = self._fh.read(self._fh.tensors[key + ".hessian"]).float()
+            h = self._hessian(key)
             self._finite(h, key + ".hessian")
             reason = hessian_violation(h)
             if reason is not None:
@@ -363,13 +427,16 @@ class Statistics:
             raise _fail(self.path, f"holds {int(bad.sum())} non-finite value(s) (first at flat "
                         f"index {int(bad.nonzero()[0, 0])})", name)
 
-    def _reader(self, name: str):
+    def _reader(self, name: str, unpack: int = 0):
+        """A loader of tensor ``name`` (``unpack``: K of a packed Hessian, unpacked on load)."""
         info = self._fh.tensors[name]
         lock = threading.Lock()
 
         def load() -> torch.Tensor:
             with lock:
                 t = self._fh.read(info).float()
+            if unpack:
+                t = unpack_upper(t, unpack)
             if not bool(torch.isfinite(t).all()):
                 raise _fail(self.path, "holds non-finite values", name)
             return t
@@ -431,4 +498,5 @@ def hessian_violation(h: torch.Tensor, tol: float = SYMMETRY_TOL) -> str | None:
     return None
 
 
-__all__ = ["LINEARS", "META_KEY", "VERSION", "LayerStats", "Statistics", "layer_key"]
+__all__ = ["LINEARS", "META_KEY", "VERSION", "LayerStats", "Statistics", "layer_key",
+           "pack_upper", "packed_size", "unpack_upper"]

@@ -31,8 +31,9 @@ from h3quant.device_kinds import device_help
                     "several after one --inputs or --inputs repeated. Each holds its hidden "
                     "state during the run.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path),
-              help="The statistics file to write (safetensors; about 4 x K^2 bytes per "
-                   "linear: ~1.2 GB per block at H3's full width).")
+              help="The statistics file to write (safetensors; each H stored as its upper "
+                   "triangle, about 2 x K^2 bytes per linear: ~0.63 GB per block at H3's full "
+                   "width).")
 @click.option("--sigma", type=finite_float(1e-6, 1.0), default=0.6, show_default=True,
               help="Noise level of inputs files that record none.")
 @click.option("--device", default="cpu", show_default=True, callback=device_callback(True),

@@ -166,7 +166,7 @@ def test_capture_records_channel_maxima_and_sampled_rows(world):
             block(st.x, st.cond)
     x = torch.cat(seen)
     with Statistics(world["stats"]) as s:
-        assert s.meta["version"] == 2
+        assert s.meta["version"] == 3
         lay = s.layers["blocks.1.mlp.fc1"]
         assert lay.has_rows
         assert torch.allclose(lay.channel_absmax(), x.abs().amax(0), rtol=1e-5, atol=1e-6)

@@ -346,7 +346,7 @@ def _run_block(b: int, gen: int, *, model, plan, ckpt, mapping, src, work: Path,
     meta = {**meta, "rows": {k: seq for k in mine}}
     stats_path = work / "stats.safetensors"
     writer = BlockWriter(stats_path, stats_layout(
-        mine, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep)))
+        mine, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep), packed=True))
     try:
         write_recordings(writer, rec)
     finally:
