@@ -110,7 +110,7 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK, 
     if u.shape != (k, k):
         raise ValueError(f"factor is {list(u.shape)}, the weight has K={k}")
     size, start = groups if groups is not None else (0, None)
-    if size and (block % size or k % size):
+    if groups is not None and (size <= 0 or block % size or k % size):
         raise ValueError(f"group size {size} must divide the block {block} and K={k}")
     wt = x.t().to(torch.float32).contiguous()  # [K, n]: row j = column j of the weight
     u = u.to(device=wt.device, dtype=torch.float32)
@@ -122,7 +122,7 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK, 
         with _one_cpu_thread(wt.device):
             for jj in range(i2 - i1):
                 v = wt[i1 + jj]
-                if size and (i1 + jj) % size == 0:
+                if start is not None and (i1 + jj) % size == 0:
                     start(wt[i1 + jj:i1 + jj + size], i1 + jj, u1[jj:jj + size, jj:jj + size])
                 c, q = quantize(v, i1 + jj)
                 if codes is None:
@@ -233,33 +233,3 @@ __all__ = ["BLOCK", "DAMP", "aware_objective", "gains_and_noise", "aware_solve",
            "damped", "factor_from_lower", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]
 
-
-def refine(x: torch.Tensor, codes: torch.Tensor, h: torch.Tensor, candidates, *,
-           passes: int = 1) -> torch.Tensor:
-    """Coordinate descent on the codes error feedback chose: column after column, each weight
-    takes the candidate level that lowers ``tr(E H E^T)`` most with every other weight fixed
-    (``E`` the weight error, ``H`` damped as the feedback's). The objective never rises.
-
-    ``x`` [n, K] the weight (the codes' basis), ``codes`` [n, K] (int64), ``h`` [K, K];
-    ``candidates(j)`` -> values [n, C] of column ``j``'s levels (index = code)."""
-    n, k = x.shape
-    hd = damped(h).to(torch.float32)
-    codes = codes.clone()
-    q = torch.stack([candidates(j).gather(1, codes[:, j:j + 1]).squeeze(1) for j in range(k)], 1)
-    e = (x.to(torch.float32) - q)  # [n, K]
-    gt = (hd @ e.t()).contiguous()  # [K, n]: (E H)^T, row j = column j of E H
-    diag = hd.diagonal()
-    for _ in range(passes):
-        for j in range(k):
-            cand = candidates(j)  # [n, C]
-            delta = cand - q[:, j:j + 1]  # change of q_j (e_j falls by delta)
-            gain = delta * (delta * diag[j] - 2.0 * gt[j].unsqueeze(1))  # objective change
-            best = gain.argmin(1)
-            move = gain.gather(1, best.unsqueeze(1)).squeeze(1) < 0  # strictly better only
-            d = delta.gather(1, best.unsqueeze(1)).squeeze(1).masked_fill_(~move, 0.0)
-            if not bool(move.any()):
-                continue
-            codes[:, j] = torch.where(move, best, codes[:, j])
-            q[:, j] += d
-            gt.addr_(hd[:, j], d, alpha=-1)
-    return codes

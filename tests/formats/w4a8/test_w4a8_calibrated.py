@@ -35,7 +35,7 @@ def test_lazy_group_scales_lower_the_output_error():
     plain = output_sqnr_db(w, decode_w4a8(encode_w4a8(w)), h)
     static = encode_w4a8_calibrated(w, _stats(h), lazy=False)
     lazy = encode_w4a8_calibrated(w, _stats(h), trial=0)
-    tried = encode_w4a8_calibrated(w, _stats(h))
+    tried = encode_w4a8_calibrated(w, _stats(h), trial=2)
     e_static, e_lazy, e_tried = (output_sqnr_db(w, decode_w4a8(t), h)
                                  for t in (static, lazy, tried))
     assert e_static > plain + 10.0
@@ -100,7 +100,7 @@ def test_kitchen_reads_the_calibrated_tensors_as_we_do():
     from comfy_kitchen.tensor.w4a8_int8 import AsymW4A8Int8Layout
 
     w, h = _problem(n=48, k=512, seed=9)
-    t = encode_w4a8_calibrated(w, _stats(h))
+    t = encode_w4a8_calibrated(w, _stats(h), trial=2)
     params = AsymW4A8Int8Layout.Params(scale=t["weight_s_rel"], s_channel=t["weight_s_channel"],
                                        codebook=t["weight_codebook"], orig_dtype=torch.float32,
                                        orig_shape=tuple(w.shape))
