@@ -47,18 +47,23 @@ def _encode(target, g, w, calibration=None):
 
 # ------------------------------------------------------------------------- the algorithm
 
-def _reference_gptq(w, h, s, damp=0.01):
+def _reference_gptq(w, h, s, damp=0.01, lazy_group=0):
     """GPTQ written out directly (float64, one column at a time, explicit inverse update):
     round column j, push its error onto later columns with row j of the running inverse
-    Hessian, then remove column j from the inverse (the OBS update)."""
+    Hessian, then remove column j from the inverse (the OBS update). ``lazy_group``: when
+    column j starts a group of that many, the group's scale becomes its current (already
+    updated) abs-max over 7 per row and codes are clamped to +-7 (``s`` is then unused)."""
     h = h.double().clone()
     h += damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=torch.float64)
     hinv = torch.linalg.inv(h)
     w = w.double().clone()
-    s = s.double()
+    s = None if s is None else s.double()
+    top = 7 if lazy_group else 127
     q = torch.zeros_like(w)
     for j in range(w.shape[1]):
-        c = (w[:, j] / s).round().clamp(-127, 127)
+        if lazy_group and j % lazy_group == 0:
+            s = w[:, j:j + lazy_group].abs().amax(1) / 7.0
+        c = (w[:, j] / s).round().clamp(-top, top)
         q[:, j] = c
         err = (w[:, j] - c * s) / hinv[j, j]
         w[:, j + 1:] -= err[:, None] * hinv[j, j + 1:][None, :]
@@ -85,26 +90,6 @@ def test_feedback_matches_a_direct_gptq():
     assert e_got > e_rtn + 3.0  # the low-rank inputs make feedback pay
 
 
-def _reference_lazy_gptq(w, h, g, damp=0.01):
-    """``_reference_gptq`` with lazy group scales: when column j starts a group of ``g``, the
-    group's scale is its current (already updated) abs-max over 7, per row."""
-    h = h.double().clone()
-    h += damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=torch.float64)
-    hinv = torch.linalg.inv(h)
-    w = w.double().clone()
-    q = torch.zeros_like(w)
-    s = None
-    for j in range(w.shape[1]):
-        if j % g == 0:
-            s = w[:, j:j + g].abs().amax(1) / 7.0
-        c = (w[:, j] / s).round().clamp(-7, 7)
-        q[:, j] = c
-        err = (w[:, j] - c * s) / hinv[j, j]
-        w[:, j + 1:] -= err[:, None] * hinv[j, j + 1:][None, :]
-        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
-    return q
-
-
 def test_feedback_group_hook_sees_the_updated_columns():
     """``groups``: the hook runs at each group's first column with the columns as updated so
     far (the lazy scales it sets then match a direct lazy GPTQ) and the factor's group block."""
@@ -123,7 +108,7 @@ def test_feedback_group_hook_sees_the_updated_columns():
         return c, c * state["s"]
 
     got = feedback(w, u_full, quantize, block=32, groups=(g, start))
-    want = _reference_lazy_gptq(w, h, g)
+    want = _reference_gptq(w, h, None, lazy_group=g)
     assert (got.double() == want).double().mean() > 0.99
     static = feedback(w, u_full, lambda v, j: quantize(v, j), block=32)  # last group's scales
     assert not torch.equal(static, got)
