@@ -293,6 +293,16 @@ def set_damping(damp: float) -> None:
         fn.__defaults__ = (damp,)
 
 
+def set_w4a8_scales(lazy: bool, trial: int) -> None:
+    """Every calibrated W4A8 encode of this process chooses its group scales lazily during the
+    feedback or keeps the uncalibrated ones (``lazy``), trying ``trial`` e4m3 neighbours
+    (the defaults of ``h3quant.formats.w4a8.calibrated.encode_w4a8_calibrated``)."""
+    from h3quant.formats.w4a8 import calibrated
+
+    kw = calibrated.encode_w4a8_calibrated.__kwdefaults__
+    kw["lazy"], kw["trial"] = lazy, trial
+
+
 def nsr(module, lin, x: torch.Tensor) -> float:
     """Output error energy over output energy of ``module`` against the float layer on ``x``."""
     with torch.no_grad():
@@ -371,9 +381,20 @@ def main(argv=None) -> int:
     ap.add_argument("--damp", type=float, default=None,
                     help="GPTQ damping (share of the mean Hessian diagonal added to it) for this "
                          "run, instead of h3quant.calibration.gptq.DAMP (a sweep of the setting)")
+    ap.add_argument("--w4a8-scales", choices=("lazy", "fixed"), default="lazy",
+                    help="calibrated W4A8: group scales chosen during the feedback (lazy, the "
+                         "default) or kept as the uncalibrated encoder chose them (fixed)")
+    ap.add_argument("--w4a8-trial", type=int, default=None, metavar="ULPS",
+                    help="calibrated W4A8, lazy scales: e4m3 neighbours on each side tried by "
+                         "the feedback's loss (default: the encoder's, 0)")
     args = ap.parse_args(argv)
     if args.damp is not None:
         set_damping(args.damp)
+    if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:
+        from h3quant.formats.w4a8.calibrated import TRIAL_ULPS
+
+        set_w4a8_scales(args.w4a8_scales == "lazy",
+                        TRIAL_ULPS if args.w4a8_trial is None else args.w4a8_trial)
     try:
         d = model_dir(args.model)
         model, tok, _ = load_model(d)
@@ -393,6 +414,8 @@ def main(argv=None) -> int:
     _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
     cal_rows = next(iter(acc.values()))[2]
     damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
+    if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:
+        damp += f"W4A8 group scales {args.w4a8_scales}, trial {args.w4a8_trial or 0}; "
     print(f"{damp}model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
           f"{model.cfg.hidden}, FFN {model.cfg.intermediate}), fp32 activations; text: "
           f"{len(cal_texts)} calibration passages from {n_cal_docs} documents ({cal_rows} rows "

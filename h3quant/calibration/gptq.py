@@ -118,17 +118,25 @@ def _one_cpu_thread(device: torch.device):
         torch.set_num_threads(before)
 
 
-def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
+def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK, groups=None):
     """Codes of ``x`` [n, K] (fp32, the codec's basis) chosen with error feedback.
 
     ``quantize(v, j)``: the codec's nearest level of column ``j``'s values ``v`` [n] -> (codes
     [n], dequantized values [n]). Returns the codes [n, K] (the dtype ``quantize`` gives).
+    ``groups``: ``(size, start)``, the codec's groups of ``size`` consecutive columns (``size``
+    divides ``block``): when the sweep reaches a group's first column ``j``, ``start(cols, j)``
+    sees the group's columns as the feedback has updated them so far (``cols`` [size, n], read
+    only), so the codec can choose the group's scales then (GPTQ's lazy group parameters)
+    before ``quantize`` is asked for its columns.
     Works on the transpose (a column is a contiguous row): the in-block updates are contiguous
     rank-1 updates in place (``addr_``), the between-block one a single GEMM in place
     (``addmm_``): no temporary as large as the weight."""
     n, k = x.shape
     if u.shape != (k, k):
         raise ValueError(f"factor is {list(u.shape)}, the weight has K={k}")
+    size, start = groups if groups is not None else (0, None)
+    if groups is not None and (size <= 0 or block % size or k % size):
+        raise ValueError(f"group size {size} must divide the block {block} and K={k}")
     wt = x.t().to(torch.float32).contiguous()  # [K, n]: row j = column j of the weight
     u = u.to(device=wt.device, dtype=torch.float32)
     codes = None
@@ -139,6 +147,8 @@ def feedback(x: torch.Tensor, u: torch.Tensor, quantize, *, block: int = BLOCK):
         with _one_cpu_thread(wt.device):
             for jj in range(i2 - i1):
                 v = wt[i1 + jj]
+                if start is not None and (i1 + jj) % size == 0:
+                    start(wt[i1 + jj:i1 + jj + size], i1 + jj, u1[jj:jj + size, jj:jj + size])
                 c, q = quantize(v, i1 + jj)
                 if codes is None:
                     codes = torch.empty(k, n, dtype=c.dtype, device=wt.device)
@@ -247,3 +257,4 @@ def gains_and_noise(x: torch.Tensor, xq: torch.Tensor, h_diag: torch.Tensor
 __all__ = ["BLOCK", "DAMP", "aware_objective", "gains_and_noise", "aware_solve", "aware_system", "aware_target",
            "damped", "factor_from_lower", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]
+

@@ -161,14 +161,17 @@ class LayerStats:
                                      "again", tensor=f"{self.key}.hessian") from None
             return self._factors[key]
 
-    def feedback(self, x: torch.Tensor, quantize, *, convrot: bool, group_size: int = 256):
+    def feedback(self, x: torch.Tensor, quantize, *, convrot: bool, group_size: int = 256,
+                 groups=None):
+        """``calibration.gptq.feedback`` with this layer's factor (``groups``: its lazy group
+        scales' hook)."""
         from h3quant.calibration.gptq import aware_solve, feedback
 
         system = self.aware_system(convrot, group_size)
         if system is None:
-            return feedback(x, self.factor(convrot, group_size), quantize)
+            return feedback(x, self.factor(convrot, group_size), quantize, groups=groups)
         cd, lower, u = system
-        return feedback(aware_solve(x, cd, lower), u, quantize)
+        return feedback(aware_solve(x, cd, lower), u, quantize, groups=groups)
 
     def rounded_by(self, rounding) -> "LayerStats":
         """These statistics with the runtime's input rounding ``rounding``

@@ -248,6 +248,63 @@ def _sum_order_ok(g: int) -> bool:
     return _SUM_ORDER_OK[g]
 
 
+def continuous_scales(xt: torch.Tensor, index: LevelIndex, levels: DecodedLevels,
+                      passes: int = ALS_PASSES, *, rows: tuple[int, int] | None = None,
+                      n: int | None = None):
+    """Step 1 of the encoder: the continuous scale of every group of ``xt`` [G, m] (nearest
+    level of the abs-max-normalised group, then ALS rounds: scale = <x, l> / <l, l>, reassign).
+    Returns (scale [m], zero-group mask [m], group minima [m], group maxima [m]); a NaN or inf
+    raises ``FormatError`` naming ``rows`` (of ``n`` rows, for the message)."""
+    lo, hi = xt.amin(0), xt.amax(0)
+    absmax = torch.maximum(lo.neg(), hi)  # NaN or inf anywhere in a group makes it non-finite
+    if not bool(torch.isfinite(absmax).all()):  # (amin, amax and maximum propagate NaN)
+        r0, r1 = rows if rows is not None else (0, (n or 1) - 1)
+        raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{r1})")
+    zero = absmax == 0
+    scale = absmax.masked_fill(zero, 1.0)
+    fine = levels.fine(index)
+    for p in range(passes):
+        # |x / scale| <= 1 in the first round (scale = the group's abs-max), else measured
+        limit = 1.0 if p == 0 else float((absmax / scale).amax())
+        lv = fine.levels(xt, scale, limit)
+        num = _group_sum(lv * xt, clobber=True)
+        den = _group_sum(lv.mul_(lv), clobber=True)
+        fine.fix_ambiguous(xt, scale, num, den)
+        new = num.div_(den.clamp_(min=_TINY))
+        scale = torch.where((new > 0) & ~zero, new, scale)
+    return scale, zero, lo, hi
+
+
+def scales_and_codes(xt: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     s_ch_g: torch.Tensor, levels: DecodedLevels, search: int):
+    """Steps 2 and 3 of the encoder, the row scales given (``s_ch_g`` [m], each group's):
+    (codes uint8 [G, m], e4m3 group scales [m]).
+
+    2. e4m3 relative scales ``scale / s_ch``, finite and positive (zero groups get the smallest
+       one: decode 0); 3. per group, the scale among them and their e4m3 neighbours (+-search
+    ulps) whose nearest decoded levels reconstruct the group best (the first best in search
+    order), and those levels' codes."""
+    m = xt.shape[1]
+    s_rel = (scale / s_ch_g).masked_fill_(zero, 0.0)
+    bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    target = xt / s_ch_g
+    base = DecodedLevels.rows(target, bits)  # [G, m]: table rows
+    cand, codes_w = levels.window(search)
+    offsets = search_order(search)
+    c = len(offsets)
+    dec = gather_candidates(cand, c, base)  # [C, G, m]
+    err = _group_sum(_squared_diff(target, dec), clobber=True)  # [C, m]
+    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
+    for j in range(1, c):  # the first best wins (strict <), as in search order
+        better = err[j] < best_err
+        best_err = torch.minimum(best_err, err[j])
+        pick.masked_fill_(better, j)
+    shift = torch.tensor(offsets, dtype=torch.int32, device=xt.device)
+    best = take(shift, pick).add_(bits.to(torch.int32)).clamp_(1, E4M3_MAX_BITS)
+    codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
+    return codes, best.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
 def encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int,
                 levels: DecodedLevels | None = None, passes: int = ALS_PASSES, *,
                 pack: bool = False, rows: tuple[int, int] | None = None):
@@ -277,53 +334,13 @@ def encode_groups(xt: torch.Tensor, n: int, index: LevelIndex, search: int,
     k = g * group_size
     table = index.table
 
-    # 1. continuous group scales: nearest level of the abs-max-normalised group, then ALS
-    #    rounds (scale = <x, l> / <l, l>, reassign); the last assignment only for the extremes
-    lo, hi = xt.amin(0), xt.amax(0)
-    absmax = torch.maximum(lo.neg(), hi)  # NaN or inf anywhere in a group makes it non-finite
-    if not bool(torch.isfinite(absmax).all()):  # (amin, amax and maximum propagate NaN)
-        r0, r1 = rows if rows is not None else (0, n - 1)
-        raise FormatError(f"W4A8 weight holds NaN or inf (rows {r0}..{r1})")
-    zero = absmax == 0
-    scale = absmax.masked_fill(zero, 1.0)
-    fine = levels.fine(index)
-    for p in range(passes):
-        # |x / scale| <= 1 in the first round (scale = the group's abs-max), else measured
-        limit = 1.0 if p == 0 else float((absmax / scale).amax())
-        lv = fine.levels(xt, scale, limit)
-        num = _group_sum(lv * xt, clobber=True)
-        den = _group_sum(lv.mul_(lv), clobber=True)
-        fine.fix_ambiguous(xt, scale, num, den)
-        new = num.div_(den.clamp_(min=_TINY))
-        scale = torch.where((new > 0) & ~zero, new, scale)
+    scale, zero, lo, hi = continuous_scales(xt, index, levels, passes, rows=rows, n=n)
     ends = table.index_select(0, index.nearest(torch.stack([lo / scale, hi / scale])).view(-1))
     reach = ends.view(2, m).abs_().amax(0).mul_(scale).masked_fill_(zero, 0.0)
     s_channel = reach.view(n, g).amax(1) / 127.0
     s_channel = torch.where(s_channel > 0, s_channel, torch.ones_like(s_channel))
     s_ch_g = s_channel.repeat_interleave(g)  # per group
-
-    # 2. e4m3 relative scales, finite and positive (zero groups get the smallest one: decode 0)
-    s_rel = (scale / s_ch_g).masked_fill_(zero, 0.0)
-    bits = s_rel.clamp_(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-
-    # 3. per group, the scale among s_rel and its e4m3 neighbours (+-search ulps) whose nearest
-    #    decoded levels reconstruct the group best (the first best in search order)
-    target = xt / s_ch_g
-    base = DecodedLevels.rows(target, bits)  # [G, m]: table rows
-    cand, codes_w = levels.window(search)
-    offsets = search_order(search)
-    c = len(offsets)
-    dec = gather_candidates(cand, c, base)  # [C, G, m]
-    err = _group_sum(_squared_diff(target, dec), clobber=True)  # [C, m]
-    best_err, pick = err[0], torch.zeros(m, dtype=torch.int32, device=xt.device)
-    for j in range(1, c):  # the first best wins (strict <), as in search order
-        better = err[j] < best_err
-        best_err = torch.minimum(best_err, err[j])
-        pick.masked_fill_(better, j)
-    shift = torch.tensor(offsets, dtype=torch.int32, device=xt.device)
-    best = take(shift, pick).add_(bits.to(torch.int32)).clamp_(1, E4M3_MAX_BITS)
-    codes = take(codes_w, base.mul_(c).add_(pick))  # [G, m] uint8
-    s_rel = best.to(torch.uint8).view(torch.float8_e4m3fn)
+    codes, s_rel = scales_and_codes(xt, scale, zero, s_ch_g, levels, search)
     if pack:
         high = codes[1::2].mul_(16).add_(codes[0::2])  # in place: byte = even | odd << 4
         packed = high.t().contiguous()  # [m, G/2]

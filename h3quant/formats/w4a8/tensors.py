@@ -44,7 +44,7 @@ __all__ = [
 FORMAT_NAME = "asym_w4a8_int8"
 # e4m3 neighbours of each group scale tried by the final assignment (one ulp is 6-12.5%).
 # Measured on [512, 5376] Gaussian: 0 -> 0.0730, 1 -> 0.0719, 2 -> 0.0714, 3 -> 0.0711.
-_SCALE_SEARCH_ULPS = 2
+SCALE_SEARCH_ULPS = 2
 MAX_INFLIGHT_CHUNKS = 16  # W4A8 row chunks encoding at once, whatever --workers says
 _ROW_ELEM_BUDGET = 1 << 19  # fp32 values per encode/decode chunk (2 MB per working tensor; measured
 # 6 % faster encoding than 1 << 18, fewer per-chunk small ops; 1 << 20 was slower)
@@ -220,7 +220,7 @@ def decode_w4a8(
 # ----------------------------------------------------------------------------- encode
 
 
-def _encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int = _SCALE_SEARCH_ULPS,
+def _encode_rows(x: torch.Tensor, index: LevelIndex, group_size: int, search: int = SCALE_SEARCH_ULPS,
                  levels: DecodedLevels | None = None):
     """Rotated fp32 rows [n, K] -> (codes uint8 [n, K], s_rel e4m3 [n, K/G], s_channel f32 [n])."""
     return encode_rows(x, index, group_size, search, levels)
@@ -232,7 +232,7 @@ def encode_w4a8(
     group_size: int = 16,
     convrot_groupsize: int = 256,
     codebook: str = "auto",
-    scale_search: int = _SCALE_SEARCH_ULPS,
+    scale_search: int = SCALE_SEARCH_ULPS,
     pool: Executor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize a float weight [N, K] to W4A8 local tensors (no ``weight_correction``, ever).

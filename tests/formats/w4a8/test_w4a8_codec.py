@@ -218,7 +218,7 @@ def test_scale_search_improves_on_plain_rounding():
     x = rotate(_gauss(seed=9, n=64, k=1024), 256)
     index = CB.LevelIndex(FROZEN_CODEBOOK)
     errs = []
-    for search in (0, W._SCALE_SEARCH_ULPS):
+    for search in (0, W.SCALE_SEARCH_ULPS):
         codes, s_rel, s_ch = W._encode_rows(x, index, 16, search=search)
         t = {"weight": pack_nibbles(codes), "weight_s_rel": s_rel, "weight_s_channel": s_ch,
              "weight_codebook": FROZEN_CODEBOOK}
