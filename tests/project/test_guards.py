@@ -18,7 +18,7 @@ SOURCES = sorted(PKG.rglob("*.py"))
 
 def _run(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=900, **kw)
 
 
 def test_ruff_is_clean():
