@@ -210,7 +210,11 @@ def test_convert_activation_aware_changes_codes_not_the_format(world, target):
         return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
     changed = [n for n in off if not torch.equal(raw(off[n]), raw(on[n]))]
-    assert changed and all(n.endswith(".weight") for n in changed), changed
+    # the codes move; W4A8's calibrated encode also picks each group's scale from the weights
+    # the feedback has updated, so its per-group scales may move with them
+    moving = (".weight", ".weight_s_rel") if target == "w4a8" else (".weight",)
+    assert changed and all(n.endswith(moving) for n in changed), changed
+    assert any(n.endswith(".weight") for n in changed), changed
 
 
 def test_convert_activation_aware_leaves_float_activation_formats_alone(world):
