@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant.errors import UsageError
+from h3quant.calibration.hidden import remove_empty
 
 from h3quant.pipelines.inputs_file import MAX_INPUTS  # calls per capture (each holds its state)
 
@@ -192,13 +193,6 @@ def check_tp(tp: int, device: str, through, model) -> None:
 def spill_dir(out) -> Path:
     """Where ``capture`` spills the hidden states beyond its memory budget."""
     return Path(str(out).rstrip("/\\") + ".h3q-spill")
-
-
-def remove_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:  # absent, or holding files that are not the store's
-        pass
 
 
 def predicted_gains(stats_path, group_size: int = 256, *, progress: bool = False

@@ -26,9 +26,8 @@ def capture_tp(tp: int, ckpt: str, calls: list, out, meta: dict, widths: dict[st
 
 def _rank_main(ctx, ckpt, calls, out, meta, widths, spec):
     from h3quant.calibration.capture import capture
-    from h3quant.calibration.hidden import HiddenStates
+    from h3quant.calibration.hidden import HiddenStates, remove_empty
     from h3quant.formats.container.checkpoint import Checkpoint
-    from h3quant.pipelines.capture import remove_empty
     from h3quant.runtime.capabilities import live_probe
     from h3quant.runtime.devices import parse_device
     from h3quant.runtime.tp.model import TpH3Model
