@@ -78,9 +78,15 @@ class Recording(nn.Module):
     """A linear that accumulates its inputs' second moment and channel magnitudes (mean and
     max ``|x|``) and keeps the sampled rows ``keep`` (global row indices), then runs."""
 
-    def __init__(self, inner: nn.Module, k: int, device, keep: list[int] | None = None):
+    def __init__(self, inner: nn.Module, k: int, device, keep: list[int] | None = None, *,
+                 comm=None, record: bool = True):
         super().__init__()
         self.inner = inner
+        # tensor parallel: ``comm`` (a row-parallel layer's recorder) all_gathers the ranks'
+        # input slices into the whole input, in the original column order; ``record`` False
+        # (every rank but 0) only takes part in that gather
+        self.comm, self.record = comm, record
+        k = k if record else 0
         self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
         # the channel magnitudes' running sum in float64: on the device where it has float64,
         # else on the host, from each call's float32 sums on the device
@@ -96,6 +102,14 @@ class Recording(nn.Module):
             x = swiglu(x)
         elif input_act is not None:
             return self.inner(x, input_act=input_act)
+        full = x
+        if self.comm is not None:  # the ranks' slices are contiguous runs of the input's columns
+            full = torch.cat(self.comm.all_gather(x.contiguous(), "capture: layer input"), -1)
+        if self.record:
+            self._accumulate(full)
+        return self.inner(x)
+
+    def _accumulate(self, x: torch.Tensor) -> None:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.h.addmm_(x2.t(), x2)
         if self.abs_sum.device == x2.device:
@@ -109,7 +123,6 @@ class Recording(nn.Module):
         if bool(mine.any()):
             self.sample[mine] = x2[(self.keep[mine] - self.rows).to(x2.device)].cpu()
         self.rows += n
-        return self.inner(x)
 
 
 def layer_widths(model) -> dict[str, int]:
@@ -146,14 +159,17 @@ def stats_layout(widths: dict[str, int], metadata: dict[str, str], sample_rows: 
 
 
 def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
-            on_block=None, on_call=None, store=None) -> dict[str, int]:
+            on_block=None, on_call=None, store=None, comm=None) -> dict[str, int]:
     """Run ``calls`` (tuples ``(video, audio, text, sigma)``) through ``model`` block by block,
     writing the statistics of each block to ``out_path`` as it completes (see the module
     docstring). ``on_block(i)`` after each block, ``on_call()`` after each call in a block
     (progress). ``meta``: the ``h3quant.calibration`` metadata object; ``rows`` is added (every
     linear sees each call's whole packed sequence). ``store``: a ``hidden.HiddenStates`` holding
-    the calls' hidden states within a memory budget (None: all in memory). Returns the rows each
-    layer saw."""
+    the calls' hidden states within a memory budget (None: all in memory). ``comm``: this rank's
+    collectives when ``model`` is a tensor-parallel model (``runtime.tp.model.TpH3Model``):
+    rank 0 records the whole inputs (row-parallel layers' slices gathered) and writes
+    ``out_path``; the other ranks run their shards and write nothing. Returns the rows each
+    layer saw (rank 0; every layer 0 on the others)."""
     import json
 
     from h3quant.calibration.hidden import HiddenStates
@@ -181,28 +197,35 @@ def capture(model, calls, out_path, meta: dict, widths: dict[str, int], *,
     layout = stats_layout(widths, {META_KEY: json.dumps(meta, sort_keys=True)}, len(keep),
                           packed=True)
     rows: dict[str, int] = {}
-    writer = BlockWriter(out_path, layout)
+    lead = comm is None or comm.rank == 0
+    writer = BlockWriter(out_path, layout) if lead else None
     ok = False
     try:
         _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call,
-                    keep)
+                    keep, comm)
         ok = True
     finally:
-        writer.close(ok)
-    if rows != planned:
+        if writer is not None:
+            writer.close(ok)
+    if lead and rows != planned:
         raise RuntimeError(f"rows recorded {rows} differ from the planned {planned}")
     return rows
 
 
-def recording_block(model, index: int, dtype, widths: dict[str, int], keep: list[int]):
+def recording_block(model, index: int, dtype, widths: dict[str, int], keep: list[int],
+                    comm=None):
     """Block ``index`` built for the forward with its four linears recording (``Recording``):
-    ``(block, {"blocks.{i}.{linear}": Recording})``."""
+    ``(block, {"blocks.{i}.{linear}": Recording})``. ``comm``: see ``capture`` (out_proj and
+    fc2 take the rank's slice of their input, qkv_proj and fc1 the whole input)."""
     block = model.load_block(index, dtype)  # float math of its weights (reference), or
     # the device's runtime path (a model opened with linear="runtime")
     rec = {}
     for lin, attr in zip(LINEARS, ("qkv_proj", "out_proj", "fc1", "fc2")):
         key = f"blocks.{index}.{lin}"
-        rec[key] = Recording(getattr(block, attr), widths[key], model.tdev, keep)
+        sliced = comm is not None and attr in ("out_proj", "fc2")
+        rec[key] = Recording(getattr(block, attr), widths[key], model.tdev, keep,
+                             comm=comm if sliced else None,
+                             record=comm is None or comm.rank == 0)
         setattr(block, attr, rec[key])
     return block, rec
 
@@ -222,11 +245,12 @@ def write_recordings(writer, rec: dict) -> None:
         writer.write_tensor(f"{key}.sample", r.sample)
 
 
-def _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call, keep) -> None:
+def _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_call, keep,
+                comm=None) -> None:
     dev = model.tdev
     with torch.no_grad():
         for gen, i in enumerate(model.blocks):
-            block, rec = recording_block(model, i, dtype, widths, keep)
+            block, rec = recording_block(model, i, dtype, widths, keep, comm)
             for c, st in enumerate(states):
                 store.put(gen + 1, c, block(store.get(gen, c, dev, dtype), st.cond))
                 if on_call is not None:
@@ -234,7 +258,8 @@ def _run_blocks(model, states, dtype, store, writer, widths, rows, on_block, on_
             store.drop(gen)
             del block
             model.release_block(i)
-            write_recordings(writer, rec)
+            if writer is not None:
+                write_recordings(writer, rec)
             rows.update({key: r.rows for key, r in rec.items()})
             del rec
             if on_block is not None:

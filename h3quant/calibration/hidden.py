@@ -159,5 +159,13 @@ class HiddenStates:
         self.clean()
 
 
+def remove_empty(folder) -> None:
+    """Remove ``folder`` if it is empty (a store's folder after ``close``)."""
+    try:
+        Path(folder).rmdir()
+    except OSError:  # absent, or holding files that are not the store's
+        pass
+
+
 __all__ = ["DEFAULT_SHARE", "FALLBACK_BUDGET", "HiddenStates", "call_bytes", "default_budget",
-           "file_name"]
+           "file_name", "remove_empty"]

@@ -51,12 +51,18 @@ from h3quant.device_kinds import device_help
 @click.option("--no-predict", is_flag=True,
               help="Skip the predicted gains (a Cholesky factorisation per layer and basis).")
 @memory_budget_option
+@click.option("--tp", type=click.IntRange(1, 64), default=None,
+              help="Tensor parallel: run the forward over N spawned CPU ranks (gloo), each "
+                   "holding its shard of every block (as 'verify --tp'); rank 0 writes the "
+                   "statistics, equal to the single-process capture's up to float32 rounding. "
+                   "A float CKPT only; not with --through or another --device. "
+                   "--memory-budget is each rank's.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no summary table.")
 @handle_errors
 def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, memory_budget,
-            overwrite, as_json, quiet):
+            tp, overwrite, as_json, quiet):
     """Measure CKPT's DiT block linears on your own inputs, for 'convert --calibration'.
 
     Runs the H3 forward block by block over every --inputs file and records, for each block
@@ -83,6 +89,7 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, m
       h3quant capture h3.safetensors --inputs steps --out h3.stats   # a folder
       h3quant capture h3.safetensors --through h3_w4a8.safetensors \\
           --inputs steps/*.safetensors --out h3_seq.stats     # quantized-block inputs
+      h3quant capture h3.safetensors --inputs steps --out h3.stats --tp 2   # 2 CPU ranks
       h3quant convert h3.safetensors h3_w4a8.safetensors --to w4a8 --calibration h3.stats
     """
     from h3quant.pipelines.capture import capture_statistics
@@ -90,7 +97,7 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, m
     result = guard("capture", capture_statistics, ckpt, list(inputs), out, sigma=sigma,
                    device=device, through=through, overwrite=overwrite,
                    predict=not no_predict, group_size=group_size, memory_budget=memory_budget,
-                   progress=progress_enabled(quiet), log=log)
+                   progress=progress_enabled(quiet), log=log, tp=tp)
     for w in result.warnings:
         log(f"warning: {w}")
     if as_json:

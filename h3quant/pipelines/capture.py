@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3quant.errors import UsageError
+from h3quant.calibration.hidden import remove_empty
 
 from h3quant.pipelines.inputs_file import MAX_INPUTS  # calls per capture (each holds its state)
 
@@ -78,7 +79,8 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
                        sigma: float = 0.6, device: str = "cpu", through=None,
                        overwrite: bool = False, predict: bool = True, group_size: int = 256,
                        memory_budget: int | None = None, progress: bool = False,
-                       log=None) -> CaptureResult:
+                       log=None, tp: int | None = None,
+                       tp_timeout_s: float | None = None) -> CaptureResult:
     """Capture the statistics of ``ckpt``'s DiT block linears over ``inputs`` into ``out``.
 
     ``through``: run the forward on this checkpoint instead (an already-quantized conversion of
@@ -87,7 +89,9 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     rounding per layer (plain basis and ConvRot ``group_size``), from the statistics alone.
     ``memory_budget``: bytes for the calls' hidden states (None: half the memory available);
     beyond it they are spilled to ``OUT.h3q-spill`` (``calibration.hidden``), removed at the end
-    however the run ends."""
+    however the run ends. ``tp``: run the forward tensor-parallel over ``tp`` spawned CPU ranks
+    (``runtime.tp``; a float checkpoint, no ``through``): each rank holds its shard of every
+    block and the budget is each rank's; rank 0 writes the statistics."""
     from tqdm import tqdm
 
     from h3quant.calibration.capture import capture, layer_widths
@@ -118,6 +122,8 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
         widths = layer_widths(own)
         blocks = len(own.blocks)
         hidden = own.hidden
+        if tp is not None:
+            check_tp(tp, device, through, own)
     store = HiddenStates(spill_dir(out), call_bytes(described, hidden),
                          default_budget() if memory_budget is None else memory_budget)
     log(store.summary())
@@ -142,8 +148,14 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
                    disable=not progress)
         store.clean()  # a killed run's leftovers
         try:
-            rows = capture(model, calls(), staged, meta, widths, on_call=lambda: bar.update(1),
-                           store=store)
+            if tp is None:
+                rows = capture(model, calls(), staged, meta, widths,
+                               on_call=lambda: bar.update(1), store=store)
+            else:
+                from h3quant.pipelines.capture_tp import capture_tp
+
+                rows = capture_tp(tp, str(ckpt), list(calls()), staged, meta, widths, store,
+                                  tp_timeout_s)
         finally:
             bar.close()
             store.close()
@@ -161,16 +173,26 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     return result
 
 
+def check_tp(tp: int, device: str, through, model) -> None:
+    """``--tp``'s supported combinations: CPU ranks, a float checkpoint, no ``--through``."""
+    from h3quant.runtime.tp.plan import check_world
+
+    check_world(tp)
+    if through is not None:
+        raise UsageError("--tp with --through is not supported: the tensor-parallel capture "
+                         "runs the float checkpoint's own forward")
+    if device != "cpu":
+        raise UsageError(f"--tp runs its ranks on the CPU (gloo); --device {device} with --tp "
+                         "is not supported")
+    quantized = sorted(model.scan.quantized)
+    if quantized:
+        raise UsageError("--tp needs a float checkpoint (its blocks run as sharded float "
+                         f"linears); {quantized[0]} is quantized", path=model.path)
+
+
 def spill_dir(out) -> Path:
     """Where ``capture`` spills the hidden states beyond its memory budget."""
     return Path(str(out).rstrip("/\\") + ".h3q-spill")
-
-
-def remove_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:  # absent, or holding files that are not the store's
-        pass
 
 
 def predicted_gains(stats_path, group_size: int = 256, *, progress: bool = False
