@@ -26,19 +26,13 @@ from __future__ import annotations
 import torch
 
 from h3quant.convrot import rotate
-from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex
+from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex, decoded_levels
 from h3quant.formats.w4a8.encoder import (E4M3_MAX_BITS, DecodedLevels, continuous_scales,
                                           scales_and_codes)
 from h3quant.formats.w4a8.tensors import (SCALE_SEARCH_ULPS, encode_w4a8, pack_nibbles,
                                           unpack_nibbles)
 
 TRIAL_ULPS = 0  # e4m3 neighbours on each side tried in the feedback (2 measured no better end to end)
-
-
-def decoded_levels(table: torch.Tensor, s_rel: torch.Tensor) -> torch.Tensor:
-    """``[..., 16]`` int8 levels (as fp32) of scales ``s_rel`` [...]: the decoder's fp32
-    product, rounding (half to even) and clamp."""
-    return (table * s_rel.unsqueeze(-1)).round_().clamp_(-127, 127)
 
 
 def nearest(t: torch.Tensor, lv: torch.Tensor) -> torch.Tensor:
@@ -126,4 +120,4 @@ def encode_w4a8_calibrated(weight: torch.Tensor, calibration, *, group_size: int
     return out
 
 
-__all__ = ["TRIAL_ULPS", "decoded_levels", "encode_w4a8_calibrated", "nearest", "trial_loss"]
+__all__ = ["TRIAL_ULPS", "encode_w4a8_calibrated", "nearest", "trial_loss"]

@@ -38,6 +38,13 @@ def level_midpoints(codebook: torch.Tensor) -> torch.Tensor:
     return (codebook[:-1] + codebook[1:]) * 0.5
 
 
+def decoded_levels(table: torch.Tensor, s_rel: torch.Tensor) -> torch.Tensor:
+    """``[..., 16]`` int8 levels (as fp32) of group scales ``s_rel`` [...]: the decoder's
+    arithmetic, the fp32 product of codebook ``table`` [16] and the scale, rounded half to even
+    and clamped to +-127."""
+    return (table * s_rel.unsqueeze(-1)).round_().clamp_(-127, 127)
+
+
 def take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``table[idx]`` through index_select (several times faster than advanced indexing on CPU)."""
     return torch.index_select(table, 0, idx.reshape(-1)).view(idx.shape)

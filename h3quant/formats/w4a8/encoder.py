@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.errors import FormatError
-from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex, take
+from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex, decoded_levels, take
 
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -51,7 +51,7 @@ class DecodedLevels:
         s = bits.view(torch.float8_e4m3fn).float()
         s[-1] = 0.0  # 0x7F is NaN: never a candidate (bits are clamped to 1..0x7E)
         # exactly the decoder's arithmetic: fp32 product, round half to even, clamp
-        dec = (table.unsqueeze(0) * s.unsqueeze(1)).round_().clamp_(-127, 127)  # [128, 16]
+        dec = decoded_levels(table, s)  # [128, 16]
         # a bin centre (an odd multiple of 1/4) never lies on a midpoint between two decoded
         # integers, so the number of midpoints below it is the index of its nearest level (of
         # equal decoded levels, the last one when the centre lies above them, else the first)

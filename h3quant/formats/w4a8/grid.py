@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from h3quant.formats.w4a8.codebook import FROZEN_CODEBOOK
+from h3quant.formats.w4a8.codebook import FROZEN_CODEBOOK, decoded_levels
 from h3quant.formats.w4a8.spec import GROUP
 
 CHUNK_GROUPS = 512  # groups tested at a time (stopping at the first chunk off the grid)
@@ -31,7 +31,7 @@ def _e4m3_positive() -> torch.Tensor:
 def _membership(table: torch.Tensor) -> torch.Tensor:
     """[S, 255] bool: code v (+127) is a level of the grid of scale number s."""
     s = _e4m3_positive()
-    grid = (table[None, :] * s[:, None]).round().clamp(-127, 127).long() + 127  # as decode does
+    grid = decoded_levels(table, s).long() + 127
     member = torch.zeros(s.numel(), 255, dtype=torch.bool)
     member.scatter_(1, grid, True)
     return member
