@@ -164,8 +164,9 @@ def _run_layers(block, info, comm, tokens: int, seed: int, dtype, tdev, inputs) 
             x = layer_input(info.index, salt, tokens, shape.in_features, seed).to(dtype)
             lin = mods[role]
             if role in COLUMN_PARALLEL:
-                y = lin(x.to(tdev)).float().cpu()
-                y = assemble_columns(comm.all_gather(y, f"{role} outputs"), COLUMN_PARALLEL[role])
+                y = lin(x.to(tdev)).float()  # gathered on the device (nccl carries no CPU tensor)
+                y = assemble_columns([p.cpu() for p in comm.all_gather(y, f"{role} outputs")],
+                                     COLUMN_PARALLEL[role])
                 outs[role] = y
                 continue
             outs[role] = lin(row_input_slice(x, role, world, rank).to(tdev)).float().cpu()
@@ -221,8 +222,8 @@ def _rank_body(ctx, spec: TpSpec, probe):
             del block
             gc.collect()
         rss = _peak_rss()
-        stats = torch.tensor([read, held, rss], dtype=torch.int64)
-        every = comm.all_gather(stats, "per-rank memory figures")
+        stats = torch.tensor([read, held, rss], dtype=torch.int64, device=tdev)
+        every = [t.cpu() for t in comm.all_gather(stats, "per-rank memory figures")]
         if ctx.rank != 0:
             return None
         result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx,
@@ -266,8 +267,8 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
                         on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
         infos, held = model.infos, model.held
         stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
-                             dtype=torch.int64)
-        every = comm.all_gather(stats, "per-rank memory figures")
+                             dtype=torch.int64, device=dev.torch_device)
+        every = [t.cpu() for t in comm.all_gather(stats, "per-rank memory figures")]
         if ctx.rank != 0:
             return None
         outs = {**{f"block {i} hidden": h for i, h in hidden.items()},
