@@ -144,6 +144,9 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
                          default_budget() if memory_budget is None else memory_budget)
     if lead:
         log(store.summary())
+    if launch is not None and lead:
+        log(f"tensor parallel: {tp} {launch.kind} rank(s), "
+            f"{'torchrun' if launch.torchrun else 'spawned here'}; rank 0 writes {out}")
     forward = "float" if through is None else checkpoint_fingerprint(through)
     # with --tp the ranks run the forward on their own devices; here only the inputs are read
     with Outputs(inputs=read, overwrite=overwrite, log=log) as outs, \
@@ -164,7 +167,7 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
         meta = {"version": VERSION, "checkpoint": fp, "blocks": blocks, "inputs": described,
                 "forward": forward}
         bar = tqdm(total=blocks * len(described), unit="call", desc="capture", leave=False,
-                   disable=not progress)
+                   disable=not progress or tp is not None)  # the ranks: no bar
         store.clean()  # a killed run's leftovers
         try:
             if tp is None:

@@ -125,11 +125,20 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
         pickle.dump(result if rank == 0 else None, fh)
 
 
-def default_start_method(kind: str) -> str:
-    """fork for CPU ranks on Linux (no re-import of torch: ~0.3 s instead of seconds per rank);
-    spawn wherever a device runtime is involved (CUDA / NPU cannot be forked)."""
+def default_start_method(kind: str, world: int = 1) -> str:
+    """fork for CPU ranks on Linux when each rank gets one thread (no re-import of torch: ~0.3 s
+    instead of seconds per rank); spawn otherwise: wherever a device runtime is involved (CUDA /
+    NPU cannot be forked), and where the ranks would run several threads each (a forked child
+    that starts an OpenMP team after its parent ran one hangs: GNU libgomp is not fork-safe)."""
     host = device_kinds.kind(kind) is device_kinds.HOST
-    return "fork" if host and sys.platform.startswith("linux") else "spawn"
+    one_thread = (os.cpu_count() or 1) // world <= 1
+    return "fork" if host and one_thread and sys.platform.startswith("linux") else "spawn"
+
+
+def rank_threads(world: int, start_method: str) -> int:
+    """Intra-op threads of each rank: one in a forked rank (see ``default_start_method``), else
+    the machine's cores shared among the ranks."""
+    return 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world)
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
@@ -146,12 +155,12 @@ def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
     backend = backend or backend_for(device_kind)
     check_backend(backend)
     check_device_count(device_kind, world)
-    threads = max(1, (os.cpu_count() or 1) // world)
+    method = start_method or default_start_method(device_kind, world)
     with tempfile.TemporaryDirectory(prefix="h3quant-tp-") as outdir:
         margs = (fn, world, free_port(), device_kind, backend, timeout_s, args, outdir,
-                 comm_cls, threads)
+                 comm_cls, rank_threads(world, method))
         ctx = mp.start_processes(_child, args=margs, nprocs=world, join=False,
-                                 start_method=start_method or default_start_method(device_kind))
+                                 start_method=method)
         start = time.monotonic()
         try:
             while not ctx.join(timeout=0.5, grace_period=2.0):

@@ -1,8 +1,11 @@
 """``plan_launch``: the checks every ``--tp N`` command (verify, capture) makes before it reads a
-file, in order, and the launch they describe (no rank is started here).
+file, in order, and the launch they describe; how spawned ranks start (fork only with one
+thread a rank: a forked OpenMP team would hang).
 
 SIMULATED: ``h3quant.testing.sim_gpus`` makes torch report CUDA GPUs; MPS is reported present by
 patching ``torch.backends.mps.is_available``."""
+
+import sys
 
 import pytest
 import torch
@@ -48,3 +51,30 @@ def test_devices_without_collectives_or_absent(monkeypatch):
         plan_launch(2, "mps")
     with pytest.raises(TpError, match="--tp N is required"):
         plan_launch(None, "cpu")
+
+
+def _copies(ctx):
+    x = torch.randn(2048, 2048).to(torch.bfloat16)
+    return float(x.float().sum())  # large enough for an OpenMP team where threads > 1
+
+
+def test_a_forked_rank_does_not_hang_after_the_parents_openmp_team():
+    """GNU libgomp is not fork-safe: a forked child that starts an OpenMP team after its parent
+    ran one waits forever. A forked rank therefore runs one thread (tp=1 here would otherwise
+    get every core)."""
+    from h3quant.runtime.tp.launch import spawn_ranks
+
+    torch.randn(2048, 2048).to(torch.bfloat16).float()  # the parent's team
+    got = spawn_ranks(_copies, 1, start_method="fork", timeout_s=30, deadline_s=60)
+    assert isinstance(got, float)
+
+
+def test_fork_only_where_each_rank_runs_one_thread(monkeypatch):
+    from h3quant.runtime.tp.launch import default_start_method, rank_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert default_start_method("cuda", 2) == "spawn"
+    assert default_start_method("cpu", 2) == "spawn"  # 8 threads a rank: not forked
+    assert rank_threads(2, "spawn") == 8 and rank_threads(2, "fork") == 1
+    if sys.platform.startswith("linux"):
+        assert default_start_method("cpu", 16) == "fork"
