@@ -24,11 +24,10 @@ import torch
 from h3quant.pipelines.capture import capture_statistics
 from h3quant.pipelines.capture_tp import TpHooks
 from h3quant.runtime.probe import StaticProbe
-from h3quant.synth import synth_checkpoint
 from h3quant.testing.sim_gpus import simulated_cuda_machine
 
 from helpers.cli import run
-from helpers.inputs import input_dims, seeded_inputs
+from helpers.inputs import synth_world
 from helpers.stats_compare import assert_same_statistics
 
 pytestmark = pytest.mark.slow  # tensor-parallel ranks (forked processes)
@@ -38,13 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tpdev")
-    src = d / "bf16.safetensors"
-    synth_checkpoint(src, preset="tiny", blocks=2, seed=5)
-    ins = seeded_inputs(d, input_dims(src), range(2))
-    one = d / "one.stats"
-    capture_statistics(src, ins, one, predict=False)  # one process on the CPU
-    return {"d": d, "src": src, "ins": ins, "one": one}
+    w = synth_world(tmp_path_factory.mktemp("tpdev"), seed=5, calls=2)
+    w["ins"], w["one"] = w["inputs"], w["d"] / "one.stats"
+    capture_statistics(w["src"], w["ins"], w["one"], predict=False)  # one process on the CPU
+    return w
 
 
 @contextmanager
