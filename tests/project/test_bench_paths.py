@@ -37,6 +37,7 @@ OVERRIDES = {
     r"\bDequantLinear\b": "the dequantized reference, not a runtime path",
     r"\boutput_sqnr_db\(": "a weights-only figure (float activations)",
     r"\breport_grid\(": "the dequantized weight measured without the runtime",
+    r"\bdecode_weight\(": "a weights-only figure (the weight decoded, float activations)",
     r"full_precision\s*=\s*True": "forces the dequantized path",
     r"\bbackend\s*=\s*(?!None)": "forces a backend",
 }
@@ -47,6 +48,9 @@ ALLOWED = {
         "default path",
     ("device_check.py", r"\bbackend\s*=\s*(?!None)"):
         "a kernel check: forces each backend to test that backend against the CPU, and names it",
+    ("real_weights_floor.py", r"\bdecode_weight\("):
+        "splits INT4 ConvRot's error into its weights' and its activations' parts: the weights-"
+        "only rows are labelled so and printed beside the same files on the runtime path",
 }
 NOT_QUALITY = {
     "hostile.py": "feeds hostile inputs to the CLI and checks exit codes (--target-sqnr is an "
@@ -222,6 +226,34 @@ def test_real_weights_smoothed_layer_divides_its_input():
     assert seen == [((k,), (5, k))] and isinstance(smo, rw.Divided)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(smo(x), cal(x), rtol=1e-5, atol=1e-5)
+
+
+def test_real_weights_floor_rounds_as_the_runtime():
+    """The floor's layer rounds its input as the runtime does: given a weight that already lies
+    on the int4 grid (decoded codes), it computes what the runtime's emulated W4A4 layer
+    computes from those codes; with the rotated input left in float it is ``x W^T``; with s = 4
+    on every channel (exact) the same as without; int8 rounding is finer than int4."""
+    from h3quant.calibration.aware import input_rounding
+
+    fl = _load_bench("real_weights_floor")
+    codec, marker, w, t = _layer("int4-convrot")
+    g = marker["convrot_groupsize"]
+    w_hat = codec.decoder.decode_weight(t, marker, torch.float32)
+    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(3))
+    x = _x()
+    r4 = input_rounding(codec, marker)
+    run = runtime_layer(t, marker, bias=b, compute_dtype=torch.float32)
+    got = fl.ActOnly(w_hat, b, r4, g)(x)
+    torch.testing.assert_close(got, run(x), rtol=1e-4, atol=1e-4 * float(got.abs().max()))
+    ref = x @ w.t() + b
+    torch.testing.assert_close(fl.ActOnly(w, b, r4, g, exact=True)(x), ref, rtol=1e-4,
+                               atol=1e-4 * float(ref.abs().max()))
+    floor = fl.ActOnly(w, b, r4, g)(x)
+    torch.testing.assert_close(fl.ActOnly(w, b, r4, g, torch.full((w.shape[1],), 4.0))(x),
+                               floor, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    r8 = input_rounding(codec, {**marker, "linear_dtype": "int8"})
+    a8 = fl.ActOnly(w, b, r8, g)(x)
+    assert float((a8 - ref).norm()) < 0.1 * float((floor - ref).norm())
 
 
 # --- the BERT forward of bench/real_weights.py against torch's own encoder layer -------------
