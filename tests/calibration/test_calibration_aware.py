@@ -229,3 +229,82 @@ def test_activation_aware_needs_calibration():
 
     with pytest.raises(ConvertError, match="--activation-aware auto needs --calibration"):
         ConvertOptions(target="int4-convrot", activation_aware="auto")
+
+
+# --- exact cross statistics (LayerStats.crossed): X from the float model, Xq from the partly
+# quantized one, paired rows ------------------------------------------------------------------
+
+def _lstsq_target(x, xq, w, lam):
+    """argmin_V |X W^T - Xq V^T|^2 + lam |V - W|^2 by least squares on the stacked rows
+    ``[Xq; sqrt(lam) I] V^T = [X W^T; sqrt(lam) W^T]`` (float64, written here)."""
+    k = x.shape[1]
+    a = torch.cat([xq.double(), math.sqrt(lam) * torch.eye(k, dtype=torch.float64)])
+    b = torch.cat([x.double() @ w.double().t(), math.sqrt(lam) * w.double().t()])
+    return torch.linalg.lstsq(a, b).solution.t()
+
+
+def test_crossed_statistics_aim_at_the_exact_objectives_minimiser():
+    """With a rounding that leaves every value as it is, feedback returns its target: that
+    target must be the minimiser of the damped exact objective, solved here independently."""
+    from h3quant.calibration.gptq import DAMP
+
+    k, n = 48, 12
+    x = _rows(1024, k, seed=5)
+    xq = _round_per_token(x + 0.05 * _rows(1024, k, seed=6), 5)  # upstream error, then rounding
+    w = _weight(n, k, seed=7)
+    c, hq = x.t().double() @ xq.double(), xq.t().double() @ xq.double()
+    st = LayerStats.from_hessian("blocks.0.mlp.fc1", (x.t() @ x), 1024).crossed(False, 0, c, hq)
+    got = st.feedback(w, lambda v, j: (v.clone(), v), convrot=False)
+    lam = DAMP * float(hq.diagonal().mean())
+    want = _lstsq_target(x, xq, w, lam)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="basis"):
+        st.feedback(w, lambda v, j: (v.clone(), v), convrot=True, group_size=16)
+    with pytest.raises(ValueError, match="K=48"):
+        st.crossed(False, 0, c[:4], hq)
+
+
+@pytest.mark.parametrize("target", ["w4a8", "int8-convrot", "int4-convrot"])
+def test_crossed_identity_statistics_give_the_plain_calibrated_bytes(target):
+    """``X == Xq`` unrounded: ``C == Hq`` == the layer's ``H`` in the codes' basis, and the
+    codes are those of the plain calibrated encode, bit for bit."""
+    k, n, g = 256, 32, 64
+    x = _rows(2048, k, seed=8)
+    w = _weight(n, k, seed=9)
+    codec = registry.target_codec(target)
+    marker = codec.spec.planning.marker(registry.target(target), g)
+    st = LayerStats.from_hessian("blocks.0.mlp.fc1", x.t() @ x, 2048)
+    hr = st.hessian(True, g)
+    plain = codec.encoder.encode(w, marker, "exact", calibration=st)
+    same = codec.encoder.encode(w, marker, "exact", calibration=st.crossed(True, g, hr, hr.clone()))
+    assert plain.keys() == same.keys()
+    for name in plain:
+        assert torch.equal(plain[name], same[name]), name
+
+
+def test_crossed_statistics_lower_the_measured_objective_through_w4a8():
+    """W4A8's calibrated encode with the exact C / Hq of rows that carry an upstream error and
+    the runtime's per-token int8 rounding, against the plain calibrated encode (H of the float
+    rows): the objective |X W^T - Xq Wq^T|^2, measured here on the rows in the ConvRot basis
+    (rotation and rounding written in the test), is lower."""
+    k, n, g = 256, 64, 64
+    x = _rows(4096, k, seed=10)
+    up = x + 0.15 * _rows(4096, k, seed=11)  # what the quantized layers before deliver
+    w = _weight(n, k, seed=12)
+    codec = registry.target_codec("w4a8")
+    marker = codec.spec.planning.marker(registry.target("w4a8"), g)
+    r = _hadamard_rotation(k, g)
+    xr = x.double() @ r
+    xq = _round_per_token(up.double() @ r, 127)
+    st = LayerStats.from_hessian("blocks.0.mlp.fc1", x.t() @ x, 4096)
+    plain = codec.encoder.encode(w, marker, "exact", calibration=st)
+    exact = codec.encoder.encode(w, marker, "exact",
+                                 calibration=st.crossed(True, g, xr.t() @ xq, xq.t() @ xq))
+    wr = w.double() @ r
+
+    def objective(tensors):
+        w_hat, _ = codec.encoder.report_grid(tensors, marker)
+        return _objective(xr, xq, wr, w_hat.double() @ r)
+
+    gain = 10 * math.log10(objective(plain) / objective(exact))
+    assert gain > 0.5, gain
