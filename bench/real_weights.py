@@ -29,7 +29,11 @@ The path each format ran on is printed.
 
 A third column, calibrated and smoothed (per-channel factors that move activation outliers into
 the weights), is measured when ``h3quant.calibration.smooth`` provides ``choose`` (see
-``smoothing_hook``); otherwise it is reported as not available. Asserts nothing; prints markdown tables.
+``smoothing_hook``); otherwise it is reported as not available. ``--modes ... quantized``:
+calibrated with quantized feedback, what ``convert --calibrate-on ... --feedback quantized``
+does for H3 block by block: BERT layer by BERT layer, each layer's four linears calibrated on
+the statistics of their inputs in the model whose earlier layers are already quantized (on the
+runtime path), the layer itself float. Asserts nothing; prints markdown tables.
 """
 
 from __future__ import annotations
@@ -106,6 +110,15 @@ def batches(tok: WordPiece, texts: list[str], max_len: int, size: int = 32):
         yield tok.batch(texts[i:i + size], max_len)
 
 
+def accumulate(a: list, x: torch.Tensor) -> list:
+    """``a`` = [H fp64, sum |x|, rows, ...] with the rows ``x`` added (in place; returned)."""
+    xd = x.double()
+    a[0] = a[0] + xd.t() @ xd
+    a[1] = a[1] + xd.abs().sum(0)
+    a[2] += int(x.shape[0])
+    return a
+
+
 def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
     """Per linear: (H fp64, sum |x|, rows, max |x| per channel) over ``texts``; with
     ``keep_rows``, also up to that many input rows (spread over all batches)."""
@@ -115,11 +128,7 @@ def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
     per_batch = -(-keep_rows // n_batches) if keep_rows else 0
 
     def hook(key, x):
-        xd = x.double()
-        a = acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])])
-        a[0] = a[0] + xd.t() @ xd
-        a[1] = a[1] + xd.abs().sum(0)
-        a[2] += int(x.shape[0])
+        a = accumulate(acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])]), x)
         a[3] = torch.maximum(a[3], x.abs().amax(0))
         if per_batch:
             kept.setdefault(key, []).append(x[:per_batch].clone())
@@ -183,20 +192,13 @@ class Divided(torch.nn.Module):
         return self.inner(x / self.s)
 
 
-# sequential modes: each unit (a BERT layer's four linears, or one linear) calibrated on the
-# statistics of the model whose earlier units are already quantized
-SEQUENTIAL = {"quantized": ("block", None), "quantized-layer": ("layer", None),
-              "exact": ("block", "rounded"), "exact-layer": ("layer", "rounded"),
-              "exact-upstream": ("block", "float")}
-MODES = ("plain", "calibrated", "smoothed", "aware", "smoothed+aware", *SEQUENTIAL)
+# quantized: each BERT layer's four linears calibrated on the statistics of the model whose
+# earlier layers are already quantized (convert --calibrate-on ... --feedback quantized)
+MODES = ("plain", "calibrated", "smoothed", "aware", "smoothed+aware", "quantized")
 MODE_TEXT = {"plain": "plain", "calibrated": "calibrated", "smoothed": "calibrated + smoothed",
              "aware": "calibrated, activation-aware",
              "smoothed+aware": "calibrated + smoothed, activation-aware",
-             "quantized": "calibrated, quantized feedback (per block)",
-             "quantized-layer": "calibrated, quantized feedback (per linear)",
-             "exact": "calibrated, exact upstream + own rounding target (per block)",
-             "exact-layer": "calibrated, exact upstream + own rounding target (per linear)",
-             "exact-upstream": "calibrated, exact upstream target (per block)"}
+             "quantized": "calibrated, quantized feedback"}
 
 
 def with_rows(st: LayerStats, sample: torch.Tensor, s: torch.Tensor | None = None) -> LayerStats:
@@ -264,9 +266,8 @@ class _Stop(Exception):
     """Raised by a capture hook once the unit's last linear was seen (the rest is not needed)."""
 
 
-def _capture_unit(model, tok, texts, max_len, keys, swap=None):
-    """Per batch: {key: input rows} of ``keys`` (the forward stops after the last of them);
-    ``swap``: {key: module} set for the batch's forward and put back after it."""
+def _capture_unit(model, tok, texts, max_len, keys):
+    """Per batch: {key: input rows} of ``keys`` (the forward stops after the last of them)."""
     last = keys[-1]
     for ids, mask in batches(tok, texts, max_len):
         rows: dict[str, torch.Tensor] = {}
@@ -277,71 +278,30 @@ def _capture_unit(model, tok, texts, max_len, keys, swap=None):
             if key == last:
                 raise _Stop
 
-        old = {k: model.linear(k) for k in (swap or {})}
-        for k, m in (swap or {}).items():
-            model.set_linear(k, m)
         try:
             with torch.no_grad():
                 model.embed(ids, mask, hook)
         except _Stop:
             pass
-        finally:
-            for k, m in old.items():
-                model.set_linear(k, m)
         yield rows
 
 
-def sequential(model, fmt, mode, tok, texts, max_len, floats, cross_damp=None):
-    """{key: runtime module} of ``fmt`` in the sequential ``mode`` (``SEQUENTIAL``), or (None,
-    reason): units in order, each calibrated on the inputs of the model whose earlier units are
-    quantized (on the runtime path) and the unit itself float. ``exact*``: the objective
-    ``|X W^T - Xq Wq^T|^2`` with ``X`` the float model's inputs and ``Xq`` the partly quantized
-    model's (paired rows), rounded as the layer's runtime rounds them (``exact``) or only
-    rotated (``exact-upstream``); ``C = X^T Xq`` and ``Hq = Xq^T Xq`` summed exactly over every
-    calibration row, in the codes' basis. Leaves every linear of ``model`` quantized."""
-    unit, target = SEQUENTIAL[mode]
+def quantized_feedback(model, fmt, tok, texts, max_len):
+    """({key: runtime module} of ``fmt``, calibrated with quantized feedback, paths), or (None,
+    reason): BERT layer by BERT layer, the layer's four linears calibrated on the statistics of
+    their inputs in the model whose earlier layers are already quantized (on the runtime path)
+    and the layer itself float, as ``convert --calibrate-on ... --feedback quantized`` does
+    for H3's blocks. Leaves every linear of ``model`` quantized."""
     keys = model.keys()
-    units = [keys[i:i + len(ROLES)] for i in range(0, len(keys), len(ROLES))] \
-        if unit == "block" else [[k] for k in keys]
-    codec = registry.target_codec(fmt)
     done: dict[str, torch.nn.Module] = {}
     paths = set()
-    for group in units:
+    for i in range(0, len(keys), len(ROLES)):
+        group = keys[i:i + len(ROLES)]
         acc: dict[str, list] = {}
-        rounding = {}
-        for key in group:
-            k = floats[key].weight.shape[1]
-            marker = codec.spec.planning.marker(registry.target(fmt), group_size_for(k))
-            rounding[key] = (input_rounding(codec, marker), marker)
-        float_rows = (_capture_unit(model, tok, texts, max_len, group, floats)
-                      if target else None)
         for rows in _capture_unit(model, tok, texts, max_len, group):
-            xf = next(float_rows) if float_rows is not None else None
             for key, x in rows.items():
-                xd = x.double()
-                a = acc.setdefault(key, [0, 0, 0, None, 0, 0])
-                a[0] = a[0] + xd.t() @ xd
-                a[1] = a[1] + xd.abs().sum(0)
-                a[2] += int(x.shape[0])
-                if xf is not None:
-                    r, marker = rounding[key]
-                    if r is None:
-                        return None, "activations run in float: the same as quantized"
-                    xr, _ = r(xf[key])
-                    rot, xq = r(x)
-                    if target == "float":
-                        xq = rot
-                    a[4] = a[4] + xr.double().t() @ xq.double()
-                    a[5] = a[5] + xq.double().t() @ xq.double()
-        stats = {}
-        for key, (h, s, n, _, c, hq) in acc.items():
-            st = LayerStats.from_hessian(key, h.float(), n, (s / max(n, 1)).float())
-            if target:
-                marker = rounding[key][1]
-                convrot = codec.spec.reading.uses_convrot(marker)
-                g = int(marker.get("convrot_groupsize", 256))
-                st = st.crossed(convrot, g, c, hq, cross_damp)
-            stats[key] = st
+                accumulate(acc.setdefault(key, [0, 0, 0]), x)
+        stats = layer_stats({key: (*a, None) for key, a in acc.items()})
         for key in group:
             module, info = build(model, fmt, key, "calibrated", stats)
             if module is None:
@@ -489,10 +449,6 @@ def main(argv=None) -> int:
     ap.add_argument("--w4a8-trial", type=int, default=None, metavar="ULPS",
                     help="calibrated W4A8, lazy scales: e4m3 neighbours on each side tried by "
                          "the feedback's loss (default: the encoder's, 0)")
-    ap.add_argument("--cross-damp", type=float, default=None,
-                    help="exact modes: the target's damping (share of Hq's mean diagonal added "
-                         "to C and Hq; larger pulls the target towards W); default: the "
-                         "feedback's")
     args = ap.parse_args(argv)
     if args.damp is not None:
         set_damping(args.damp)
@@ -520,8 +476,6 @@ def main(argv=None) -> int:
     _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
     cal_rows = next(iter(acc.values()))[2]
     damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
-    if args.cross_damp is not None:
-        damp += f"exact target damping {args.cross_damp}; "
     if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:
         damp += f"W4A8 group scales {args.w4a8_scales}, trial {args.w4a8_trial or 0}; "
     print(f"{damp}model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
@@ -557,9 +511,8 @@ def main(argv=None) -> int:
         for mode in modes:
             reason = None
             seq = None
-            if mode in SEQUENTIAL:
-                seq, info = sequential(model, fmt, mode, tok, cal_texts, args.max_len, floats,
-                                       args.cross_damp)
+            if mode == "quantized":
+                seq, info = quantized_feedback(model, fmt, tok, cal_texts, args.max_len)
                 if seq is None:
                     reason = info
                 else:

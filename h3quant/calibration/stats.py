@@ -122,7 +122,6 @@ class LayerStats:
     _load_absmax: Callable[[], torch.Tensor] | None = None  # () -> fp32 [K] max |x| (v2)
     _load_sample: Callable[[], torch.Tensor] | None = None  # () -> fp32 [S, K] rows (v2)
     _rounding: Callable | None = None  # the runtime's input rounding (calibration.aware)
-    _cross: tuple | None = None  # exact (convrot, group_size, C, Hq) in that basis (``crossed``)
     _factors: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -172,8 +171,7 @@ class LayerStats:
         if system is None:
             return feedback(x, self.factor(convrot, group_size), quantize, groups=groups)
         cd, lower, u = system
-        target = x if cd is None else aware_solve(x, cd, lower)
-        return feedback(target, u, quantize, groups=groups)
+        return feedback(aware_solve(x, cd, lower), u, quantize, groups=groups)
 
     def rounded_by(self, rounding) -> "LayerStats":
         """These statistics with the runtime's input rounding ``rounding``
@@ -182,54 +180,10 @@ class LayerStats:
         return LayerStats(self.key, self.k, self.rows, self._load, self.absmean, self._h,
                           self._load_absmean, self._load_absmax, self._load_sample, rounding)
 
-    def crossed(self, convrot: bool, group_size: int, c: torch.Tensor, hq: torch.Tensor,
-                damp: float | None = None) -> "LayerStats":
-        """These statistics with the exact cross term ``C = X^T Xq`` and ``Hq = Xq^T Xq``
-        measured in the codes' basis (``convrot``, ``group_size``): ``X`` the inputs of the
-        float model, ``Xq`` those of the partly quantized model as the layer's runtime rounds
-        them (paired rows). ``feedback`` then minimises ``|X W^T - Xq Wq^T|^2`` exactly
-        (``calibration.gptq.aware_target``); ``C`` equal to ``Hq`` gives the plain feedback
-        over ``Hq``. ``damp``: the target's damping (``lam``: that share of ``Hq``'s mean
-        diagonal added to ``C`` and ``Hq``; larger pulls the target towards ``W``), instead of
-        the feedback's (``gptq.DAMP``, which the feedback's factor keeps)."""
-        for name, t in (("C", c), ("Hq", hq)):
-            if tuple(t.shape) != (self.k, self.k):
-                raise ValueError(f"{self.key}: {name} is {list(t.shape)}, the layer has "
-                                 f"K={self.k}")
-        return LayerStats(self.key, self.k, self.rows, self._load, self.absmean, self._h,
-                          self._load_absmean, self._load_absmax, self._load_sample,
-                          _cross=(bool(convrot), int(group_size) if convrot else 0, c, hq, damp))
-
-    def _crossed_system(self, convrot: bool, group_size: int):
-        from h3quant.calibration.gptq import DAMP, aware_system, factor_from_lower, \
-            inverse_factor
-
-        basis = (bool(convrot), int(group_size) if convrot else 0)
-        assert self._cross is not None
-        if self._cross[:2] != basis:
-            raise ValueError(f"{self.key}: the cross statistics are in the basis {self._cross[:2]}"
-                             f", the codes in {basis}")
-        c, hq, damp = self._cross[2:]
-        key = ("crossed",) + basis
-        with self._lock:
-            if key not in self._factors:
-                if torch.equal(c, hq):
-                    self._factors[key] = (None, None, inverse_factor(hq))
-                elif damp is None or damp == DAMP:
-                    cd, lower = aware_system(c, hq)
-                    self._factors[key] = (cd, lower, factor_from_lower(lower))
-                else:
-                    cd, lower = aware_system(c, hq, damp)
-                    self._factors[key] = (cd, lower, inverse_factor(hq))
-            return self._factors[key]
-
     def aware_system(self, convrot: bool, group_size: int = 256):
         """(``C + lam``, lower factor of the damped ``Hq``, ``Hq``'s inverse factor) in the codes'
-        basis (``calibration.aware``, or the exact ones of ``crossed``; the first two None when
-        ``C == Hq``), computed once; None where the plain feedback applies: no rounding, no
-        sampled rows, or sampled rows the rounding leaves as they are."""
-        if self._cross is not None:
-            return self._crossed_system(convrot, group_size)
+        basis (``calibration.aware``), computed once; None where the plain feedback applies: no
+        rounding, no sampled rows, or sampled rows the rounding leaves as they are."""
         if self._rounding is None or self._load_sample is None:
             return None
         from h3quant.calibration.gptq import damped, factor_from_lower, gains_and_noise
