@@ -9,8 +9,8 @@ For each block linear (its real [N, K] at ``--dims``), with synthetic low-rank i
 
 - ``capture``: what ``capture`` adds to the forward per linear, ``H += X^T X`` and the channel
   magnitudes (``calibration.capture.Recording``), against its floor: ``X^T X`` alone (one GEMM);
-- ``factor``: the Cholesky factor of the damped inverse Hessian (``gptq.inverse_factor``: three
-  float64 factorisations of K x K; this IS the floor of that step, timed once);
+- ``factor``: the Cholesky factor of the damped inverse Hessian (``gptq.inverse_factor``: a
+  float64 Cholesky and a triangular solve of K x K; this IS the floor of that step, timed once);
 - ``feedback``: the codec's calibrated encode minus its uncalibrated encode (per-column
   rounding, in-block rank-1 updates, the blocked GEMMs), against its GEMM floor: the same
   blocked products ``Err [N, B] @ U[B, rest]`` alone; ``plain levels``: the feedback itself

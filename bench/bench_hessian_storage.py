@@ -22,8 +22,9 @@ calibrated bytes and their quality, and the factorisation's peak memory. Prints 
    nvfp4 decoded; CPU), mean over B;
 3. the factorisation ``inverse_factor`` at ``K = --factor-k`` (a synthetic low-rank ``H``), one
    child process per variant: the steps as earlier versions ran them (a fresh buffer each),
-   this version's (in place where torch allows), and float32: seconds, peak RSS above the
-   child's RSS before the call, and whether the factor equals the earlier steps' bit for bit.
+   this version's (one Cholesky of the order-reversed ``H`` and one triangular solve, in place
+   where torch allows), and float32: seconds, peak RSS above the child's RSS before the call,
+   whether the factor equals the earlier steps' bit for bit, and how far it is from them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -192,12 +194,13 @@ def rss():
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 before = rss()
 t = time.perf_counter()
-fn = {"earlier": earlier_inverse_factor, "in-place": gptq.inverse_factor,
+fn = {"earlier": earlier_inverse_factor, "adopted": gptq.inverse_factor,
       "float32": inverse_factor_float32}[how]
 u = fn(h)
 dt = time.perf_counter() - t
 peak = int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).split()[1])
 digest = hashlib.sha256(u.contiguous().numpy().tobytes()).hexdigest()
+torch.save(u, sys.argv[4])
 resid = float("nan")
 if k <= 8192:  # U^T U is the inverse of the damped H: how far from it
     u64 = u.double()
@@ -223,16 +226,23 @@ def factor_memory(k: int) -> None:
           "process each; unit: one float64 K x K buffer = "
           f"{8 * k * k / 1e9:.2f} GB")
     print("\n| steps | seconds | peak RSS above the start | factor equal to the earlier steps' "
-          "| max abs(U^T U H_damped - I) |")
-    print("|---|---:|---:|---|---:|")
+          "| max abs(U - U_earlier) / max abs(U_earlier) | max abs(U^T U H_damped - I) |")
+    print("|---|---:|---:|---|---:|---:|")
     first = None
-    for how in ("earlier", "in-place", "float32"):
-        res = subprocess.run([sys.executable, "-c", _CHILD, str(k), how, str(Path(__file__).parent)],
-                             capture_output=True, text=True, check=True)
-        dt, peak, digest, resid = res.stdout.split()
-        first = first or digest
-        print(f"| {how} | {float(dt):.1f} | {int(peak) / 1e9:.2f} GB | "
-              f"{'yes' if digest == first else 'no'} | {float(resid):.2e} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for how in ("earlier", "adopted", "float32"):
+            path = str(Path(tmp) / f"{how}.pt")
+            res = subprocess.run([sys.executable, "-c", _CHILD, str(k), how,
+                                  str(Path(__file__).parent), path],
+                                 capture_output=True, text=True, check=True)
+            dt, peak, digest, resid = res.stdout.split()
+            u = torch.load(path)
+            if first is None:
+                first, base = digest, u
+            rel = float((u - base).abs().max() / base.abs().max())
+            del u
+            print(f"| {how} | {float(dt):.1f} | {int(peak) / 1e9:.2f} GB | "
+                  f"{'yes' if digest == first else 'no'} | {rel:.1e} | {float(resid):.2e} |")
 
 
 def main() -> None:

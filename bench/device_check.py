@@ -19,6 +19,9 @@ int8 NPU ``kn`` layout converted from it):
   every linear agree to fp32 rounding), then ``model-<fmt>-calibrated``: ``convert
   --calibration`` (int8-convrot, w4a8) from the device's statistics, run by ``verify --model``
   on the device; its SQNR is printed beside the uncalibrated file's (synthetic inputs);
+- ``calib-capture-tp``: ``capture --tp 1`` on the device (one rank: the process group on the
+  device's backend, nccl on CUDA) against the single-process capture there (SKIP where that
+  backend is missing);
 - ``calib-onepass``: ``convert --calibrate-on`` (int8-convrot, float feedback) on the device
   from the same inputs: every tensor must have the bytes of the two-step file above (capture on
   the device, then ``convert --calibration``), and ``verify --model`` on the device passes.
@@ -78,7 +81,6 @@ def calibration_checks(files, d: Path, device: str) -> None:
 
     try:
         from h3quant.calibration.recorder import write_inputs
-        from h3quant.calibration.stats import Statistics
         from h3quant.pipelines.capture import capture_statistics
         from h3quant.runtime.model.model import H3Model
     except ImportError as exc:
@@ -101,11 +103,7 @@ def calibration_checks(files, d: Path, device: str) -> None:
             capture_statistics(src, ins, d / f"{dev.replace(':', '')}.stats", device=dev,
                                overwrite=True, predict=False)
             times[dev] = time.perf_counter() - t0
-        with Statistics(d / "cpu.stats") as a, \
-                Statistics(d / f"{device.replace(':', '')}.stats") as b:
-            worst = max(float((a.layers[k].hessian() - b.layers[k].hessian()).norm()
-                              / a.layers[k].hessian().norm().clamp_min(1e-30)) for k in a.layers)
-            n = len(a.layers)
+        worst, n = hessian_diff(d / "cpu.stats", d / f"{device.replace(':', '')}.stats")
     except Exception as exc:
         line("FAIL", "calib-capture", f"{type(exc).__name__}: {exc}")
         return
@@ -113,6 +111,7 @@ def calibration_checks(files, d: Path, device: str) -> None:
          f"H {device} vs cpu: worst rel diff {worst:.2e} (<= 1e-3) over {n} linears; capture "
          f"{times[device]:.2f} s on {device}, {times['cpu']:.2f} s on cpu")
     stats = d / f"{device.replace(':', '')}.stats"
+    capture_tp_check(src, ins, d, device, stats)
     for t, plain in (("int8-convrot", "int8"), ("w4a8", "w4a8")):
         out = d / f"{t}-calibrated.safetensors"
         try:
@@ -123,6 +122,53 @@ def calibration_checks(files, d: Path, device: str) -> None:
         model_check(f"model-{plain}-calibrated", out, src, device, None,
                     compare_with=files[plain])
     onepass_check(files, ins, d, device)
+
+
+def hessian_diff(a_path, b_path) -> tuple[float, int]:
+    """The worst relative Frobenius difference of two statistics files' Hessians, and how many
+    linears they hold."""
+    from h3quant.calibration.stats import Statistics
+
+    with Statistics(a_path) as a, Statistics(b_path) as b:
+        worst = max(float((a.layers[k].hessian() - b.layers[k].hessian()).norm()
+                          / a.layers[k].hessian().norm().clamp_min(1e-30)) for k in a.layers)
+        return worst, len(a.layers)
+
+
+def capture_tp_check(src, ins, d: Path, device: str, stats: Path) -> None:
+    """``capture --tp 1`` on the device (one rank: the process group on the device's backend,
+    nccl on CUDA, the rank's own device) against the single-process capture there."""
+    import time
+
+    from h3quant.errors import H3QuantError
+    from h3quant.pipelines.capture import capture_statistics
+    from h3quant.runtime.tp.group import backend_for, check_backend
+
+    name = "calib-capture-tp"
+    try:
+        check_backend(backend_for(device.split(":")[0]))
+    except H3QuantError as exc:
+        line("SKIP", name, str(exc))
+        return
+    out = d / "tp1.stats"
+    t0 = time.perf_counter()
+    try:
+        capture_statistics(src, ins, out, device=device, tp=1, overwrite=True, predict=False,
+                           tp_timeout_s=120)
+        seconds = time.perf_counter() - t0
+        worst, n = hessian_diff(stats, out)
+    except H3QuantError as exc:
+        if "is not supported" in str(exc):  # an h3quant whose capture --tp is CPU-only
+            line("SKIP", name, str(exc))
+        else:
+            line("FAIL", name, f"{type(exc).__name__}: {exc}")
+        return
+    except Exception as exc:
+        line("FAIL", name, f"{type(exc).__name__}: {exc}")
+        return
+    line("PASS" if worst <= 1e-3 else "FAIL", name,
+         f"H of tp=1 on {device} vs one process there: worst rel diff {worst:.2e} (<= 1e-3) "
+         f"over {n} linears; {seconds:.2f} s")
 
 
 def onepass_check(files, ins, d: Path, device: str) -> None:

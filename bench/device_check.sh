@@ -13,7 +13,8 @@
 # bench/device_check.py: verify --model on cuda against cpu on synthetic int8, W4A8, int8 "kn"
 # (NPU layout) and W4A8-converted-to-int8 files, and one layer through comfy-kitchen's CUDA
 # kernels against h3quant's torch._int_mm path, the quality card (compare) on the device against
-# the CPU, and calibration: capture on the device against the CPU, convert --calibration, and
+# the CPU, and calibration: capture on the device against the CPU, capture --tp 1 on the device
+# (one rank on nccl) against one process there, convert --calibration, and
 # the one pass (convert --calibrate-on --device cuda) against capture + convert --calibration.
 #
 # Set-up, offline first (a GPU machine may reach no package index):
@@ -32,7 +33,7 @@
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
-CHECKS="tests-cuda model-int8 model-w4a8 model-kn model-w4a8-as-int8 model-int8-kitchen model-fp8 model-fp8-e5m2 model-mxfp8 model-nvfp4 model-int4-convrot layer-int8-kitchen layer-w4a8-kitchen compare calib-capture model-int8-calibrated model-w4a8-calibrated calib-onepass"
+CHECKS="tests-cuda model-int8 model-w4a8 model-kn model-w4a8-as-int8 model-int8-kitchen model-fp8 model-fp8-e5m2 model-mxfp8 model-nvfp4 model-int4-convrot layer-int8-kitchen layer-w4a8-kitchen compare calib-capture calib-capture-tp model-int8-calibrated model-w4a8-calibrated calib-onepass"
 
 skip_all() {
     for n in $CHECKS; do echo "SKIP $n: $1"; done

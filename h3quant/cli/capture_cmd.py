@@ -12,6 +12,7 @@ from h3quant.cli.common import (
     emit_json,
     finite_float,
     format_table,
+    given_options,
     guard,
     handle_errors,
     log,
@@ -52,17 +53,21 @@ from h3quant.device_kinds import device_help
               help="Skip the predicted gains (a Cholesky factorisation per layer and basis).")
 @memory_budget_option
 @click.option("--tp", type=click.IntRange(1, 64), default=None,
-              help="Tensor parallel: run the forward over N spawned CPU ranks (gloo), each "
-                   "holding its shard of every block (as 'verify --tp'); rank 0 writes the "
-                   "statistics, equal to the single-process capture's up to float32 rounding. "
-                   "A float CKPT only; not with --through or another --device. "
-                   "--memory-budget is each rank's.")
+              help="Tensor parallel over N ranks (as 'verify --tp'): spawned here, one per "
+                   "device of --device's kind (cpu: gloo, cuda: nccl, npu: hccl), or "
+                   "torchrun's group when launched by torchrun; each holds its shard of every "
+                   "block, rank 0 writes the statistics (equal to the single-process capture's "
+                   "on that device up to float32 rounding). A float CKPT only; not with "
+                   "--through. --memory-budget is each rank's.")
+@click.option("--tp-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="--tp: seconds the rendezvous or any collective may wait "
+                                      "before the run fails (exit 2).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no summary table.")
 @handle_errors
 def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, memory_budget,
-            tp, overwrite, as_json, quiet):
+            tp, tp_timeout, overwrite, as_json, quiet):
     """Measure CKPT's DiT block linears on your own inputs, for 'convert --calibration'.
 
     Runs the H3 forward block by block over every --inputs file and records, for each block
@@ -90,14 +95,31 @@ def command(ckpt, inputs, out, sigma, device, through, group_size, no_predict, m
       h3quant capture h3.safetensors --through h3_w4a8.safetensors \\
           --inputs steps/*.safetensors --out h3_seq.stats     # quantized-block inputs
       h3quant capture h3.safetensors --inputs steps --out h3.stats --tp 2   # 2 CPU ranks
+      h3quant capture h3.safetensors --inputs steps --out h3.stats --device cuda --tp 2
+      torchrun --nproc-per-node 4 -m h3quant capture h3.safetensors --inputs steps \\
+          --out h3.stats --device cuda --tp 4 --tp-timeout 300
       h3quant convert h3.safetensors h3_w4a8.safetensors --to w4a8 --calibration h3.stats
+
+    \b
+    Tensor parallel (--tp N), for a device that cannot hold a block's activations at your
+    inputs' resolution: the ranks run the forward, each on its own device (cuda:0 .. cuda:N-1,
+    npu:0 .. npu:N-1, or N CPU processes), float32 as the single-process capture, and rank 0
+    accumulates the statistics on its device. N local ranks are spawned unless torchrun
+    started this process (its variables and TORCHELASTIC_RUN_ID set; --tp must equal
+    WORLD_SIZE; every rank then takes LOCAL_RANK's device and only rank 0 writes OUT). --device
+    mps has no collectives; fewer devices than N, or a torch without the backend (nccl, hccl
+    from torch_npu), is refused before any work (exit 2).
     """
     from h3quant.pipelines.capture import capture_statistics
 
+    if tp is None and given_options(click.get_current_context(), ("tp_timeout",)):
+        raise click.UsageError("--tp-timeout needs --tp")
     result = guard("capture", capture_statistics, ckpt, list(inputs), out, sigma=sigma,
                    device=device, through=through, overwrite=overwrite,
                    predict=not no_predict, group_size=group_size, memory_budget=memory_budget,
-                   progress=progress_enabled(quiet), log=log, tp=tp)
+                   progress=progress_enabled(quiet), log=log, tp=tp, tp_timeout_s=tp_timeout)
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     for w in result.warnings:
         log(f"warning: {w}")
     if as_json:

@@ -16,11 +16,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from h3quant.errors import UsageError
 from h3quant.calibration.hidden import remove_empty
 
 from h3quant.pipelines.inputs_file import MAX_INPUTS  # calls per capture (each holds its state)
+
+if TYPE_CHECKING:
+    from h3quant.pipelines.capture_tp import TpHooks
 
 
 @dataclass
@@ -80,7 +84,8 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
                        overwrite: bool = False, predict: bool = True, group_size: int = 256,
                        memory_budget: int | None = None, progress: bool = False,
                        log=None, tp: int | None = None,
-                       tp_timeout_s: float | None = None) -> CaptureResult:
+                       tp_timeout_s: float | None = None,
+                       tp_hooks: TpHooks | None = None) -> CaptureResult | None:
     """Capture the statistics of ``ckpt``'s DiT block linears over ``inputs`` into ``out``.
 
     ``through``: run the forward on this checkpoint instead (an already-quantized conversion of
@@ -89,9 +94,13 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     rounding per layer (plain basis and ConvRot ``group_size``), from the statistics alone.
     ``memory_budget``: bytes for the calls' hidden states (None: half the memory available);
     beyond it they are spilled to ``OUT.h3q-spill`` (``calibration.hidden``), removed at the end
-    however the run ends. ``tp``: run the forward tensor-parallel over ``tp`` spawned CPU ranks
-    (``runtime.tp``; a float checkpoint, no ``through``): each rank holds its shard of every
-    block and the budget is each rank's; rank 0 writes the statistics."""
+    however the run ends. ``tp``: run the forward tensor-parallel over ``tp`` ranks
+    (``pipelines.capture_tp``; a float checkpoint, no ``through``), spawned here or torchrun's
+    group, each on its own device of ``device``'s kind (cpu: gloo, cuda: nccl, npu: hccl; the
+    checks and messages of ``verify --tp``): each rank holds its shard of every block and the
+    budget is each rank's; rank 0 writes the statistics. Under torchrun every rank calls this
+    function and only rank 0 gets the result (the others None). ``tp_timeout_s``: the bound of
+    the rendezvous and of every collective; ``tp_hooks``: tests and simulations only."""
     from tqdm import tqdm
 
     from h3quant.calibration.capture import capture, layer_widths
@@ -107,6 +116,13 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     if not 0.0 < sigma <= 1.0:
         raise UsageError(f"--sigma must be in (0, 1], got {sigma}")
     t0 = time.perf_counter()
+    launch = None
+    if tp is not None:  # N, torchrun, the device, its backend and count: before any file
+        from h3quant.runtime.tp.launch import plan_launch
+
+        launch = plan_launch(tp, device,
+                             backend=tp_hooks.dist_backend if tp_hooks else None)
+    lead = launch is None or launch.rank == 0  # the process that writes OUT and reports
     from h3quant.pipelines.inputs_file import expand_inputs
 
     inputs = expand_inputs(inputs)
@@ -123,18 +139,24 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
         blocks = len(own.blocks)
         hidden = own.hidden
         if tp is not None:
-            check_tp(tp, device, through, own)
+            check_tp(through, own)
     store = HiddenStates(spill_dir(out), call_bytes(described, hidden),
                          default_budget() if memory_budget is None else memory_budget)
-    log(store.summary())
+    if lead:
+        log(store.summary())
+    if launch is not None and lead:
+        log(f"tensor parallel: {tp} {launch.kind} rank(s), "
+            f"{'torchrun' if launch.torchrun else 'spawned here'}; rank 0 writes {out}")
     forward = "float" if through is None else checkpoint_fingerprint(through)
+    # with --tp the ranks run the forward on their own devices; here only the inputs are read
     with Outputs(inputs=read, overwrite=overwrite, log=log) as outs, \
-            H3Model.open(through or ckpt, device,
+            H3Model.open(through or ckpt, device if tp is None else "cpu",
                          linear="runtime" if through is not None else "reference") as model:
         if through is not None and layer_widths(model) != widths:
             raise UsageError("--through: its blocks do not have the checkpoint's linears and "
                              "widths", path=through)
-        staged = outs.add(out, what="statistics")
+        # torchrun's other ranks write nothing, but refuse the OUT rank 0 refuses
+        staged = outs.add(out, what="statistics") if lead else outs.check(out, what="statistics")
 
         def calls():
             for p, item in zip(inputs, described):
@@ -145,7 +167,7 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
         meta = {"version": VERSION, "checkpoint": fp, "blocks": blocks, "inputs": described,
                 "forward": forward}
         bar = tqdm(total=blocks * len(described), unit="call", desc="capture", leave=False,
-                   disable=not progress)
+                   disable=not progress or tp is not None)  # the ranks: no bar
         store.clean()  # a killed run's leftovers
         try:
             if tp is None:
@@ -154,12 +176,16 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
             else:
                 from h3quant.pipelines.capture_tp import capture_tp
 
-                rows = capture_tp(tp, str(ckpt), list(calls()), staged, meta, widths, store,
-                                  tp_timeout_s)
+                assert launch is not None
+                got = capture_tp(launch, str(ckpt), list(calls()), staged if lead else None,
+                                 meta, widths, store, tp_timeout_s, tp_hooks)
+                rows = got or {}
         finally:
             bar.close()
             store.close()
             remove_empty(store.folder)
+    if not lead:  # a torchrun rank other than 0: rank 0 reports
+        return None
     result = CaptureResult(str(out), fp, blocks, described, next(iter(rows.values())), widths,
                            forward, time.perf_counter() - t0)
     small = sorted(k for k, w in widths.items() if result.rows < w)
@@ -173,17 +199,12 @@ def capture_statistics(ckpt: str | os.PathLike, inputs, out: str | os.PathLike, 
     return result
 
 
-def check_tp(tp: int, device: str, through, model) -> None:
-    """``--tp``'s supported combinations: CPU ranks, a float checkpoint, no ``--through``."""
-    from h3quant.runtime.tp.plan import check_world
-
-    check_world(tp)
+def check_tp(through, model) -> None:
+    """``--tp``'s supported inputs: a float checkpoint, no ``--through`` (the devices and the
+    launch are checked by ``runtime.tp.launch.plan_launch``)."""
     if through is not None:
         raise UsageError("--tp with --through is not supported: the tensor-parallel capture "
                          "runs the float checkpoint's own forward")
-    if device != "cpu":
-        raise UsageError(f"--tp runs its ranks on the CPU (gloo); --device {device} with --tp "
-                         "is not supported")
     quantized = sorted(model.scan.quantized)
     if quantized:
         raise UsageError("--tp needs a float checkpoint (its blocks run as sharded float "

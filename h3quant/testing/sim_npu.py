@@ -288,10 +288,14 @@ class SimNpuCollectives(Collectives):
     """SIMULATED hccl transport for tensor-parallel tests: the collectives of
     ``h3quant.runtime.tp.group`` on simulated-NPU tensors, carried by the CPU process group
     (gloo) on their CPU data and handed back as simulated-NPU tensors. On Ascend, hccl moves
-    device memory directly; nothing here is a device-to-host copy of the runtime."""
+    device memory directly; nothing here is a device-to-host copy of the runtime. Like hccl (and
+    nccl), it carries only tensors on the device: a host tensor is refused."""
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        return t.inner.contiguous() if isinstance(t, SimTensor) else t
+        if not isinstance(t, SimTensor):
+            raise RuntimeError(f"hccl (simulated) carries tensors on the NPU only, got one on "
+                               f"{t.device}")
+        return t.inner.contiguous()
 
     def _unwire(self, wire: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return SimTensor(wire, like.device) if isinstance(like, SimTensor) else wire

@@ -22,9 +22,9 @@ from h3quant.pipelines.metrics import error_metrics
 from h3quant.pipelines.verify.result import Verdict
 from h3quant.pipelines.verify.tp_reference import precheck_reference, reference_verdict
 from h3quant.runtime.loader import BLOCK_LINEARS, block_indices, find_prefix
-from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives, backend_for
-from h3quant.runtime.tp.env import launched_by_torchrun, torchrun_coords
-from h3quant.runtime.tp.launch import join_torchrun, spawn_ranks
+from h3quant.runtime.tp.group import DEFAULT_TIMEOUT_S, LocalCollectives
+from h3quant.runtime.tp.env import launched_by_torchrun
+from h3quant.runtime.tp.launch import plan_launch, rank_setup_probe
 from h3quant.runtime.tp.plan import COLUMN_PARALLEL, SCALE_MODES, TpError, check_world
 from h3quant.runtime.tp.runner import (
     assemble_columns,
@@ -164,8 +164,9 @@ def _run_layers(block, info, comm, tokens: int, seed: int, dtype, tdev, inputs) 
             x = layer_input(info.index, salt, tokens, shape.in_features, seed).to(dtype)
             lin = mods[role]
             if role in COLUMN_PARALLEL:
-                y = lin(x.to(tdev)).float().cpu()
-                y = assemble_columns(comm.all_gather(y, f"{role} outputs"), COLUMN_PARALLEL[role])
+                y = lin(x.to(tdev)).float()  # gathered on the device (nccl carries no CPU tensor)
+                y = assemble_columns([p.cpu() for p in comm.all_gather(y, f"{role} outputs")],
+                                     COLUMN_PARALLEL[role])
                 outs[role] = y
                 continue
             outs[role] = lin(row_input_slice(x, role, world, rank).to(tdev)).float().cpu()
@@ -186,11 +187,7 @@ def _device(ctx_device: str, probe):
 
 def rank_main(ctx, spec: TpSpec):
     """Body of every rank; rank 0 returns the TpResult."""
-    if spec.rank_setup is None:
-        return _rank_body(ctx, spec, None)
-    with spec.rank_setup(ctx) as (probe, device):
-        if device is not None:
-            ctx.device = device
+    with rank_setup_probe(ctx, spec.rank_setup) as probe:
         return _rank_body(ctx, spec, probe)
 
 
@@ -225,8 +222,8 @@ def _rank_body(ctx, spec: TpSpec, probe):
             del block
             gc.collect()
         rss = _peak_rss()
-        stats = torch.tensor([read, held, rss], dtype=torch.int64)
-        every = comm.all_gather(stats, "per-rank memory figures")
+        stats = torch.tensor([read, held, rss], dtype=torch.int64, device=tdev)
+        every = [t.cpu() for t in comm.all_gather(stats, "per-rank memory figures")]
         if ctx.rank != 0:
             return None
         result = TpResult(spec.path, str(dev), ctx.backend, ctx.world, spec.mode, idx,
@@ -270,8 +267,8 @@ def _rank_model(ctx, spec: TpSpec, probe, dev, dtype):
                         on_block=lambda i, x: hidden.__setitem__(i, x.float().cpu()))
         infos, held = model.infos, model.held
         stats = torch.tensor([sum(i.bytes_read for i in infos), held, _peak_rss()],
-                             dtype=torch.int64)
-        every = comm.all_gather(stats, "per-rank memory figures")
+                             dtype=torch.int64, device=dev.torch_device)
+        every = [t.cpu() for t in comm.all_gather(stats, "per-rank memory figures")]
         if ctx.rank != 0:
             return None
         outs = {**{f"block {i} hidden": h for i, h in hidden.items()},
@@ -386,30 +383,17 @@ def verify_tp(path, *, tp: int | None, scale_mode: str = "shared", device: str |
         raise VerifyError(f"tokens must be a positive integer, got {tokens!r}")
     if timeout_s <= 0:
         raise TpError(f"--tp-timeout must be > 0 seconds, got {timeout_s}")
-    if tp is None:
-        raise TpError("--tp N is required (under torchrun too: the number of ranks)")
-    check_world(tp)
-    torchrun = launched_by_torchrun()
-    if torchrun:  # a malformed RANK / WORLD_SIZE is a usage error, before anything starts
-        torchrun_coords(tp=tp)
-    from h3quant.runtime.availability import require_device
-
-    # checked like the CLI's --device (same message); a simulated device comes with rank_setup
-    kind = require_device(device).kind
-    backend_for(kind)
+    # N, torchrun's variables, the device (the CLI's --device message), its backend and device
+    # count: checked before any file is read (a simulated device comes with rank_setup)
+    launch = plan_launch(tp, device, backend=dist_backend)
     _precheck(path, tp, None if model else blocks, mmap)
     if reference is not None:
         precheck_reference(reference, mmap)
     spec = TpSpec(str(path), blocks, tokens, seed, scale_mode, mmap, backend=backend,
                   sigma=sigma, rank_setup=rank_setup, model=model,
                   model_inputs=model_inputs, depth=depth)
-    comm_cls = comm_cls or Collectives
-    if torchrun:
-        res = join_torchrun(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                            timeout_s=timeout_s, comm_cls=comm_cls)
-    else:
-        res = spawn_ranks(rank_main, tp, (spec,), device_kind=kind, backend=dist_backend,
-                          timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+    res = launch.run(rank_main, (spec,), backend=dist_backend, timeout_s=timeout_s,
+                     start_method=start_method, comm_cls=comm_cls or Collectives)
     if res is not None and reference is not None:  # rank 0 (or the parent), the group gone
         res.reference = reference_verdict(
             path, reference, device=device, blocks=res.blocks, tokens=tokens, seed=seed,

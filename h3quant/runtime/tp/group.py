@@ -39,9 +39,12 @@ def check_backend(name: str) -> None:
         raise TpError("this torch build has no torch.distributed")
     if name == "gloo" and not dist.is_gloo_available():
         raise TpError("torch.distributed backend gloo is not available in this torch build")
-    if name == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+    if name == "nccl" and not torch.cuda.is_available():
         raise TpError("torch.distributed backend nccl needs CUDA and an NCCL build of torch; "
-                      "neither is available here")
+                      "this torch sees no CUDA device")
+    if name == "nccl" and not dist.is_nccl_available():
+        raise TpError("torch.distributed backend nccl needs CUDA and an NCCL build of torch; "
+                      f"this torch build ({torch.__version__}) has no NCCL")
     if name == "hccl":
         try:
             import torch_npu  # noqa: F401 (registers the hccl backend)

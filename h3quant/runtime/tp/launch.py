@@ -6,6 +6,12 @@ turn any rank failure into one clear ``TpError``.
 value back through a file. When a rank raises, dies or is killed, the others are stopped and the
 error names each failed rank and why (its own error message, or its exit code / signal).
 
+``plan_launch(tp, device)`` makes every check a ``--tp N`` command needs before it reads
+anything (the checked torchrun coordinates, the device present, its kind's backend usable here,
+enough devices for N spawned ranks) and returns the ``Launch``; ``Launch.run(fn, args)`` then
+joins torchrun's group or spawns the ranks. ``verify --tp`` and ``capture --tp`` both start
+their ranks this way, so they refuse the same things with the same messages.
+
 ``join_torchrun(fn, world, args)`` runs ``fn`` in this process when it was started by ``torchrun``
 (``h3quant.runtime.tp.env``: its variables and ``TORCHELASTIC_RUN_ID`` set): one rank of a
 group that may span machines. Rank 0 gets ``fn``'s result; the others get None.
@@ -22,8 +28,11 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from h3quant import device_kinds
 from h3quant.errors import DeviceError, H3QuantError
@@ -35,9 +44,12 @@ from h3quant.runtime.tp.group import (
     destroy_group,
     init_group,
 )
-from h3quant.runtime.tp.env import torchrun_coords
+from h3quant.runtime.tp.env import launched_by_torchrun, torchrun_coords
 from h3quant.runtime.tp.plan import TpError, check_world
 from h3quant.runtime.tp.watchdog import set_reporter
+
+if TYPE_CHECKING:
+    from h3quant.runtime.probe import Probe
 
 _RANK_FAILED = 3  # exit code of a rank that reported its own error
 
@@ -65,6 +77,21 @@ def rank_device(kind: str, local_rank: int) -> str:
     except DeviceError as exc:
         raise TpError(exc.reason) from None
     return f"{kind}:{local_rank}"
+
+
+def check_device_count(kind: str, world: int, who: str | None = None) -> None:
+    """TpError when this machine has fewer than ``world`` devices of ``kind`` (spawned ranks
+    each take their own; ``who`` names what needs them, ``tp=N`` by default)."""
+    record = device_kinds.kind(kind)
+    if not record.indexed:
+        return
+    try:
+        have = record.device_count()
+    except DeviceError as exc:
+        raise TpError(exc.reason) from None
+    if have < world:
+        raise TpError(f"{who or f'tp={world}'} needs {world} {record.label} devices, this "
+                      f"machine has {have}")
 
 
 def free_port() -> int:
@@ -98,11 +125,20 @@ def _child(rank, fn, world, port, kind, backend, timeout_s, args, outdir, comm_c
         pickle.dump(result if rank == 0 else None, fh)
 
 
-def default_start_method(kind: str) -> str:
-    """fork for CPU ranks on Linux (no re-import of torch: ~0.3 s instead of seconds per rank);
-    spawn wherever a device runtime is involved (CUDA / NPU cannot be forked)."""
+def default_start_method(kind: str, world: int = 1) -> str:
+    """fork for CPU ranks on Linux when each rank gets one thread (no re-import of torch: ~0.3 s
+    instead of seconds per rank); spawn otherwise: wherever a device runtime is involved (CUDA /
+    NPU cannot be forked), and where the ranks would run several threads each (a forked child
+    that starts an OpenMP team after its parent ran one hangs: GNU libgomp is not fork-safe)."""
     host = device_kinds.kind(kind) is device_kinds.HOST
-    return "fork" if host and sys.platform.startswith("linux") else "spawn"
+    one_thread = (os.cpu_count() or 1) // world <= 1
+    return "fork" if host and one_thread and sys.platform.startswith("linux") else "spawn"
+
+
+def rank_threads(world: int, start_method: str) -> int:
+    """Intra-op threads of each rank: one in a forked rank (see ``default_start_method``), else
+    the machine's cores shared among the ranks."""
+    return 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world)
 
 
 def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
@@ -118,21 +154,13 @@ def spawn_ranks(fn, world: int, args: tuple = (), *, device_kind: str = "cpu",
     check_world(world)
     backend = backend or backend_for(device_kind)
     check_backend(backend)
-    record = device_kinds.kind(device_kind)
-    if record.indexed:
-        try:
-            have = record.device_count()
-        except DeviceError as exc:
-            raise TpError(exc.reason) from None
-        if have < world:
-            raise TpError(f"tp={world} needs {world} {record.label} devices, this machine has "
-                          f"{have}")
-    threads = max(1, (os.cpu_count() or 1) // world)
+    check_device_count(device_kind, world)
+    method = start_method or default_start_method(device_kind, world)
     with tempfile.TemporaryDirectory(prefix="h3quant-tp-") as outdir:
         margs = (fn, world, free_port(), device_kind, backend, timeout_s, args, outdir,
-                 comm_cls, threads)
+                 comm_cls, rank_threads(world, method))
         ctx = mp.start_processes(_child, args=margs, nprocs=world, join=False,
-                                 start_method=start_method or default_start_method(device_kind))
+                                 start_method=method)
         start = time.monotonic()
         try:
             while not ctx.join(timeout=0.5, grace_period=2.0):
@@ -195,3 +223,66 @@ def join_torchrun(fn, world: int | None, args: tuple = (), *, device_kind: str =
     finally:
         destroy_group(timeout_s)
     return result if rank == 0 else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a ``--tp N`` run starts (``plan_launch``): torchrun's group or N spawned ranks, each
+    on its own device of ``kind`` with that kind's backend."""
+
+    world: int
+    kind: str
+    torchrun: bool
+    rank: int = 0  # this process's rank under torchrun; 0 when spawning (the parent reports)
+
+    def run(self, fn, args: tuple = (), *, backend: str | None = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
+            comm_cls=Collectives):
+        """``fn(ctx, *args)`` on every rank; rank 0's result (None on torchrun's other ranks).
+        ``backend``: the torch.distributed backend instead of the kind's (tests)."""
+        if self.torchrun:
+            return join_torchrun(fn, self.world, args, device_kind=self.kind, backend=backend,
+                                 timeout_s=timeout_s, comm_cls=comm_cls)
+        return spawn_ranks(fn, self.world, args, device_kind=self.kind, backend=backend,
+                           timeout_s=timeout_s, start_method=start_method, comm_cls=comm_cls)
+
+
+def plan_launch(tp: int | None, device, *, backend: str | None = None) -> Launch:
+    """Every check of a ``--tp N`` run on ``device`` (a device string or ``Device``) that needs
+    no file, in this order: N itself; under torchrun its coordinates (``--tp`` must equal
+    WORLD_SIZE); the device present (``require_device``: the CLI's message); a kind with a
+    torch.distributed backend (mps has none); that backend usable in this torch (and
+    ``backend``, the transport a test runs instead, too); N devices of the kind on this
+    machine when the ranks are spawned here (under torchrun: this rank's LOCAL_RANK device)."""
+    from h3quant.runtime.availability import require_device
+
+    if tp is None:
+        raise TpError("--tp N is required (under torchrun too: the number of ranks)")
+    check_world(tp)
+    torchrun = launched_by_torchrun()
+    # under torchrun a malformed RANK / WORLD_SIZE is a usage error, before anything starts
+    coords = torchrun_coords(tp=tp) if torchrun else None
+    kind = require_device(device).kind
+    check_backend(backend_for(kind))
+    if backend is not None:  # the transport a test or simulation runs instead
+        check_backend(backend)
+    if coords is None:
+        check_device_count(kind, tp)
+        return Launch(tp, kind, False)
+    local = coords.local_rank  # this rank's device: LOCAL_RANK's
+    check_device_count(kind, local + 1, f"torchrun's LOCAL_RANK={local}")
+    return Launch(tp, kind, True, coords.rank)
+
+
+@contextmanager
+def rank_setup_probe(ctx: RankContext, setup=None) -> Iterator[Probe | None]:
+    """Inside a rank: None (the caller asks the live machine), or with ``setup`` (tests and
+    simulations: ``setup(ctx)`` is a context manager giving ``(probe, device)``) that probe,
+    with ``ctx.device`` replaced by ``device`` when it is not None, for the whole block."""
+    if setup is None:
+        yield None
+        return
+    with setup(ctx) as (probe, device):
+        if device is not None:
+            ctx.device = device
+        yield probe

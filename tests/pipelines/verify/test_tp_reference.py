@@ -113,9 +113,9 @@ def _usage_cases(files, tmp_path):
 
 def test_every_usage_error_comes_before_any_rank_starts(files, tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr("h3quant.pipelines.verify.tp.spawn_ranks",
+    monkeypatch.setattr("h3quant.runtime.tp.launch.spawn_ranks",
                         lambda *a, **k: started.append("spawn"))
-    monkeypatch.setattr("h3quant.pipelines.verify.tp.join_torchrun",
+    monkeypatch.setattr("h3quant.runtime.tp.launch.join_torchrun",
                         lambda *a, **k: started.append("join"))
     monkeypatch.setattr("h3quant.runtime.tp.launch.init_group",
                         lambda *a, **k: started.append("init"))
