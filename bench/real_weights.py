@@ -29,7 +29,11 @@ The path each format ran on is printed.
 
 A third column, calibrated and smoothed (per-channel factors that move activation outliers into
 the weights), is measured when ``h3quant.calibration.smooth`` provides ``choose`` (see
-``smoothing_hook``); otherwise it is reported as not available. Asserts nothing; prints markdown tables.
+``smoothing_hook``); otherwise it is reported as not available. ``--modes ... quantized``:
+calibrated with quantized feedback, what ``convert --calibrate-on ... --feedback quantized``
+does for H3 block by block: BERT layer by BERT layer, each layer's four linears calibrated on
+the statistics of their inputs in the model whose earlier layers are already quantized (on the
+runtime path), the layer itself float. Asserts nothing; prints markdown tables.
 """
 
 from __future__ import annotations
@@ -106,6 +110,15 @@ def batches(tok: WordPiece, texts: list[str], max_len: int, size: int = 32):
         yield tok.batch(texts[i:i + size], max_len)
 
 
+def accumulate(a: list, x: torch.Tensor) -> list:
+    """``a`` = [H fp64, sum |x|, rows, ...] with the rows ``x`` added (in place; returned)."""
+    xd = x.double()
+    a[0] = a[0] + xd.t() @ xd
+    a[1] = a[1] + xd.abs().sum(0)
+    a[2] += int(x.shape[0])
+    return a
+
+
 def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
     """Per linear: (H fp64, sum |x|, rows, max |x| per channel) over ``texts``; with
     ``keep_rows``, also up to that many input rows (spread over all batches)."""
@@ -115,11 +128,7 @@ def capture(model: BertModel, tok, texts, max_len: int, keep_rows: int = 0):
     per_batch = -(-keep_rows // n_batches) if keep_rows else 0
 
     def hook(key, x):
-        xd = x.double()
-        a = acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])])
-        a[0] = a[0] + xd.t() @ xd
-        a[1] = a[1] + xd.abs().sum(0)
-        a[2] += int(x.shape[0])
+        a = accumulate(acc.setdefault(key, [0, 0, 0, torch.zeros(x.shape[1])]), x)
         a[3] = torch.maximum(a[3], x.abs().amax(0))
         if per_batch:
             kept.setdefault(key, []).append(x[:per_batch].clone())
@@ -183,10 +192,13 @@ class Divided(torch.nn.Module):
         return self.inner(x / self.s)
 
 
-MODES = ("plain", "calibrated", "smoothed", "aware", "smoothed+aware")
+# quantized: each BERT layer's four linears calibrated on the statistics of the model whose
+# earlier layers are already quantized (convert --calibrate-on ... --feedback quantized)
+MODES = ("plain", "calibrated", "smoothed", "aware", "smoothed+aware", "quantized")
 MODE_TEXT = {"plain": "plain", "calibrated": "calibrated", "smoothed": "calibrated + smoothed",
              "aware": "calibrated, activation-aware",
-             "smoothed+aware": "calibrated + smoothed, activation-aware"}
+             "smoothed+aware": "calibrated + smoothed, activation-aware",
+             "quantized": "calibrated, quantized feedback"}
 
 
 def with_rows(st: LayerStats, sample: torch.Tensor, s: torch.Tensor | None = None) -> LayerStats:
@@ -248,6 +260,56 @@ def build(model: BertModel, fmt: str, key: str, mode: str, stats: dict[str, Laye
     if s is not None:
         module = Divided(module, s)
     return module, path
+
+
+class _Stop(Exception):
+    """Raised by a capture hook once the unit's last linear was seen (the rest is not needed)."""
+
+
+def _capture_unit(model, tok, texts, max_len, keys):
+    """Per batch: {key: input rows} of ``keys`` (the forward stops after the last of them)."""
+    last = keys[-1]
+    for ids, mask in batches(tok, texts, max_len):
+        rows: dict[str, torch.Tensor] = {}
+
+        def hook(key, x):
+            if key in keys:
+                rows[key] = x
+            if key == last:
+                raise _Stop
+
+        try:
+            with torch.no_grad():
+                model.embed(ids, mask, hook)
+        except _Stop:
+            pass
+        yield rows
+
+
+def quantized_feedback(model, fmt, tok, texts, max_len):
+    """({key: runtime module} of ``fmt``, calibrated with quantized feedback, paths), or (None,
+    reason): BERT layer by BERT layer, the layer's four linears calibrated on the statistics of
+    their inputs in the model whose earlier layers are already quantized (on the runtime path)
+    and the layer itself float, as ``convert --calibrate-on ... --feedback quantized`` does
+    for H3's blocks. Leaves every linear of ``model`` quantized."""
+    keys = model.keys()
+    done: dict[str, torch.nn.Module] = {}
+    paths = set()
+    for i in range(0, len(keys), len(ROLES)):
+        group = keys[i:i + len(ROLES)]
+        acc: dict[str, list] = {}
+        for rows in _capture_unit(model, tok, texts, max_len, group):
+            for key, x in rows.items():
+                accumulate(acc.setdefault(key, [0, 0, 0]), x)
+        stats = layer_stats({key: (*a, None) for key, a in acc.items()})
+        for key in group:
+            module, info = build(model, fmt, key, "calibrated", stats)
+            if module is None:
+                return None, info
+            paths.add(info)
+            done[key] = module
+            model.set_linear(key, module)
+    return done, paths
 
 
 def outliers(stats: dict[str, LayerStats]) -> dict[str, tuple[float, float]]:
@@ -448,12 +510,22 @@ def main(argv=None) -> int:
         e2e = {}
         for mode in modes:
             reason = None
-            for key in model.keys():
-                module, info = build(model, fmt, key, mode, stats, choose, smooth_inputs)
-                if module is None:
+            seq = None
+            if mode == "quantized":
+                seq, info = quantized_feedback(model, fmt, tok, cal_texts, args.max_len)
+                if seq is None:
                     reason = info
-                    break
-                paths.add(info)
+                else:
+                    paths.update(info)
+            for key in model.keys() if reason is None else ():
+                if seq is not None:
+                    module = seq[key]
+                else:
+                    module, info = build(model, fmt, key, mode, stats, choose, smooth_inputs)
+                    if module is None:
+                        reason = info
+                        break
+                    paths.add(info)
                 x = held_rows[key]
                 lin = floats[key]
                 with torch.no_grad():

@@ -360,3 +360,61 @@ def test_real_weights_on_the_packaged_model():
     e = model.embed(ids, mask)
     assert e.shape == (2, hidden) and torch.allclose(e.norm(dim=-1), torch.ones(2))
     assert float(e[0] @ e[1]) < 0.9  # unrelated sentences are not the same embedding
+
+
+def test_real_weights_quantized_feedback_calibrates_on_the_quantized_models_inputs():
+    """``--modes quantized``: layer 0 is calibrated on the float model's inputs, layer 1 on the
+    inputs of the model whose layer 0 is the quantized one (statistics summed here by a hook
+    of the test's own); the float model's statistics would give layer 1 other codes."""
+    from h3quant.calibration.stats import LayerStats
+
+    rw = _load_bench("real_weights")
+    bert = _load_bench("bert")
+    model = _tiny_bert(bert)
+    words = [f"w{i}" for i in range(30)]
+    tok = bert.WordPiece({w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                       *words])})
+    g = torch.Generator().manual_seed(3)
+    texts = [" ".join(words[int(j)] for j in torch.randint(0, 30, (int(n),), generator=g))
+             for n in torch.randint(4, 14, (40,), generator=g)]
+    floats = {k: model.linear(k) for k in model.keys()}
+    got, paths = rw.quantized_feedback(model, "w4a8", tok, texts, 16)
+    assert set(got) == set(floats) and all("int8 per token" in p for p in paths)
+
+    def stats_of(keys):
+        acc = {}
+
+        def hook(key, x):
+            if key in keys:
+                xd = x.double()
+                h, s, n = acc.get(key, (0, 0, 0))
+                acc[key] = (h + xd.t() @ xd, s + xd.abs().sum(0), n + x.shape[0])
+        with torch.no_grad():
+            for ids, mask in rw.batches(tok, texts, 16):
+                model.embed(ids, mask, hook)
+        return {k: LayerStats.from_hessian(k, h.float(), n, (s / n).float())
+                for k, (h, s, n) in acc.items()}
+
+    first, second = model.keys()[:4], model.keys()[4:]
+    x = torch.randn(7, 256, generator=g)
+
+    def same(key, a, b):
+        k = floats[key].weight.shape[1]
+        return torch.equal(a(x[:, :k]), b(x[:, :k]))
+
+    for k, m in floats.items():
+        model.set_linear(k, m)
+    float_stats = stats_of(model.keys())
+    for key in first:
+        want, _ = rw.build(model, "w4a8", key, "calibrated", float_stats)
+        assert same(key, got[key], want), key
+    for k in first:
+        model.set_linear(k, got[k])
+    q_stats = stats_of(second)
+    differs = 0
+    for key in second:
+        want, _ = rw.build(model, "w4a8", key, "calibrated", q_stats)
+        assert same(key, got[key], want), key
+        other, _ = rw.build(model, "w4a8", key, "calibrated", float_stats)
+        differs += not same(key, got[key], other)
+    assert differs >= 2
