@@ -168,23 +168,25 @@ def test_every_documented_inputs_line_parses_and_reads_its_files(tmp_path, monke
     monkeypatch.setattr(compare_run, "compare_files", fake_compare)
     monkeypatch.setattr(convert_mod, "convert", fake_convert)
     lines = _documented_lines()
-    monkeypatch.chdir(tmp_path)
-    for where, line in lines:
+    for idx, (where, line) in enumerate(lines):
+        here = tmp_path / f"line{idx}"  # each line in its own folder: no files of another line
+        here.mkdir()
+        monkeypatch.chdir(here)
         args = shlex.split(line)[1:]
         ckpts, ins = _files_of(args)
         want = []
         for word in ins:
             stem = word.replace("*", "x").rstrip("/")
             if any(ch in word for ch in "*?["):  # a glob: three files it matches, one it does not
-                want += _inputs_files(tmp_path, *(stem.replace("x", n, 1) for n in ("0", "1", "2")))
-                _touch(tmp_path, stem.replace("x", "0", 1) + ".txt")
+                want += _inputs_files(here, *(stem.replace("x", n, 1) for n in ("0", "1", "2")))
+                _touch(here, stem.replace("x", "0", 1) + ".txt")
             elif "." not in os.path.basename(stem):  # a folder
-                want += _inputs_files(tmp_path, f"{stem}/a.safetensors", f"{stem}/b.safetensors")
+                want += _inputs_files(here, f"{stem}/a.safetensors", f"{stem}/b.safetensors")
             else:
-                want += _inputs_files(tmp_path, stem)
+                want += _inputs_files(here, stem)
         for c in ckpts:
-            if not (tmp_path / c).exists():
-                _touch(tmp_path, c)
+            if not (here / c).exists():
+                _touch(here, c)
         if shell == "posix":
             args = [x for a in args for x in (sorted(glob.glob(a)) if any(ch in a for ch in "*?[")
                                                 and glob.glob(a) else [a])]
