@@ -66,7 +66,7 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     With ``J`` the order-reversing permutation and ``J H J = L L^T``, ``H^-1 = U^T U`` for
     ``U = J L^-1 J``, which is upper triangular with a positive diagonal: the same factor as
     Cholesky's of the explicit inverse (it is unique), from one Cholesky and one triangular
-    solve instead of a Cholesky, a solve, a GEMM and a second Cholesky (2.4x faster at
+    solve instead of a Cholesky, a solve, a GEMM and a second Cholesky (2.3x faster at
     K = 4096, measured; results within fp32 rounding of the longer way, tested).
 
     Memory: at most two float64 ``K x K`` buffers at a time besides ``h`` (each step writes into
