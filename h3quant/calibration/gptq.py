@@ -260,4 +260,3 @@ def gains_and_noise(x: torch.Tensor, xq: torch.Tensor, h_diag: torch.Tensor
 __all__ = ["BLOCK", "DAMP", "aware_objective", "gains_and_noise", "aware_solve", "aware_system", "aware_target",
            "damped", "factor_from_lower", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]
-
