@@ -418,3 +418,102 @@ def test_real_weights_quantized_feedback_calibrates_on_the_quantized_models_inpu
         other, _ = rw.build(model, "w4a8", key, "calibrated", float_stats)
         differs += not same(key, got[key], other)
     assert differs >= 2
+
+
+# --- bench/real_weights_w4a8.py: its int8-activation layer, its free-scale feedback, its refit --
+
+def _w4a8_stats(x: torch.Tensor):
+    from h3quant.calibration.stats import LayerStats
+
+    return LayerStats.from_hessian("l", (x.double().t() @ x.double()).float(), x.shape[0])
+
+
+def test_real_weights_w4a8_multiplies_as_the_runtime():
+    """The bench's free-scale layer (rotated weight times the runtime's int8 rounding of the
+    input), given a W4A8 file's int8 grid times its row scales, computes what the runtime's own
+    layer computes from the file; the grid is checked against the codebook arithmetic of
+    FORMATS.md section 4 written here."""
+    from h3quant.calibration.aware import input_rounding
+    from h3quant.formats.w4a8.tensors import unpack_nibbles
+
+    bw = _load_bench("real_weights_w4a8")
+    codec, marker, w, t = _layer("w4a8")
+    codes = unpack_nibbles(t["weight"]).long()
+    s_rel = t["weight_s_rel"].float().repeat_interleave(marker["group_size"], 1)
+    w8 = (t["weight_codebook"].float()[codes] * s_rel).round().clamp(-127, 127)
+    w_rot = w8 * t["weight_s_channel"].float()[:, None]
+    torch.testing.assert_close(bw.rotated_decode(t, marker), w_rot, rtol=0, atol=0)
+    b = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(3))
+    x = _x()
+    got = bw.Int8Act(w_rot, b, input_rounding(codec, marker))(x)
+    run = runtime_layer(t, marker, bias=b, compute_dtype=torch.float32)
+    torch.testing.assert_close(got, run(x), rtol=1e-4, atol=1e-4 * float(got.abs().max()))
+    # int8 rounding, not the float input: the rotated float input is measurably further away
+    from h3quant.formats.int4_convrot.tensors import rotate
+
+    floated = rotate(x, marker["convrot_groupsize"]) @ w_rot.t() + b
+    assert float((floated - run(x)).abs().max()) > 10 * float((got - run(x)).abs().max())
+
+
+def test_real_weights_w4a8_free_scales_round_to_nearest_without_feedback():
+    """With white inputs (H = c I: no feedback) every group of 16 holds levels of the table
+    times one positive scale, every weight sits at its nearest level under it, and that scale
+    fits the group at least as well as its abs-max; with correlated inputs the feedback changes
+    the result and lowers the output error it is built for."""
+    from h3quant.formats.int4_convrot.tensors import rotate
+
+    bw = _load_bench("real_weights_w4a8")
+    k, g = 512, 256
+    w = torch.randn(24, k, generator=torch.Generator().manual_seed(5))
+    table = bw.UNIFORM
+    white = _w4a8_stats(torch.eye(k) * 3.0)
+    got, scales = bw.free_scales(w, white, g, table)
+    rot = rotate(w, g).reshape(-1, bw.GROUP)
+    q = got.reshape(-1, bw.GROUP)
+    s = scales.reshape(-1)
+    assert bool((s > 0).all())
+    near = table[(rot.unsqueeze(-1) / s[:, None, None] - table).abs().argmin(-1)] * s[:, None]
+    torch.testing.assert_close(q, near, rtol=1e-6, atol=1e-7)
+    amax = rot.abs().amax(1, keepdim=True)
+    at_amax = table[(rot.unsqueeze(-1) / amax.unsqueeze(-1) - table).abs().argmin(-1)] * amax
+    assert float((rot - q).pow(2).sum()) <= float((rot - at_amax).pow(2).sum()) + 1e-6
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2048, k, generator=gen) @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=gen) / k ** 0.5)
+    corr = _w4a8_stats(x)
+    fed = bw.free_scales(w, corr, g, table)[0]
+    assert not torch.equal(fed, got)
+    h = corr.hessian(True, g).double()
+    rw = rotate(w, g).double()
+
+    def out_err(v):
+        e = v.double() - rw
+        return float(((e @ h) * e).sum())
+
+    assert out_err(fed) < 0.9 * out_err(got)
+
+
+def test_real_weights_w4a8_row_refit_is_the_least_squares_factor():
+    """The refitted file decodes to each row times its factor, the factors lower the
+    H-weighted error, and moving any factor either way raises that row's error."""
+    from h3quant.formats.int4_convrot.tensors import rotate
+
+    bw = _load_bench("real_weights_w4a8")
+    codec, marker, w, t = _layer("w4a8")
+    g = marker["convrot_groupsize"]
+    x = _x(rows=600)
+    h = _w4a8_stats(x).hessian(True, g).double()
+    rw = rotate(w, g).double()
+    q = bw.rotated_decode(t, marker)
+    fitted, a = bw.row_refit(t, rotate(w, g), q, h)
+    torch.testing.assert_close(bw.rotated_decode(fitted, marker).double(), q.double() * a[:, None],
+                               rtol=1e-6, atol=1e-7)
+
+    def row_err(v):
+        e = v.double() - rw
+        return ((e @ h) * e).sum(1)
+
+    base = row_err(q)
+    best = row_err(q.double() * a[:, None])
+    assert bool((best <= base * (1 + 1e-9)).all()) and float(best.sum()) < float(base.sum())
+    for d in (1 - 1e-3, 1 + 1e-3):
+        assert bool((row_err(q.double() * (a * d)[:, None]) > best).all())
