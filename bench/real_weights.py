@@ -366,6 +366,15 @@ def set_w4a8_scales(lazy: bool, trial: int) -> None:
     kw["lazy"], kw["trial"] = lazy, trial
 
 
+def set_nvfp4_scales(lazy: bool) -> None:
+    """Every calibrated nvfp4 encode of this process chooses its block scales during the
+    feedback (``lazy``, the default of ``h3quant.formats.nvfp4.calibrated``) or keeps the
+    uncalibrated ones."""
+    from h3quant.formats.nvfp4 import calibrated
+
+    calibrated.encode_nvfp4_calibrated.__kwdefaults__["lazy"] = lazy
+
+
 def nsr(module, lin, x: torch.Tensor) -> float:
     """Output error energy over output energy of ``module`` against the float layer on ``x``."""
     with torch.no_grad():
@@ -493,9 +502,14 @@ def main(argv=None) -> int:
     ap.add_argument("--w4a8-trial", type=int, default=None, metavar="ULPS",
                     help="calibrated W4A8, lazy scales: e4m3 neighbours on each side tried by "
                          "the feedback's loss (default: the encoder's, 0)")
+    ap.add_argument("--nvfp4-scales", choices=("lazy", "fixed"), default="lazy",
+                    help="calibrated nvfp4: block scales chosen during the feedback (lazy, the "
+                         "default) or kept as the uncalibrated encoder chose them (fixed)")
     args = ap.parse_args(argv)
     if args.damp is not None:
         set_damping(args.damp)
+    if args.nvfp4_scales != "lazy":
+        set_nvfp4_scales(False)
     if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:
         from h3quant.formats.w4a8.calibrated import TRIAL_ULPS
 
@@ -512,6 +526,8 @@ def main(argv=None) -> int:
     damp = "" if args.damp is None else f"GPTQ damping {args.damp}; "
     if args.w4a8_scales != "lazy" or args.w4a8_trial is not None:
         damp += f"W4A8 group scales {args.w4a8_scales}, trial {args.w4a8_trial or 0}; "
+    if args.nvfp4_scales != "lazy":
+        damp += "nvfp4 block scales fixed; "
     print(f"{damp}model {args.model} ({d.name} in the package: {model.cfg.layers} layers, hidden "
           f"{model.cfg.hidden}, FFN {model.cfg.intermediate}), fp32 activations; text: "
           f"{len(cal_texts)} calibration passages from {n_cal_docs} documents ({cal_rows} rows "

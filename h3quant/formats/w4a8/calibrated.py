@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from h3quant.convrot import rotate
+from h3quant.formats.group_trial import group_loss
 from h3quant.formats.w4a8.codebook import ALS_PASSES, LevelIndex, decoded_levels
 from h3quant.formats.w4a8.encoder import (E4M3_MAX_BITS, DecodedLevels, continuous_scales,
                                           scales_and_codes)
@@ -45,16 +46,10 @@ def trial_loss(t: torch.Tensor, lv: torch.Tensor, u: torch.Tensor) -> torch.Tens
     """Error feedback's loss ``sum_j (e_j / u_jj)^2`` of one group under each candidate scale:
     ``t`` [G, n] the group's values (in row-scale units), ``lv`` [C, n, 16] the candidates'
     levels, ``u`` [G, G] the group's block of the inverse Hessian's factor. Returns [C, n]."""
-    g = t.shape[0]
-    v = t.unsqueeze(0).repeat(lv.shape[0], 1, 1)  # [C, G, n], updated in place
-    loss = torch.zeros(lv.shape[0], t.shape[1], dtype=torch.float32, device=t.device)
-    for jj in range(g):
-        q = lv.gather(2, nearest(v[:, jj], lv).unsqueeze(2)).squeeze(2)
-        e = (v[:, jj] - q).div_(u[jj, jj])
-        loss.addcmul_(e, e)
-        if jj + 1 < g:
-            v[:, jj + 1:].sub_(u[jj, jj + 1:].view(1, -1, 1) * e.unsqueeze(1))
-    return loss
+    def rounding(v: torch.Tensor, jj: int) -> torch.Tensor:
+        return lv.gather(2, nearest(v, lv).unsqueeze(2)).squeeze(2)
+
+    return group_loss(t, u, rounding, lv.shape[0])
 
 
 class _LazyScales:
