@@ -15,9 +15,13 @@ codec's planned tensors); the file size is the float input's minus what the unit
   saving keeps the target (largest saving first).
 * ``max_size``: start from the smallest format everywhere (refused when even that is too big);
   take the upgrade with the largest drop of normalised noise per added byte that still fits,
-  until none fits; a uniform file (one candidate everywhere) that fits and has less normalised
-  noise replaces the result, so a size budget never gets a mix worse than the best single
-  format within it (the greedy search is no exhaustive one).
+  until none fits; the same from the knapsack optimum (dynamic programming over the bytes each
+  unit adds, in 65,536 steps of the budget, rounded up so that it fits), the better of the two
+  kept; each then moves single units, or two at once (one down to pay for another up), while a
+  move that fits lowers the normalised noise; a uniform file (one candidate
+  everywhere) that fits and has less normalised noise replaces the result, so a size budget
+  never gets a mix worse than the best single format within it (the search is no exhaustive
+  one).
 
 ``reasons`` says per unit why it got its format, in figures: each option's size and the
 whole-model SQNR with that unit alone in it, and the planned file's predicted SQNR and size
@@ -33,6 +37,7 @@ from h3quant.pipelines.plan.sensitivity import (
     OUTPUTS,
     PlanError,
     Sensitivity,
+    is_smoothed,
     split_calibrated,
     sqnr_db,
     unit_pattern,
@@ -164,12 +169,50 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     if pred.bytes > max_size:
         raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "
                         f"everywhere) is {pred.bytes:,} bytes, over --max-size {max_size:,}")
-    chosen = _greedy_size(model, assign, pred, max_size)
+    tied = fold_ties(model)
+    if tied:  # partners share a format: the knapsack alone moves them together
+        chosen = _knapsack(model, max_size, tied)
+        assert chosen is not None  # the smallest file fits (checked above)
+        return _best_uniform(model, chosen, max_size)
+    chosen = _exchange(model, _greedy_size(model, assign, pred, max_size), max_size)
+    exact = _knapsack(model, max_size)
+    if exact is not None:
+        exact = _exchange(model, _greedy_size(model, dict(exact.assignment), exact, max_size),
+                          max_size)
+        if objective(model, exact) < objective(model, chosen):
+            chosen = exact
+    return _best_uniform(model, chosen, max_size)
+
+
+def _best_uniform(model: Model, chosen: Prediction, max_size: int) -> Prediction:
+    """``chosen``, or a uniform file that fits with less normalised noise."""
     for fmt in model.sens.formats:
         uni = model.uniform(fmt)
         if uni.bytes <= max_size and objective(model, uni) < objective(model, chosen):
             chosen = uni
     return chosen
+
+
+FOLD_PAIRS = (("attn.qkv_proj", "attn.out_proj"), ("mlp.fc1", "mlp.fc2"))
+
+
+def fold_ties(model: Model) -> list[tuple[str, str]]:
+    """The units a size plan must give one format together: with smoothed per-linear
+    candidates, ``out_proj``'s smoothing factors are folded into ``qkv_proj``'s v rows (and
+    ``fc2``'s into ``fc1``'s up rows). Each linear was measured with its partner smoothed for
+    the same format, so a plan is predicted right only where partners share it; in a mix of
+    two formats the folded rows would be those of the other format's factors (on a tiny
+    synthetic H3 such a mix measured 1.2 dB under its prediction)."""
+    if not model.sens.per_layer or not any(is_smoothed(f) for f in model.sens.formats):
+        return []
+    out = []
+    for unit in model.options:
+        parts = unit.split(".")  # blocks.N.attn.qkv_proj
+        head, sub = ".".join(parts[:2]) + ".", ".".join(parts[2:])
+        for a, b in FOLD_PAIRS:
+            if sub == a and head + b in model.options:
+                out.append((unit, head + b))
+    return out
 
 
 def objective(model: Model, pred: Prediction) -> float:
@@ -202,21 +245,122 @@ def _greedy_size(model: Model, assign: dict[str, str], pred: Prediction,
         pred = model.predict(assign)
 
 
+def _knapsack(model: Model, max_size: int, tied: list[tuple[str, str]] | None = None,
+              bins: int = 1 << 16) -> Prediction | None:
+    """The size plan that minimises the normalised noise, by dynamic programming over the
+    bytes each unit adds above its smallest option (a multiple-choice knapsack; the objective
+    adds per unit). The budget above the smallest file is cut into ``bins`` steps and each
+    option's added bytes are rounded up to whole steps, so the plan always fits; it can miss
+    the optimum by at most one step per unit of unused room, which ``_greedy_size`` and
+    ``_exchange`` then use. ``tied``: pairs of units that take one format together (one item
+    of the knapsack, its options those both units have). None when even the smallest file
+    does not fit."""
+    import numpy as np
+
+    signal = model.sens.signal
+    partner = dict(tied or ())
+    items = [(u, partner[u]) if u in partner else (u,) for u in model.options
+             if u not in partner.values()]
+
+    def options(item):
+        return [f for f in model.options[item[0]] if all(f in model.options[u] for u in item)]
+
+    def cost(item, f) -> float:
+        return sum(v / signal[o] for u in item for o, v in model.noise(u, f).items())
+
+    def size(item, f) -> int:
+        return sum(model.size(u, f) for u in item)
+
+    base = {it: min(size(it, f) for f in options(it)) for it in items}
+    room = max_size - (model.input_bytes + sum(base[it] - size(it, FLOAT) for it in items))
+    if room < 0:
+        return None
+    step = max(1.0, room / bins)
+    nb = int(room // step) + 1
+    best = np.zeros(nb)  # least noise with at most b steps used, over the items so far
+    picks = np.zeros((len(items), nb), dtype=np.int16)
+    for i, it in enumerate(items):
+        new = np.full(nb, np.inf)
+        for k, f in enumerate(options(it)):
+            w = int(np.ceil((size(it, f) - base[it]) / step))
+            if w >= nb:
+                continue
+            cand = np.full(nb, np.inf)
+            cand[w:] = best[:nb - w] + cost(it, f)
+            better = cand < new
+            new[better] = cand[better]
+            picks[i, better] = k
+        best = new
+    b = int(np.argmin(best))  # the least noise (any bytes within the room)
+    assign = {}
+    for i in range(len(items) - 1, -1, -1):
+        it = items[i]
+        f = options(it)[int(picks[i, b])]
+        assign.update({u: f for u in it})
+        b -= int(np.ceil((size(it, f) - base[it]) / step))
+    return model.predict({u: assign[u] for u in model.options})
+
+
+def _exchange(model: Model, pred: Prediction, max_size: int) -> Prediction:
+    """Improve a size plan by single and paired moves: any unit to any other option, or two
+    units at once (one up, one down, or both any way), whichever lowers the objective most
+    within ``max_size``, until no move does. The greedy search stops where its last step no
+    longer fits, which can leave a noisier unit beside bytes a swap would use (a unit a step
+    down pays for another a step up); the objective adds per unit, so each move is judged
+    exactly. Each round looks at every pair of moves of two different units at once."""
+    import numpy as np
+
+    signal = model.sens.signal
+    assign = dict(pred.assignment)
+
+    def cost(unit: str, fmt: str) -> float:
+        return sum(v / signal[o] for o, v in model.noise(unit, fmt).items())
+
+    for _ in range(4 * len(assign) + 1):  # each round lowers the objective; a bound all the same
+        moves = [(u, f) for u, cur in assign.items() for f in model.options[u] if f != cur]
+        if not moves:
+            break
+        room = max_size - model.predict(assign).bytes
+        who = np.array([hash(u) for u, _ in moves])
+        d = np.array([model.size(u, f) - model.size(u, assign[u]) for u, f in moves],
+                     dtype=np.int64)
+        g = np.array([cost(u, f) - cost(u, assign[u]) for u, f in moves])
+        single = np.where(d <= room, g, np.inf)
+        pair = g[:, None] + g[None, :]
+        pair[(d[:, None] + d[None, :]) > room] = np.inf
+        pair[who[:, None] == who[None, :]] = np.inf
+        i = int(single.argmin())
+        j, k = divmod(int(pair.argmin()), len(moves))
+        tol = 1e-12 * max(1.0, objective(model, model.predict(assign)))
+        if min(single[i], pair[j, k]) >= -tol:
+            break
+        chosen = [moves[i]] if single[i] <= pair[j, k] else [moves[j], moves[k]]
+        for u, f in chosen:
+            assign[u] = f
+    return model.predict(assign)
+
+
 def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
             target_sqnr: float | None = None) -> dict[str, dict]:
     """unit -> why it got its format: ``why`` (one line) and ``options`` (each option's bytes,
     the whole-model SQNR with this unit alone in it (``alone_sqnr_db``, None for float), and
     the planned file's predicted worse-output SQNR and size with this unit in that option).
-    ``max_size`` / ``target_sqnr``: the plan's budget or target, to say which options break it."""
+    ``max_size`` / ``target_sqnr``: the plan's budget or target, to say which options break it.
+    Under a size budget a unit tied to its smoothing partner (``fold_ties``) is shown moved
+    together with it, as the plan would move them."""
     from h3quant.sizes import size_text
 
     table = model.sens.table()
+    tied = fold_ties(model) if max_size is not None else []
+    partner = {**dict(tied), **{b: a for a, b in tied}}
     out: dict[str, dict] = {}
     for unit, fmt in pred.assignment.items():
         options: dict[str, dict] = {}
         alts: list[str] = []
+        mate = partner.get(unit)
         for opt in model.options[unit]:
-            trial = pred if opt == fmt else model.predict({**pred.assignment, unit: opt})
+            move = {unit: opt, **({mate: opt} if mate and opt in model.options[mate] else {})}
+            trial = pred if opt == fmt else model.predict({**pred.assignment, **move})
             alone = table[unit].get(opt)
             options[opt] = {"bytes": model.size(unit, opt),
                             "alone_sqnr_db": None if alone is None else
@@ -231,7 +375,9 @@ def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
             if target_sqnr is not None and trial.min_sqnr_db < target_sqnr:
                 broken.append("below the target")
             delta = trial.bytes - pred.bytes
-            alts.append(f"as {opt}: file {trial.min_sqnr_db:.2f} dB, "
+            alts.append(f"as {opt}" + (f" (with {mate}, its smoothing partner)"
+                                       if len(move) > 1 else "")
+                        + f": file {trial.min_sqnr_db:.2f} dB, "
                         f"{'+' if delta >= 0 else '-'}{size_text(abs(delta))}"
                         + (f" ({', '.join(broken)})" if broken else ""))
         mine = options[fmt]
@@ -279,6 +425,26 @@ def recipe_rules(sens: Sensitivity, assignment: dict[str, str]):
             rules.append(Rule(pattern, target, opts.get("group_size"), None,
                               opts.get("linear_dtype")))
     return tuple(rules)
+
+
+def smoothing_room(sens: Sensitivity, assignment: dict[str, str]) -> int:
+    """The most bytes convert's header list of smoothed layers can add for ``assignment``
+    (every linear of a smoothed candidate listed; the header-only size plan leaves the list
+    out, because which layers smoothing takes is decided while converting)."""
+    import json
+
+    from h3quant.h3.provenance import SMOOTHING_KEY
+    from h3quant.h3.topology import BLOCK_LINEARS
+
+    names = []
+    for unit, fmt in assignment.items():
+        if is_smoothed(fmt):
+            subs = [f".{s}" for s in BLOCK_LINEARS] if unit.count(".") == 1 else [""]
+            names += [sens.prefix + unit + s for s in subs]
+    if not names:
+        return 0
+    value = json.dumps(sorted(names), separators=(",", ":"))
+    return len(json.dumps({SMOOTHING_KEY: value})) + 8  # the entry, its comma, the padding
 
 
 def calibrated_formats(assignment: dict[str, str]) -> list[str]:
