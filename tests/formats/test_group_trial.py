@@ -7,21 +7,12 @@ import torch
 from h3quant.calibration.gptq import inverse_factor
 from h3quant.formats.group_trial import group_loss
 
+from helpers.feedback_problems import direct_group_loss
 
-def _direct_loss(t: torch.Tensor, step: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """GPTQ over one group of columns, float64, with the explicit inverse Hessian updated after
-    every column (the OBS update), each column rounded to the grid ``step`` (per row):
-    ``sum_j err_j^2 / Hinv_jj``."""
-    hinv = torch.linalg.inv(h.double())
-    t = t.double().clone()
-    loss = torch.zeros(t.shape[1], dtype=torch.float64)
-    for j in range(t.shape[0]):
-        q = torch.round(t[j] / step) * step
-        err = t[j] - q
-        loss += err * err / hinv[j, j]
-        t[j + 1:] -= (err / hinv[j, j]).unsqueeze(0) * hinv[j, j + 1:].unsqueeze(1)
-        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
-    return loss
+
+def _direct_loss(t, step, h):
+    """GPTQ over one group written out, each column rounded to its row's grid ``step``."""
+    return direct_group_loss(t, lambda v, j: torch.round(v / step) * step, h)
 
 
 def test_group_loss_is_the_feedbacks_loss_for_every_candidate():

@@ -8,23 +8,14 @@ import pytest
 import torch
 
 from h3quant.calibration.gptq import output_sqnr_db
-from h3quant.calibration.stats import LayerStats
 from h3quant.formats.nvfp4.calibrated import encode_nvfp4_calibrated
 from h3quant.formats.nvfp4.tensors import (BLOCK, block_scales, decode_nvfp4, encode_nvfp4,
                                            roundup)
 
-
-def _problem(n=64, k=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4096, 24, generator=g) @ torch.randn(24, k, generator=g)
-    x += 0.3 * torch.randn(4096, k, generator=g)
-    x[:, :8] *= 10  # a few outlier channels
-    w = torch.randn(n, k, generator=g)
-    return w, x.t() @ x
+from helpers.feedback_problems import layer_stats, lowrank_problem
 
 
-def _stats(h):
-    return LayerStats.from_hessian("blocks.0.mlp.fc1", h, 4096)
+_problem, _stats = lowrank_problem, layer_stats
 
 
 def _decoded(t, n, k):

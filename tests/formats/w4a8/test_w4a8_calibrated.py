@@ -12,18 +12,10 @@ from h3quant.calibration.stats import LayerStats
 from h3quant.formats.w4a8.calibrated import encode_w4a8_calibrated, trial_loss
 from h3quant.formats.w4a8.tensors import decode_w4a8, decode_w4a8_int8, encode_w4a8
 
-
-def _problem(n=64, k=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4096, 24, generator=g) @ torch.randn(24, k, generator=g)
-    x += 0.3 * torch.randn(4096, k, generator=g)
-    x[:, :8] *= 10  # a few outlier channels
-    w = torch.randn(n, k, generator=g)
-    return w, x.t() @ x
+from helpers.feedback_problems import direct_group_loss, layer_stats, lowrank_problem
 
 
-def _stats(h):
-    return LayerStats.from_hessian("blocks.0.mlp.fc1", h, 4096)
+_problem, _stats = lowrank_problem, layer_stats
 
 
 def _raw(t):
@@ -63,20 +55,11 @@ def test_identity_statistics_keep_the_plain_bytes(trial):
 
 
 def _direct_group_loss(t, lv, h):
-    """GPTQ over one group written out (float64, explicit inverse, OBS update): round column
-    j to the nearest level, add ``(t_j - q_j)^2 / Hinv_jj``, push the error onto the later
-    columns with row j of the running inverse, remove column j from the inverse."""
-    hinv = torch.linalg.inv(h.double())
-    t = t.double().clone()
-    loss = torch.zeros(t.shape[1], dtype=torch.float64)
-    for j in range(t.shape[0]):
-        d = (t[j].unsqueeze(1) - lv.double()).abs()
-        q = lv.double().gather(1, d.argmin(1, keepdim=True)).squeeze(1)
-        err = t[j] - q
-        loss += err * err / hinv[j, j]
-        t[j + 1:] -= (err / hinv[j, j]).unsqueeze(0) * hinv[j, j + 1:].unsqueeze(1)
-        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
-    return loss
+    """GPTQ over one group written out, each column rounded to its row's nearest level."""
+    def nearest(v, j):
+        return lv.double().gather(1, (v.unsqueeze(1) - lv.double()).abs().argmin(1, keepdim=True)).squeeze(1)
+
+    return direct_group_loss(t, nearest, h)
 
 
 def test_trial_loss_is_the_feedbacks_loss():
