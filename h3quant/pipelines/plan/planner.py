@@ -321,7 +321,8 @@ def _exchange(model: Model, pred: Prediction, max_size: int) -> Prediction:
         if not moves:
             break
         room = max_size - model.predict(assign).bytes
-        who = np.array([hash(u) for u, _ in moves])
+        index = {u: i for i, u in enumerate(assign)}
+        who = np.array([index[u] for u, _ in moves])
         d = np.array([model.size(u, f) - model.size(u, assign[u]) for u, f in moves],
                      dtype=np.int64)
         g = np.array([cost(u, f) - cost(u, assign[u]) for u, f in moves])
