@@ -17,8 +17,9 @@ int8 NPU ``kn`` layout converted from it):
   way ComfyUI runs a format without its kernel) and on the CPU, the same agreement rule;
 - ``calib-capture``: ``capture`` on the device against ``capture`` on the CPU (the Hessians of
   every linear agree to fp32 rounding), then ``model-<fmt>-calibrated``: ``convert
-  --calibration`` (int8-convrot, w4a8) from the device's statistics, run by ``verify --model``
-  on the device; its SQNR is printed beside the uncalibrated file's (synthetic inputs);
+  --calibration`` (int8-convrot, w4a8, nvfp4, int4-convrot) from the device's statistics,
+  run by ``verify --model`` on the device; its SQNR is printed beside the uncalibrated file's
+  (synthetic inputs);
 - ``calib-capture-tp``: ``capture --tp 1`` on the device (one rank: the process group on the
   device's backend, nccl on CUDA) against the single-process capture there (SKIP where that
   backend is missing);
@@ -112,7 +113,11 @@ def calibration_checks(files, d: Path, device: str) -> None:
          f"{times[device]:.2f} s on {device}, {times['cpu']:.2f} s on cpu")
     stats = d / f"{device.replace(':', '')}.stats"
     capture_tp_check(src, ins, d, device, stats)
-    for t, plain in (("int8-convrot", "int8"), ("w4a8", "w4a8")):
+    for t, plain in (("int8-convrot", "int8"), ("w4a8", "w4a8"), ("nvfp4", "nvfp4"),
+                     ("int4-convrot", "int4-convrot")):
+        if plain not in files:
+            line("SKIP", f"model-{plain}-calibrated", "this h3quant has no such convert target")
+            continue
         out = d / f"{t}-calibrated.safetensors"
         try:
             h3q("convert", src, out, "--to", t, "--calibration", stats)

@@ -33,7 +33,7 @@
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
-CHECKS="tests-cuda model-int8 model-w4a8 model-kn model-w4a8-as-int8 model-int8-kitchen model-fp8 model-fp8-e5m2 model-mxfp8 model-nvfp4 model-int4-convrot layer-int8-kitchen layer-w4a8-kitchen compare calib-capture calib-capture-tp model-int8-calibrated model-w4a8-calibrated calib-onepass"
+CHECKS="tests-cuda model-int8 model-w4a8 model-kn model-w4a8-as-int8 model-int8-kitchen model-fp8 model-fp8-e5m2 model-mxfp8 model-nvfp4 model-int4-convrot layer-int8-kitchen layer-w4a8-kitchen compare calib-capture calib-capture-tp model-int8-calibrated model-w4a8-calibrated model-nvfp4-calibrated model-int4-convrot-calibrated calib-onepass"
 
 skip_all() {
     for n in $CHECKS; do echo "SKIP $n: $1"; done

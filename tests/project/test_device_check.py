@@ -18,7 +18,8 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 NAMES = {"tests-cuda", "model-int8", "model-w4a8", "model-kn", "model-w4a8-as-int8",
          "model-int8-kitchen", "model-fp8", "model-fp8-e5m2", "model-mxfp8", "model-nvfp4",
          "model-int4-convrot", "layer-int8-kitchen", "layer-w4a8-kitchen", "compare", "calib-capture",
-         "calib-capture-tp", "model-int8-calibrated", "model-w4a8-calibrated", "calib-onepass"}
+         "calib-capture-tp", "model-int8-calibrated", "model-w4a8-calibrated",
+         "model-nvfp4-calibrated", "model-int4-convrot-calibrated", "calib-onepass"}
 HAS_NVIDIA = Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
 
 
