@@ -124,46 +124,8 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     if (target_sqnr is None) == (max_size is None):
         raise PlanError("give exactly one of a target SQNR and a maximum size")
     assign = model.smallest()
-    signal = model.sens.signal
     if target_sqnr is not None:
-        budget = {o: signal[o] * 10 ** (-target_sqnr / 10) for o in OUTPUTS}
-
-        def totals(a):
-            t = {o: 0.0 for o in OUTPUTS}
-            for u, f in a.items():
-                for o, v in model.noise(u, f).items():
-                    t[o] += v
-            return t
-
-        def meets(a) -> bool:
-            t = totals(a)
-            return all(t[o] <= budget[o] for o in OUTPUTS)
-
-        while not meets(assign):
-            t = totals(assign)
-            over = [o for o in OUTPUTS if t[o] > budget[o]]
-            best, best_score = None, -math.inf
-            for unit, up in _upgrades(model, assign):
-                cur = model.noise(unit, assign[unit])
-                new = model.noise(unit, up)
-                gain = sum(max(0.0, cur[o] - new[o]) / budget[o] for o in over)
-                cost = max(1, model.size(unit, up) - model.size(unit, assign[unit]))
-                score = gain / cost
-                if gain > 0 and score > best_score:
-                    best, best_score = (unit, up), score
-            if best is None:  # nothing left to improve (every unit float: cannot happen)
-                raise PlanError(f"no choice of formats reaches {target_sqnr} dB")
-            assign[best[0]] = best[1]
-        # step back down where the target still holds, largest saving first
-        for unit in sorted(assign, key=lambda u: -(model.size(u, assign[u])
-                                                   - model.size(u, model.options[u][0]))):
-            opts = model.options[unit]
-            for fmt in opts[:opts.index(assign[unit])]:
-                trial = dict(assign, **{unit: fmt})
-                if meets(trial):
-                    assign = trial
-                    break
-        return model.predict(assign)
+        return _for_target(model, target_sqnr)
     assert max_size is not None  # exactly one of the two was given
     pred = model.predict(assign)
     if pred.bytes > max_size:
@@ -172,7 +134,9 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     tied = fold_ties(model)
     if tied:  # partners share a format: the knapsack alone moves them together
         chosen = _knapsack(model, max_size, tied)
-        assert chosen is not None  # the smallest file fits (checked above)
+        if chosen is None:  # a pair's smallest common option is larger than its two smallest
+            raise PlanError(f"even the smallest choice with each smoothing pair in one format "
+                            f"is over --max-size {max_size:,}")
         return _best_uniform(model, chosen, max_size)
     chosen = _exchange(model, _greedy_size(model, assign, pred, max_size), max_size)
     exact = _knapsack(model, max_size)
@@ -213,6 +177,72 @@ def fold_ties(model: Model) -> list[tuple[str, str]]:
             if sub == a and head + b in model.options:
                 out.append((unit, head + b))
     return out
+
+
+def _groups(model: Model) -> list[tuple[str, ...]]:
+    """The units that move together (``fold_ties``' pairs, every other unit alone), in the
+    order of ``model.options``."""
+    tied = fold_ties(model)
+    partner = dict(tied)
+    return [(u, partner[u]) if u in partner else (u,) for u in model.options
+            if u not in partner.values()]
+
+
+def _group_options(model: Model, group: tuple[str, ...]) -> list[str]:
+    """The options every unit of ``group`` has, smallest (together) first."""
+    common = [f for f in model.options[group[0]] if all(f in model.options[u] for u in group)]
+    return sorted(common, key=lambda f: sum(model.size(u, f) for u in group))
+
+
+def _for_target(model: Model, target_sqnr: float) -> Prediction:
+    """``choose`` for a quality target: upgrade the unit (or tied pair) that removes the most
+    normalised excess noise per added byte until the target holds, then step each back down
+    where the target still holds (largest saving first)."""
+    signal = model.sens.signal
+    budget = {o: signal[o] * 10 ** (-target_sqnr / 10) for o in OUTPUTS}
+    groups = _groups(model)
+    opts = {g: _group_options(model, g) for g in groups}
+    assign = {u: opts[g][0] for g in groups for u in g}
+
+    def size(g, f) -> int:
+        return sum(model.size(u, f) for u in g)
+
+    def totals(a):
+        t = {o: 0.0 for o in OUTPUTS}
+        for u, f in a.items():
+            for o, v in model.noise(u, f).items():
+                t[o] += v
+        return t
+
+    def meets(a) -> bool:
+        t = totals(a)
+        return all(t[o] <= budget[o] for o in OUTPUTS)
+
+    while not meets(assign):
+        t = totals(assign)
+        over = [o for o in OUTPUTS if t[o] > budget[o]]
+        best, best_score = None, -math.inf
+        for g in groups:
+            cur_f = assign[g[0]]
+            for up in opts[g][opts[g].index(cur_f) + 1:]:
+                change = {o: sum(model.noise(u, cur_f)[o] - model.noise(u, up)[o] for u in g)
+                          for o in OUTPUTS}
+                gain = sum(max(0.0, change[o]) / budget[o] for o in over)
+                cost = max(1, size(g, up) - size(g, cur_f))
+                score = gain / cost
+                if gain > 0 and score > best_score:
+                    best, best_score = (g, up), score
+        if best is None:  # nothing left to improve (every unit float: cannot happen)
+            raise PlanError(f"no choice of formats reaches {target_sqnr} dB")
+        assign.update({u: best[1] for u in best[0]})
+    # step back down where the target still holds, largest saving first
+    for g in sorted(groups, key=lambda g: -(size(g, assign[g[0]]) - size(g, opts[g][0]))):
+        for fmt in opts[g][:opts[g].index(assign[g[0]])]:
+            trial = dict(assign, **{u: fmt for u in g})
+            if meets(trial):
+                assign = trial
+                break
+    return model.predict(assign)
 
 
 def objective(model: Model, pred: Prediction) -> float:
@@ -347,12 +377,12 @@ def reasons(model: Model, pred: Prediction, *, max_size: int | None = None,
     the whole-model SQNR with this unit alone in it (``alone_sqnr_db``, None for float), and
     the planned file's predicted worse-output SQNR and size with this unit in that option).
     ``max_size`` / ``target_sqnr``: the plan's budget or target, to say which options break it.
-    Under a size budget a unit tied to its smoothing partner (``fold_ties``) is shown moved
-    together with it, as the plan would move them."""
+    A unit tied to its smoothing partner (``fold_ties``) is shown moved together with it, as
+    the plan would move them."""
     from h3quant.sizes import size_text
 
     table = model.sens.table()
-    tied = fold_ties(model) if max_size is not None else []
+    tied = fold_ties(model)
     partner = {**dict(tied), **{b: a for a, b in tied}}
     out: dict[str, dict] = {}
     for unit, fmt in pred.assignment.items():

@@ -463,3 +463,37 @@ def test_size_plan_ties_smoothing_partners():
         free = choose(plain, max_size=budget).assignment
         split_somewhere |= any(free[x] != free[y] for x, y in pairs)
     assert split_somewhere  # the ties change plans on this instance
+
+
+def test_target_plan_ties_smoothing_partners_too():
+    """The quality target with smoothed per-linear candidates: partners share a format, the
+    target holds, and no pair can step down together while it still holds."""
+    import random
+
+    from h3quant.pipelines.plan.planner import fold_ties
+    from h3quant.pipelines.plan.sensitivity import OUTPUTS, Sensitivity, UnitResult
+
+    rng = random.Random(11)
+    subs = ["attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"]
+    names = [f"blocks.{b}.{s}" for b in range(2) for s in subs]
+    fmts = ["a+gptq+smooth", "b+gptq+smooth"]
+    units = []
+    for i, name in enumerate(names):
+        size = sorted(rng.randrange(1000, 60000) for _ in fmts)
+        noise = sorted((rng.uniform(0.1, 3.0) for _ in fmts), reverse=True)
+        for f, s, n in zip(fmts, size, noise):
+            units.append(UnitResult(name, i // 4, f, s, 80000, {o: n for o in OUTPUTS},
+                                    {o: 0.0 for o in OUTPUTS}))
+    sens = Sensitivity("x", {}, fmts, True, 2, "", {o: 1000.0 for o in OUTPUTS}, units)
+    model = Model(sens, 8 * 80000 + 100)
+    pairs = fold_ties(model)
+    for target in (22.0, 24.0, 26.0, 28.0):
+        got = choose(model, target_sqnr=target)
+        assert got.min_sqnr_db >= target
+        assert all(got.assignment[x] == got.assignment[y] for x, y in pairs), got.assignment
+        for x, y in pairs:
+            opts = model.options[x]
+            for f in opts[:opts.index(got.assignment[x])]:
+                if f in model.options[y]:
+                    down = model.predict({**got.assignment, x: f, y: f})
+                    assert down.min_sqnr_db < target
