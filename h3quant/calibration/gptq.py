@@ -79,14 +79,6 @@ def inverse_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     return li.to(torch.float32).flip(0, 1)
 
 
-def factor_from_lower(lower: torch.Tensor) -> torch.Tensor:
-    """``inverse_factor`` from the lower Cholesky factor of the damped ``H`` (float64)."""
-    li = _lower_inverse(lower)
-    hinv = li.t() @ li
-    del li
-    return _upper_factor(hinv)
-
-
 def _lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     """``L^-1`` (float64) by a triangular solve into a new buffer."""
     # H^-1 = L^-T L^-1 through a triangular solve and a GEMM: LAPACK's potri (cholesky_inverse)
@@ -95,12 +87,6 @@ def _lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     # another path whose last bits differ (K = 4096)
     li = torch.eye(lower.shape[0], dtype=lower.dtype, device=lower.device).mT
     return torch.linalg.solve_triangular(lower, li, upper=False, out=li)
-
-
-def _upper_factor(hinv: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor of the inverse Hessian ``hinv`` (float64, overwritten), fp32."""
-    torch.linalg.cholesky(hinv, upper=True, out=hinv)
-    return hinv.to(torch.float32)
 
 
 @contextlib.contextmanager
@@ -258,5 +244,5 @@ def gains_and_noise(x: torch.Tensor, xq: torch.Tensor, h_diag: torch.Tensor
 
 
 __all__ = ["BLOCK", "DAMP", "aware_objective", "gains_and_noise", "aware_solve", "aware_system", "aware_target",
-           "damped", "factor_from_lower", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
+           "damped", "feedback", "gain_from_factor", "inverse_factor", "output_sqnr_db",
            "predicted_gain_db"]

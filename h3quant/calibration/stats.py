@@ -186,7 +186,7 @@ class LayerStats:
         rounding, no sampled rows, or sampled rows the rounding leaves as they are."""
         if self._rounding is None or self._load_sample is None:
             return None
-        from h3quant.calibration.gptq import damped, factor_from_lower, gains_and_noise
+        from h3quant.calibration.gptq import damped, gains_and_noise, inverse_factor
 
         key = ("aware", bool(convrot), int(group_size) if convrot else 0)
         with self._lock:
@@ -203,6 +203,7 @@ class LayerStats:
                 lam = hd.diagonal() - hq.diagonal()  # damping (and dead inputs' unit diagonal)
                 del hq
                 try:
+                    u = inverse_factor(hd, damp=0.0)  # hd is damped already: no more
                     lower = torch.linalg.cholesky(hd)
                 except torch.linalg.LinAlgError:
                     raise UsageError(f"--calibration: the Hessian of {self.key}'s rounded "
@@ -211,7 +212,7 @@ class LayerStats:
                 del hd
                 cd = h.mul_(a[None, :])  # C = H diag(a), plus the damping
                 cd.diagonal().add_(lam)
-                self._factors[key] = (cd, lower, factor_from_lower(lower))
+                self._factors[key] = (cd, lower, u)
             return self._factors[key]
 
     def predicted_gain_db(self, convrot: bool, group_size: int = 256) -> float:
