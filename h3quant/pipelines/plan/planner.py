@@ -30,6 +30,7 @@ with the unit in each other option.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -87,6 +88,11 @@ class Model:
             return {o: 0.0 for o in OUTPUTS}
         return self._table[unit][fmt].noise
 
+    def cost(self, unit: str, fmt: str) -> float:
+        """The unit's noise energies in ``fmt`` over the float outputs', summed over the
+        outputs (what a size plan minimises, unit by unit)."""
+        return sum(v / self.sens.signal[o] for o, v in self.noise(unit, fmt).items())
+
     def size(self, unit: str, fmt: str) -> int:
         r = next(iter(self._table[unit].values()))
         return r.float_bytes if fmt == FLOAT else self._table[unit][fmt].bytes
@@ -131,9 +137,8 @@ def choose(model: Model, *, target_sqnr: float | None = None,
     if pred.bytes > max_size:
         raise PlanError(f"even the smallest choice ({assign and next(iter(assign.values()))} "
                         f"everywhere) is {pred.bytes:,} bytes, over --max-size {max_size:,}")
-    tied = fold_ties(model)
-    if tied:  # partners share a format: the knapsack alone moves them together
-        chosen = _knapsack(model, max_size, tied)
+    if fold_ties(model):  # partners share a format: the knapsack alone moves them together
+        chosen = _knapsack(model, max_size, _groups(model))
         if chosen is None:  # a pair's smallest common option is larger than its two smallest
             raise PlanError(f"even the smallest choice with each smoothing pair in one format "
                             f"is over --max-size {max_size:,}")
@@ -191,7 +196,11 @@ def _groups(model: Model) -> list[tuple[str, ...]]:
 def _group_options(model: Model, group: tuple[str, ...]) -> list[str]:
     """The options every unit of ``group`` has, smallest (together) first."""
     common = [f for f in model.options[group[0]] if all(f in model.options[u] for u in group)]
-    return sorted(common, key=lambda f: sum(model.size(u, f) for u in group))
+    return sorted(common, key=lambda f: _group_size(model, group, f))
+
+
+def _group_size(model: Model, group: tuple[str, ...], fmt: str) -> int:
+    return sum(model.size(u, fmt) for u in group)
 
 
 def _for_target(model: Model, target_sqnr: float) -> Prediction:
@@ -203,9 +212,6 @@ def _for_target(model: Model, target_sqnr: float) -> Prediction:
     groups = _groups(model)
     opts = {g: _group_options(model, g) for g in groups}
     assign = {u: opts[g][0] for g in groups for u in g}
-
-    def size(g, f) -> int:
-        return sum(model.size(u, f) for u in g)
 
     def totals(a):
         t = {o: 0.0 for o in OUTPUTS}
@@ -228,7 +234,7 @@ def _for_target(model: Model, target_sqnr: float) -> Prediction:
                 change = {o: sum(model.noise(u, cur_f)[o] - model.noise(u, up)[o] for u in g)
                           for o in OUTPUTS}
                 gain = sum(max(0.0, change[o]) / budget[o] for o in over)
-                cost = max(1, size(g, up) - size(g, cur_f))
+                cost = max(1, _group_size(model, g, up) - _group_size(model, g, cur_f))
                 score = gain / cost
                 if gain > 0 and score > best_score:
                     best, best_score = (g, up), score
@@ -236,7 +242,10 @@ def _for_target(model: Model, target_sqnr: float) -> Prediction:
             raise PlanError(f"no choice of formats reaches {target_sqnr} dB")
         assign.update({u: best[1] for u in best[0]})
     # step back down where the target still holds, largest saving first
-    for g in sorted(groups, key=lambda g: -(size(g, assign[g[0]]) - size(g, opts[g][0]))):
+    def saving(g) -> int:
+        return _group_size(model, g, assign[g[0]]) - _group_size(model, g, opts[g][0])
+
+    for g in sorted(groups, key=lambda g: -saving(g)):
         for fmt in opts[g][:opts[g].index(assign[g[0]])]:
             trial = dict(assign, **{u: fmt for u in g})
             if meets(trial):
@@ -275,33 +284,26 @@ def _greedy_size(model: Model, assign: dict[str, str], pred: Prediction,
         pred = model.predict(assign)
 
 
-def _knapsack(model: Model, max_size: int, tied: list[tuple[str, str]] | None = None,
+def _knapsack(model: Model, max_size: int, groups: list[tuple[str, ...]] | None = None,
               bins: int = 1 << 16) -> Prediction | None:
     """The size plan that minimises the normalised noise, by dynamic programming over the
     bytes each unit adds above its smallest option (a multiple-choice knapsack; the objective
     adds per unit). The budget above the smallest file is cut into ``bins`` steps and each
     option's added bytes are rounded up to whole steps, so the plan always fits; it can miss
     the optimum by at most one step per unit of unused room, which ``_greedy_size`` and
-    ``_exchange`` then use. ``tied``: pairs of units that take one format together (one item
-    of the knapsack, its options those both units have). None when even the smallest file
-    does not fit."""
+    ``_exchange`` then use. ``groups``: the units that take one format together (``_groups``;
+    each group one item of the knapsack, its options those all its units have); default,
+    every unit alone. None when even the smallest file does not fit."""
     import numpy as np
 
-    signal = model.sens.signal
-    partner = dict(tied or ())
-    items = [(u, partner[u]) if u in partner else (u,) for u in model.options
-             if u not in partner.values()]
-
-    def options(item):
-        return [f for f in model.options[item[0]] if all(f in model.options[u] for u in item)]
+    items = groups or [(u,) for u in model.options]
+    opts = {it: _group_options(model, it) for it in items}
 
     def cost(item, f) -> float:
-        return sum(v / signal[o] for u in item for o, v in model.noise(u, f).items())
+        return sum(model.cost(u, f) for u in item)
 
-    def size(item, f) -> int:
-        return sum(model.size(u, f) for u in item)
-
-    base = {it: min(size(it, f) for f in options(it)) for it in items}
+    size = functools.partial(_group_size, model)
+    base = {it: size(it, opts[it][0]) for it in items}
     room = max_size - (model.input_bytes + sum(base[it] - size(it, FLOAT) for it in items))
     if room < 0:
         return None
@@ -311,7 +313,7 @@ def _knapsack(model: Model, max_size: int, tied: list[tuple[str, str]] | None = 
     picks = np.zeros((len(items), nb), dtype=np.int16)
     for i, it in enumerate(items):
         new = np.full(nb, np.inf)
-        for k, f in enumerate(options(it)):
+        for k, f in enumerate(opts[it]):
             w = int(np.ceil((size(it, f) - base[it]) / step))
             if w >= nb:
                 continue
@@ -325,7 +327,7 @@ def _knapsack(model: Model, max_size: int, tied: list[tuple[str, str]] | None = 
     assign = {}
     for i in range(len(items) - 1, -1, -1):
         it = items[i]
-        f = options(it)[int(picks[i, b])]
+        f = opts[it][int(picks[i, b])]
         assign.update({u: f for u in it})
         b -= int(np.ceil((size(it, f) - base[it]) / step))
     return model.predict({u: assign[u] for u in model.options})
@@ -340,12 +342,7 @@ def _exchange(model: Model, pred: Prediction, max_size: int) -> Prediction:
     exactly. Each round looks at every pair of moves of two different units at once."""
     import numpy as np
 
-    signal = model.sens.signal
     assign = dict(pred.assignment)
-
-    def cost(unit: str, fmt: str) -> float:
-        return sum(v / signal[o] for o, v in model.noise(unit, fmt).items())
-
     for _ in range(4 * len(assign) + 1):  # each round lowers the objective; a bound all the same
         moves = [(u, f) for u, cur in assign.items() for f in model.options[u] if f != cur]
         if not moves:
@@ -355,7 +352,7 @@ def _exchange(model: Model, pred: Prediction, max_size: int) -> Prediction:
         who = np.array([index[u] for u, _ in moves])
         d = np.array([model.size(u, f) - model.size(u, assign[u]) for u, f in moves],
                      dtype=np.int64)
-        g = np.array([cost(u, f) - cost(u, assign[u]) for u, f in moves])
+        g = np.array([model.cost(u, f) - model.cost(u, assign[u]) for u, f in moves])
         single = np.where(d <= room, g, np.inf)
         pair = g[:, None] + g[None, :]
         pair[(d[:, None] + d[None, :]) > room] = np.inf
