@@ -28,8 +28,8 @@ import torch
 
 from h3quant.formats.blocked import swizzle
 from h3quant.formats.group_trial import group_loss
-from h3quant.formats.nvfp4.tensors import (BLOCK, E2M1_MAX, E4M3_MAX, block_scales, e2m1_codes,
-                                           encode_nvfp4, pack_hi_first, roundup)
+from h3quant.formats.nvfp4.tensors import (BLOCK, E2M1_MAX, E4M3_MAX, block_scales,
+                                           encode_nvfp4, pack_hi_first, roundup, scaled_codes)
 
 # e2m1 value of each 4-bit code (bit 3: sign), the decoder's table
 _VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -41,11 +41,8 @@ _E4M3_MAX_BITS = 0x7E  # 448, the largest finite e4m3 bit pattern
 def rounded(v: torch.Tensor, total: torch.Tensor, lut: torch.Tensor):
     """(codes, values) of ``v`` under the block scales ``total = t * s`` (same shape): the
     encoder's fp32 arithmetic (``v / total`` clamped to +-6, nearest e2m1, ties to even); a zero
-    scale gives code 0."""
-    zero = total == 0
-    x = v / torch.where(zero, torch.ones_like(total), total)
-    x = torch.where(zero, torch.zeros_like(x), x).clamp_(-E2M1_MAX, E2M1_MAX)
-    code = e2m1_codes(x)
+    scale gives code 0 (``scaled_codes``)."""
+    code = scaled_codes(v, total)
     return code, lut[code.long()] * total
 
 

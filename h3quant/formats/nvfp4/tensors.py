@@ -63,6 +63,16 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return code
 
 
+def scaled_codes(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes of ``x / total`` (``total = t * s``, broadcast to ``x``): the encoder's fp32
+    arithmetic, the quotient clamped to +-6 and rounded to the nearest e2m1 value (ties to
+    even); a zero scale gives code 0."""
+    zero = total == 0
+    v = x.to(torch.float32) / torch.where(zero, torch.ones_like(total), total)
+    v = torch.where(zero, torch.zeros_like(v), v).clamp_(-E2M1_MAX, E2M1_MAX)
+    return e2m1_codes(v)
+
+
 def pack_hi_first(codes: torch.Tensor) -> torch.Tensor:
     """``[R, 2C]`` nibbles -> ``[R, C]`` bytes, the even column in the high nibble."""
     return (codes[:, 0::2] << 4) | codes[:, 1::2]
@@ -115,10 +125,7 @@ def _encode_rows(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.
     peak = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg()).abs_().to(torch.float32)  # +0, never -0
     s8 = torch.clamp(peak / E2M1_MAX / t, max=E4M3_MAX).to(torch.float8_e4m3fn)
     total = t * s8.to(torch.float32)
-    zero = total == 0
-    v = blocks.to(torch.float32) / torch.where(zero, torch.ones_like(total), total).unsqueeze(-1)
-    v = torch.where(zero.unsqueeze(-1), torch.zeros_like(v), v).clamp_(-E2M1_MAX, E2M1_MAX)
-    codes = e2m1_codes(v.reshape(rows, k))
+    codes = scaled_codes(blocks, total.unsqueeze(-1)).reshape(rows, k)
     return pack_hi_first(codes), s8.view(torch.uint8)
 
 
