@@ -224,6 +224,7 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
     from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
     from h3quant.pipelines.plan.planner import (
         Model,
+        PlanError,
         calibrated_formats,
         choose,
         reasons,
@@ -358,8 +359,6 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
                 break
             budget -= whole - max_size
         else:
-            from h3quant.pipelines.plan.planner import PlanError
-
             raise PlanError(f"no plan fits --max-size {max_size:,} bytes with its header (the "
                             f"last planned file was up to {whole:,} bytes)")
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
