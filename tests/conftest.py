@@ -8,11 +8,13 @@ pytest puts this directory on sys.path because it holds this conftest.py).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 from helpers.h3files import quantize_file, small_h3, write
+from helpers.scratch import SESSION_SCRATCH
 
 
 def pytest_configure(config):
@@ -44,6 +46,34 @@ def _share_the_cores() -> None:
     torch.set_num_threads(threads)
 
 
+# A directory a session-scoped fixture makes lives until the run ends; every other directory made
+# under the run's base temp (tmp_path_factory.mktemp in a module-scoped fixture) is removed when
+# its module ends, unless one of the module's tests failed. Per-test tmp_path directories are
+# removed when their test passes (tmp_path_retention_policy in pyproject.toml). Without this the
+# suite kept about 13 GB of scratch until it ended, more than a CI machine's disk may hold.
+_FAILED_MODULES: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _FAILED_MODULES.add(item.module.__name__ if item.module else item.nodeid)
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_scratch_removed(request, tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    before = set(os.listdir(base))
+    yield
+    if request.module.__name__ in _FAILED_MODULES:
+        return
+    for name in set(os.listdir(base)) - before:
+        if not name.startswith((SESSION_SCRATCH, "test_")):  # test_*: tmp_path, kept if it failed
+            shutil.rmtree(base / name, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tp_files(tmp_path_factory) -> dict[str, Path]:
     """tiny preset, 1 block: BF16 source, int8 ConvRot (canonical and kn layouts) and W4A8,
@@ -51,7 +81,7 @@ def tp_files(tmp_path_factory) -> dict[str, Path]:
     from h3quant.pipelines.convert import ConvertOptions, convert
     from h3quant.synth import synth_checkpoint
 
-    d = tmp_path_factory.mktemp("h3q-tp")
+    d = tmp_path_factory.mktemp(SESSION_SCRATCH + "h3q-tp")
     bf16 = d / "bf16.safetensors"
     synth_checkpoint(bf16, preset="tiny", blocks=1)
     out = {"dir": d, "bf16": bf16}
@@ -69,7 +99,7 @@ def tiny_files(tmp_path_factory) -> dict[str, Path]:
     (``helpers.h3files.quantize_file``; the loader, block and verify tests)."""
     from h3quant.synth import synth_checkpoint
 
-    d = tmp_path_factory.mktemp("h3q-verify")
+    d = tmp_path_factory.mktemp(SESSION_SCRATCH + "h3q-verify")
     bf16 = d / "bf16.safetensors"
     synth_checkpoint(bf16, preset="tiny", blocks=1)
     return {"dir": d, "bf16": bf16, "int8": quantize_file(bf16, d / "int8.safetensors")}
