@@ -221,16 +221,8 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
         raise click.BadParameter("at most 64 latent frames for the measurement (more with "
                                  "--device: the video's frames)", param_hint="--frames")
     from h3quant.errors import H3QuantError
-    from h3quant.pipelines.plan.frontier import frontier as run_frontier, planned_bytes
-    from h3quant.pipelines.plan.planner import (
-        Model,
-        PlanError,
-        calibrated_formats,
-        choose,
-        reasons,
-        smoothing_room,
-        recipe_rules,
-    )
+    from h3quant.pipelines.plan.frontier import frontier as run_frontier
+    from h3quant.pipelines.plan.planner import Model, reasons
     from h3quant.pipelines.plan.sensitivity import Sensitivity, is_smoothed, measure
 
     inputs_file = one_input(inputs_file)
@@ -343,31 +335,20 @@ def command(src, cands, calibration, smooth, per_layer, from_json, target_sqnr, 
     doc: dict = {"sensitivity": sens.to_dict()}
     text = [render_sensitivity(sens)]
     if target_sqnr is not None or max_size is not None:
-        budget = max_size
-        for _ in range(4):
-            pred = guard("planning", choose, model, max_size=budget,
-                         target_sqnr=None if target_sqnr is None else target_sqnr + margin)
-            rules = recipe_rules(sens, pred.assignment)
-            calibrated = calibrated_formats(pred.assignment)
-            smoothed = "auto" if any(map(is_smoothed, calibrated)) else "off"
-            exact = guard("sizing the plan", planned_bytes, src, rules,
-                          calibration if calibrated else None, smoothed if calibration else "off")
-            # the model counts the tensors; the header (each layer's marker, the smoothed
-            # layers' list) adds a few kB: plan again for what the header took
-            whole = exact + (smoothing_room(sens, pred.assignment) if calibration else 0)
-            if max_size is None or budget is None or whole <= max_size:
-                break
-            budget -= whole - max_size
-        else:
-            raise PlanError(f"no plan fits --max-size {max_size:,} bytes with its header (the "
-                            f"last planned file was up to {whole:,} bytes)")
+        from h3quant.pipelines.plan.fit import plan_file
+
+        fitted = guard("planning", plan_file, src, model, max_size=max_size,
+                       target_sqnr=None if target_sqnr is None else target_sqnr + margin,
+                       calibration=calibration)
+        pred, rules, exact = fitted.prediction, fitted.rules, fitted.file_bytes
+        calibrated, smoothed = fitted.calibrated, fitted.smooth
         doc["plan"] = {**pred.to_dict(), "planned_bytes": exact,
                        "rules": [r.to_dict() for r in rules]}
         text.append(render_prediction(pred, exact, model.input_bytes))
         stats_name = (sens.measured_on.get("statistics") or {}).get("file", "STATS")
         # over the budget = over it with the header this plan's file has
-        room = None if max_size is None else max_size - (whole - pred.bytes)
-        why = reasons(model, pred, max_size=room, target_sqnr=target_sqnr)
+        why = reasons(model, pred, max_size=fitted.tensor_budget(max_size),
+                      target_sqnr=target_sqnr)
         doc["plan"]["reasons"] = why
         flags = f" --calibration {calibration or stats_name}" + (
             " --smooth auto" if smoothed == "auto" else "")

@@ -11,7 +11,7 @@ from helpers.inputs import input_dims, seeded_inputs
 from h3quant.cli import main
 from h3quant.pipelines.convert import ConvertOptions, convert
 from h3quant.pipelines.convert.recipe import parse_rule
-from h3quant.pipelines.plan.planner import FLOAT, Model, objective
+from h3quant.pipelines.plan.planner import FLOAT, Model, objective, recipe_rules
 from h3quant.pipelines.plan.sensitivity import PlanError, measure, parse_candidates
 from h3quant.pipelines.verify.model import ModelInputs, verify_model
 from h3quant.synth import synth_checkpoint
@@ -158,3 +158,31 @@ def test_cli_refusals(world, tmp_path):
     bad = r.invoke(main, ["plan", src, "--from", str(plain), "--calibration",
                           str(world["stats"]), "--smooth", "auto", "--max-size", "1GB", "-q"])
     assert bad.exit_code == 2 and "without smoothing" in bad.output, bad.output
+
+
+def test_plan_file_fits_the_budget_header_included(world, tmp_path):
+    """The planner's choice alone counts tensors: at a budget of exactly the tensors of a
+    uniform file, its converted file is over by the header. ``plan_file`` plans again for the
+    header, and the file it plans, converted with the same statistics and smoothing, fits."""
+    from h3quant.pipelines.plan.fit import plan_file
+    from h3quant.pipelines.plan.planner import choose
+
+    src, stats, model = world["src"], str(world["stats"]), world["model"]
+    budget = sorted(model.uniform(f).bytes for f in LABELS)[1]
+    opts = {"report": False, "calibration": stats, "smooth": "auto"}
+
+    naive = choose(model, max_size=budget)
+    over = tmp_path / "naive.safetensors"
+    convert(src, over, ConvertOptions(layers=recipe_rules(model.sens, naive.assignment), **opts))
+    assert over.stat().st_size > budget  # the header does not fit beside the tensors
+
+    plan = plan_file(src, model, max_size=budget, calibration=stats)
+    assert plan.prediction.bytes < naive.bytes <= budget
+    assert plan.tensor_budget(budget) == budget - (plan.whole_bytes - plan.prediction.bytes)
+    out = tmp_path / "fitted.safetensors"
+    convert(src, out, ConvertOptions(layers=plan.rules, **opts))
+    assert plan.file_bytes < out.stat().st_size <= plan.whole_bytes <= budget
+    # a quality target: the planner's own choice, sized
+    target = plan_file(src, model, target_sqnr=10.0, calibration=stats)
+    assert target.prediction == choose(model, target_sqnr=10.0)
+    assert target.whole_bytes >= target.prediction.bytes
