@@ -54,6 +54,28 @@ def _share_the_cores() -> None:
 _FAILED_MODULES: set[str] = set()
 
 
+SCRATCH_PEAK_GB = 2.5  # the most the suite holds at a time (measured on a full -n 2 run)
+
+
+def pytest_sessionstart(session):
+    """Says so up front when the temporary directory's disk has less room than the suite's
+    peak: the failures a full disk causes part way through name no cause."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    import tempfile
+
+    where = session.config.option.basetemp or tempfile.gettempdir()
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free / 1e9
+    if free < SCRATCH_PEAK_GB * 1.5:
+        session.config.get_terminal_writer().line(
+            f"warning: {free:.1f} GB free under {where}; the suite holds up to about "
+            f"{SCRATCH_PEAK_GB} GB of temporary files at a time (set TMPDIR or --basetemp to a "
+            "disk with more room)", yellow=True)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
