@@ -54,7 +54,14 @@ def plan_file(src, model: Model, *, max_size: int | None = None,
     budget = max_size
     whole = 0
     for _ in range(ATTEMPTS):
-        pred = choose(model, max_size=budget, target_sqnr=target_sqnr)
+        try:
+            pred = choose(model, max_size=budget, target_sqnr=target_sqnr)
+        except PlanError:
+            if budget == max_size:
+                raise
+            raise PlanError(f"no plan fits --max-size {max_size:,} bytes with its header: the "
+                            f"header takes {max_size - budget:,} bytes, and even the smallest "
+                            f"choice's tensors are over the {budget:,} bytes left") from None
         plan = _sized(src, model, pred, calibration)
         whole = plan.whole_bytes
         if max_size is None or budget is None or whole <= max_size:

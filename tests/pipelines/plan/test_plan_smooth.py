@@ -186,3 +186,18 @@ def test_plan_file_fits_the_budget_header_included(world, tmp_path):
     target = plan_file(src, model, target_sqnr=10.0, calibration=stats)
     assert target.prediction == choose(model, target_sqnr=10.0)
     assert target.whole_bytes >= target.prediction.bytes
+
+
+def test_plan_file_names_the_header_when_only_the_header_does_not_fit(world):
+    """At a budget of exactly the smallest plan's tensors, the tensors fit and the header does
+    not: the refusal names the user's budget and the header's bytes, not a shrunken budget."""
+    from h3quant.pipelines.plan.fit import plan_file
+    from h3quant.pipelines.plan.planner import choose
+
+    model = world["model"]
+    smallest = model.predict(model.smallest()).bytes
+    assert choose(model, max_size=smallest).bytes == smallest  # the tensors alone fit
+    with pytest.raises(PlanError) as e:
+        plan_file(world["src"], model, max_size=smallest, calibration=str(world["stats"]))
+    msg = str(e.value)
+    assert f"--max-size {smallest:,} bytes with its header" in msg and "header takes" in msg, msg
