@@ -57,7 +57,7 @@ def plan_file(src, model: Model, *, max_size: int | None = None,
         try:
             pred = choose(model, max_size=budget, target_sqnr=target_sqnr)
         except PlanError:
-            if budget == max_size:
+            if max_size is None or budget is None or budget == max_size:
                 raise
             raise PlanError(f"no plan fits --max-size {max_size:,} bytes with its header: the "
                             f"header takes {max_size - budget:,} bytes, and even the smallest "
