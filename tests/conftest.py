@@ -25,6 +25,8 @@ def pytest_configure(config):
     (and, through exec, in every child)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that prints the run
+        config.pluginmanager.register(_EarlyFailures(config), "h3quant-early-failures")
     _share_the_cores()
 
 
@@ -74,6 +76,27 @@ def pytest_sessionstart(session):
             f"warning: {free:.1f} GB free under {where}; the suite holds up to about "
             f"{SCRATCH_PEAK_GB} GB of temporary files at a time (set TMPDIR or --basetemp to a "
             "disk with more room)", yellow=True)
+
+
+class _EarlyFailures:
+    """The first few failures are named as they happen, with their exception's one-line
+    message, between the progress dots: a log cut short after its first lines (a CI page) still
+    shows why the run failed. The full tracebacks come at the end as always."""
+
+    LIMIT = 5
+
+    def __init__(self, config):
+        self.config, self.named = config, 0
+
+    def pytest_runtest_logreport(self, report):
+        if not report.failed or self.named >= self.LIMIT:
+            return
+        self.named += 1
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = crash.message.splitlines()[0][:300] if crash is not None and crash.message else ""
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line(f"\n{report.when} failed: {report.nodeid}: {why}", red=True)
 
 
 @pytest.hookimpl(wrapper=True)
