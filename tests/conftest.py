@@ -26,7 +26,7 @@ def pytest_configure(config):
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the process that prints the run
-        config.pluginmanager.register(_EarlyFailures(config), "h3quant-early-failures")
+        config.pluginmanager.register(_RunNotes(config), "h3quant-run-notes")
     _share_the_cores()
 
 
@@ -48,55 +48,56 @@ def _share_the_cores() -> None:
     torch.set_num_threads(threads)
 
 
+SCRATCH_PEAK_GB = 2.5  # the most the suite holds at a time (measured on a full -n 2 run)
+
+
+class _RunNotes:
+    """What the process that prints the run says beside pytest's own report:
+
+    - at the start, a warning when the temporary directory's disk has less room than the
+      suite's peak (the failures a full disk causes part way through name no cause);
+    - the first few failures as they happen, with their exception's one-line message, between
+      the progress dots: a log cut short after its first lines (a CI page) still shows why the
+      run failed. The full tracebacks come at the end as always."""
+
+    EARLY_FAILURES = 5
+
+    def __init__(self, config):
+        self.config, self.named = config, 0
+
+    def _say(self, text: str, **markup) -> None:
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line(text, **markup)
+
+    def pytest_sessionstart(self, session):
+        import tempfile
+
+        where = session.config.option.basetemp or tempfile.gettempdir()
+        probe = Path(where)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free / 1e9
+        if free < SCRATCH_PEAK_GB * 1.5:
+            self._say(f"warning: {free:.1f} GB free under {where}; the suite holds up to about "
+                      f"{SCRATCH_PEAK_GB} GB of temporary files at a time (set TMPDIR or "
+                      "--basetemp to a disk with more room)", yellow=True)
+
+    def pytest_runtest_logreport(self, report):
+        if not report.failed or self.named >= self.EARLY_FAILURES:
+            return
+        self.named += 1
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = crash.message.splitlines()[0][:300] if crash is not None and crash.message else ""
+        self._say(f"\n{report.when} failed: {report.nodeid}: {why}", red=True)
+
+
 # A directory a session-scoped fixture makes lives until the run ends; every other directory made
 # under the run's base temp (tmp_path_factory.mktemp in a module-scoped fixture) is removed when
 # its module ends, unless one of the module's tests failed. Per-test tmp_path directories are
 # removed when their test passes (tmp_path_retention_policy in pyproject.toml). Without this the
 # suite kept about 13 GB of scratch until it ended, more than a CI machine's disk may hold.
 _FAILED_MODULES: set[str] = set()
-
-
-SCRATCH_PEAK_GB = 2.5  # the most the suite holds at a time (measured on a full -n 2 run)
-
-
-def pytest_sessionstart(session):
-    """Says so up front when the temporary directory's disk has less room than the suite's
-    peak: the failures a full disk causes part way through name no cause."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        return
-    import tempfile
-
-    where = session.config.option.basetemp or tempfile.gettempdir()
-    probe = Path(where)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free / 1e9
-    if free < SCRATCH_PEAK_GB * 1.5:
-        session.config.get_terminal_writer().line(
-            f"warning: {free:.1f} GB free under {where}; the suite holds up to about "
-            f"{SCRATCH_PEAK_GB} GB of temporary files at a time (set TMPDIR or --basetemp to a "
-            "disk with more room)", yellow=True)
-
-
-class _EarlyFailures:
-    """The first few failures are named as they happen, with their exception's one-line
-    message, between the progress dots: a log cut short after its first lines (a CI page) still
-    shows why the run failed. The full tracebacks come at the end as always."""
-
-    LIMIT = 5
-
-    def __init__(self, config):
-        self.config, self.named = config, 0
-
-    def pytest_runtest_logreport(self, report):
-        if not report.failed or self.named >= self.LIMIT:
-            return
-        self.named += 1
-        crash = getattr(report.longrepr, "reprcrash", None)
-        why = crash.message.splitlines()[0][:300] if crash is not None and crash.message else ""
-        tr = self.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
-            tr.write_line(f"\n{report.when} failed: {report.nodeid}: {why}", red=True)
 
 
 @pytest.hookimpl(wrapper=True)
