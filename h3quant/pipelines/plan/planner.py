@@ -291,7 +291,8 @@ def _knapsack(model: Model, max_size: int, groups: list[tuple[str, ...]] | None 
     adds per unit). The budget above the smallest file is cut into ``bins`` steps and each
     option's added bytes are rounded up to whole steps, so the plan always fits; it can miss
     the optimum by at most one step per unit of unused room, which ``_greedy_size`` and
-    ``_exchange`` then use. ``groups``: the units that take one format together (``_groups``;
+    ``_exchange`` then use where no units are tied (they move units one at a time, so a tied
+    plan keeps the knapsack's). ``groups``: the units that take one format together (``_groups``;
     each group one item of the knapsack, its options those all its units have); default,
     every unit alone. None when even the smallest file does not fit."""
     import numpy as np
